@@ -1,0 +1,178 @@
+// Engine benchmarks (issue 2's targets), each beside memcpy of the same bytes:
+//   BM_Snapshot / BM_Restore   latency vs context length; goal flat, and at 32k
+//                              >= 50x faster than BM_MemcpyContext (same bytes)
+//   BM_Update / BM_MemcpyUpdate  update throughput into the pool; goal >= 0.5x
+//   BM_RotatingDecode           per-token cost at windows 512..32k; goal flat
+// The model shape is 16 layers, 8 KV heads, head dim 128, f16, batch 1.
+// KVCACHED_BENCH_STAGING=1 runs the pool through the staging path instead.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "engine/engine.h"
+#include "gpu/device.h"
+#include "gpu/page_pool.h"
+
+namespace kvcache::engine {
+namespace {
+
+constexpr uint32_t kLayers = 16;
+constexpr uint32_t kHeads = 8;
+constexpr uint32_t kHeadDim = 128;
+constexpr uint64_t kTokenBytes = uint64_t{kHeads} * kHeadDim * 2;  // K or V, f16
+
+struct Fixture {
+  std::unique_ptr<gpu::Device> device;
+  std::unique_ptr<gpu::PagePool> pool;
+  std::unique_ptr<Engine> engine;
+};
+
+Fixture& Shared() {
+  static Fixture* fixture = [] {
+    auto* f = new Fixture;
+    gpu::DeviceOptions options;
+    options.force_staging = std::getenv("KVCACHED_BENCH_STAGING") != nullptr;
+    f->device = *gpu::Device::Create(options);
+    gpu::PoolOptions pool_options{.page_bytes = 16 * 2 * kTokenBytes,
+                                  .budget_bytes = uint64_t{6} << 30};
+    f->pool = *gpu::PagePool::Create(*f->device, pool_options);
+    f->engine = std::make_unique<Engine>(*f->pool, EngineOptions{.page_tokens = 16});
+    return f;
+  }();
+  return *fixture;
+}
+
+CacheSpec ModelSpec(std::variant<StandardKind, RotatingKind> kind, uint32_t layers = kLayers) {
+  CacheSpec spec{.dtype = DType::kFloat16};
+  for (uint32_t i = 0; i < layers; ++i) {
+    spec.layers.push_back({.num_kv_heads = kHeads, .k_head_dim = kHeadDim, .kind = kind});
+  }
+  return spec;
+}
+
+// Fills every layer of `cache_id` with `tokens` tokens, `chunk` at a time.
+void Fill(Engine& engine, const std::string& cache_id, uint32_t layers, uint64_t tokens,
+          uint64_t chunk = 1024) {
+  std::vector<std::byte> data(chunk * kTokenBytes, std::byte{7});
+  for (uint64_t done = 0; done < tokens; done += chunk) {
+    const uint64_t n = std::min(chunk, tokens - done);
+    const KvInput kv{.keys = absl::MakeSpan(data.data(), n * kTokenBytes),
+                     .values = absl::MakeSpan(data.data(), n * kTokenBytes),
+                     .tokens = n};
+    for (uint32_t layer = 0; layer < layers; ++layer) {
+      if (!engine.Update(cache_id, layer, kv).ok()) std::abort();
+    }
+  }
+}
+
+void BM_Snapshot(benchmark::State& state) {
+  Engine& engine = *Shared().engine;
+  const std::string id = engine.CreateCache(ModelSpec(StandardKind{}))->cache_id;
+  Fill(engine, id, kLayers, state.range(0));
+  for (auto _ : state) {
+    auto info = engine.Snapshot(id, 0);
+    benchmark::DoNotOptimize(info);
+    state.PauseTiming();
+    (void)engine.ReleaseSnapshot(info->snapshot_id);
+    state.ResumeTiming();
+  }
+  state.counters["kv_bytes"] = 2.0 * kLayers * state.range(0) * kTokenBytes;
+  (void)engine.DeleteCache(id);
+}
+
+// Rewind-and-restore, the way a worker uses it: the cache has moved on by a
+// few decode tokens past the snapshot and is brought back to it.
+void BM_Restore(benchmark::State& state) {
+  Engine& engine = *Shared().engine;
+  const std::string id = engine.CreateCache(ModelSpec(StandardKind{}))->cache_id;
+  const uint64_t tokens = state.range(0);
+  Fill(engine, id, kLayers, tokens);
+  const std::string snapshot = engine.Snapshot(id, 0)->snapshot_id;
+  for (auto _ : state) {
+    state.PauseTiming();
+    Fill(engine, id, kLayers, 4, 4);
+    state.ResumeTiming();
+    auto info = engine.Restore(id, snapshot, tokens);
+    if (!info.ok()) state.SkipWithError("restore failed");
+  }
+  state.counters["kv_bytes"] = 2.0 * kLayers * tokens * kTokenBytes;
+  (void)engine.ReleaseSnapshot(snapshot);
+  (void)engine.DeleteCache(id);
+}
+
+// What a copying snapshot costs: every K/V byte of the context, once.
+void BM_MemcpyContext(benchmark::State& state) {
+  const uint64_t bytes = 2ull * kLayers * state.range(0) * kTokenBytes;
+  std::vector<std::byte> source(bytes, std::byte{1});
+  std::vector<std::byte> destination(bytes);
+  for (auto _ : state) {
+    std::memcpy(destination.data(), source.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+constexpr uint64_t kUpdateTokens = 128;  // 1 MiB of K+V per update
+
+void BM_Update(benchmark::State& state) {
+  Engine& engine = *Shared().engine;
+  const std::string id = engine.CreateCache(ModelSpec(StandardKind{}, 1))->cache_id;
+  std::vector<std::byte> data(kUpdateTokens * kTokenBytes, std::byte{3});
+  const KvInput kv{.keys = data, .values = data, .tokens = kUpdateTokens};
+  uint64_t offset = 0;
+  for (auto _ : state) {
+    if (!engine.Update(id, 0, kv).ok()) state.SkipWithError("update failed");
+    if ((offset += kUpdateTokens) >= 64 * 1024) {
+      state.PauseTiming();
+      (void)engine.Trim(id, offset);
+      offset = 0;
+      state.ResumeTiming();
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * data.size());
+  (void)engine.DeleteCache(id);
+}
+
+// The same bytes copied into a 512 MiB destination, as the pool's pages are.
+void BM_MemcpyUpdate(benchmark::State& state) {
+  const uint64_t bytes = 2 * kUpdateTokens * kTokenBytes;
+  std::vector<std::byte> source(bytes, std::byte{3});
+  std::vector<std::byte> destination(512ull << 20);
+  uint64_t at = 0;
+  for (auto _ : state) {
+    std::memcpy(destination.data() + at, source.data(), bytes);
+    benchmark::ClobberMemory();
+    at = (at + bytes) % destination.size();
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_RotatingDecode(benchmark::State& state) {
+  Engine& engine = *Shared().engine;
+  const uint32_t window = state.range(0);
+  const auto spec = ModelSpec(RotatingKind{.max_size = window, .keep = 4}, 1);
+  const std::string id = engine.CreateCache(spec)->cache_id;
+  Fill(engine, id, 1, window + 16, 256);
+  std::vector<std::byte> token(kTokenBytes, std::byte{5});
+  const KvInput kv{.keys = token, .values = token, .tokens = 1};
+  for (auto _ : state) {
+    if (!engine.Update(id, 0, kv).ok()) state.SkipWithError("update failed");
+  }
+  state.counters["held_bytes"] = engine.GetCache(id)->size_bytes;
+  (void)engine.DeleteCache(id);
+}
+
+BENCHMARK(BM_Snapshot)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Restore)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MemcpyContext)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Update)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MemcpyUpdate)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RotatingDecode)->Arg(512)->Arg(4096)->Arg(32768)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace kvcache::engine
+
+BENCHMARK_MAIN();

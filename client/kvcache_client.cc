@@ -1,0 +1,289 @@
+#include "kvcache_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcache {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// gRPC's retry policy for the calls that are safe to repeat: reads only.
+constexpr char kServiceConfig[] = R"({
+  "methodConfig": [{
+    "name": [
+      {"service": "kvcache.v1.KvCacheService", "method": "GetCache"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ListCaches"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ListSnapshots"},
+      {"service": "kvcache.v1.KvCacheService", "method": "GetStats"},
+      {"service": "kvcache.v1.KvCacheService", "method": "Fetch"}
+    ],
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+})";
+
+template <typename Response, typename Call>
+absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + client.options().deadline));
+  Response response;
+  grpc::Status status = call(&context, &response);
+  if (!status.ok()) return FromGrpc(status);
+  return response;
+}
+
+void FillTensor(v1::DType dtype, const std::vector<uint64_t>& shape,
+                absl::Span<const std::byte> data, v1::Tensor* tensor) {
+  tensor->set_dtype(dtype);
+  for (uint64_t d : shape) tensor->add_shape(d);
+  tensor->set_data(reinterpret_cast<const char*>(data.data()), data.size());
+}
+
+}  // namespace
+
+absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse> chunks) {
+  LayerHistory history;
+  if (chunks.empty()) return history;
+  for (const v1::FetchResponse& chunk : chunks) {
+    const uint64_t begin = chunk.start();
+    const uint64_t end = begin + chunk.keys().shape(2);
+    if (!history.ranges.empty() && history.ranges.back().second == begin) {
+      history.ranges.back().second = end;
+    } else {
+      history.ranges.emplace_back(begin, end);
+    }
+    history.tokens += end - begin;
+  }
+  const v1::Tensor& first = chunks[0].keys();
+  const uint64_t row_heads = first.shape(0) * first.shape(1);
+  for (auto [out, values] : {std::pair{&history.keys, false}, std::pair{&history.values, true}}) {
+    const v1::Tensor& shape_of = values ? chunks[0].values() : first;
+    const uint64_t token_bytes = shape_of.data().size() / (row_heads * shape_of.shape(2));
+    out->resize(row_heads * history.tokens * token_bytes);
+    uint64_t at = 0;  // tokens placed so far
+    for (const v1::FetchResponse& chunk : chunks) {
+      const std::string& data = values ? chunk.values().data() : chunk.keys().data();
+      const uint64_t length = chunk.keys().shape(2);
+      if (data.size() != row_heads * length * token_bytes) {
+        return absl::DataLossError("a fetch chunk's size does not match its shape");
+      }
+      for (uint64_t rh = 0; rh < row_heads; ++rh) {
+        std::memcpy(out->data() + (rh * history.tokens + at) * token_bytes,
+                    data.data() + rh * length * token_bytes, length * token_bytes);
+      }
+      at += length;
+    }
+  }
+  return history;
+}
+
+std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetServiceConfigJSON(kServiceConfig);
+  auto channel =
+      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+}
+
+Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
+    : options_(options), channel_(std::move(channel)),
+      stub_(v1::KvCacheService::NewStub(channel_)) {}
+
+absl::Status Client::WaitForReady(absl::Duration timeout) {
+  if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("no kvcached answers at ", options_.address));
+}
+
+#define KV_UNARY(Method, request)                                                       \
+  [&](grpc::ClientContext* context, auto* response) {                                   \
+    return stub_->Method(context, request, response);                                   \
+  }
+
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec) {
+  v1::CreateCacheRequest request;
+  *request.mutable_spec() = spec;
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(CreateCache, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::GetCache(const std::string& cache_id) {
+  v1::GetCacheRequest request;
+  request.set_cache_id(cache_id);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(GetCache, request));
+}
+
+absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches() {
+  auto response = Unary<v1::ListCachesResponse>(*this, KV_UNARY(ListCaches, v1::ListCachesRequest()));
+  if (!response.ok()) return response.status();
+  return std::vector<v1::CacheInfo>(response->caches().begin(), response->caches().end());
+}
+
+absl::Status Client::DeleteCache(const std::string& cache_id) {
+  v1::DeleteCacheRequest request;
+  request.set_cache_id(cache_id);
+  return Unary<v1::DeleteCacheResponse>(*this, KV_UNARY(DeleteCache, request)).status();
+}
+
+absl::StatusOr<v1::TrimResponse> Client::Trim(const std::string& cache_id, uint64_t n) {
+  v1::TrimRequest request;
+  request.set_cache_id(cache_id);
+  request.set_n(n);
+  return Unary<v1::TrimResponse>(*this, KV_UNARY(Trim, request));
+}
+
+absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id,
+                                                  uint64_t from_offset, bool pinned) {
+  v1::SnapshotRequest request;
+  request.set_cache_id(cache_id);
+  request.set_from_offset(from_offset);
+  request.set_pinned(pinned);
+  return Unary<v1::SnapshotInfo>(*this, KV_UNARY(Snapshot, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::Restore(const std::string& cache_id,
+                                              const std::string& snapshot_id,
+                                              uint64_t target_offset) {
+  v1::RestoreRequest request;
+  request.set_cache_id(cache_id);
+  request.set_snapshot_id(snapshot_id);
+  request.set_target_offset(target_offset);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(Restore, request));
+}
+
+absl::StatusOr<v1::SnapshotInfo> Client::MergeSnapshots(const std::string& parent_id,
+                                                        const std::string& child_id) {
+  v1::MergeSnapshotsRequest request;
+  request.set_parent_id(parent_id);
+  request.set_child_id(child_id);
+  return Unary<v1::SnapshotInfo>(*this, KV_UNARY(MergeSnapshots, request));
+}
+
+absl::StatusOr<v1::SplitSnapshotResponse> Client::SplitSnapshot(const std::string& snapshot_id,
+                                                                uint64_t at) {
+  v1::SplitSnapshotRequest request;
+  request.set_snapshot_id(snapshot_id);
+  request.set_at(at);
+  return Unary<v1::SplitSnapshotResponse>(*this, KV_UNARY(SplitSnapshot, request));
+}
+
+absl::Status Client::ReleaseSnapshot(const std::string& snapshot_id) {
+  v1::ReleaseSnapshotRequest request;
+  request.set_snapshot_id(snapshot_id);
+  return Unary<v1::ReleaseSnapshotResponse>(*this, KV_UNARY(ReleaseSnapshot, request)).status();
+}
+
+absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::string& cache_id) {
+  v1::ListSnapshotsRequest request;
+  request.set_cache_id(cache_id);
+  auto response = Unary<v1::ListSnapshotsResponse>(*this, KV_UNARY(ListSnapshots, request));
+  if (!response.ok()) return response.status();
+  return std::vector<v1::SnapshotInfo>(response->snapshots().begin(), response->snapshots().end());
+}
+
+absl::StatusOr<v1::Stats> Client::GetStats() {
+  return Unary<v1::Stats>(*this, KV_UNARY(GetStats, v1::GetStatsRequest()));
+}
+
+#undef KV_UNARY
+
+void Client::Prepare(grpc::ClientContext& context) const {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+}
+
+absl::Status Client::Fetch(const v1::FetchRequest& request,
+                           const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk) {
+  grpc::ClientContext context;
+  Prepare(context);
+  auto reader = stub_->Fetch(&context, request);
+  v1::FetchResponse chunk;
+  absl::Status sink_status;
+  while (reader->Read(&chunk)) {
+    sink_status = on_chunk(chunk);
+    if (!sink_status.ok()) {
+      context.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  return sink_status.ok() ? FromGrpc(status) : sink_status;
+}
+
+absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
+                                                const std::string& snapshot_id, uint32_t layer) {
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id);
+  request.set_snapshot_id(snapshot_id);
+  request.add_layers(layer);
+  std::vector<v1::FetchResponse> chunks;
+  absl::Status status = Fetch(request, [&](const v1::FetchResponse& chunk) {
+    chunks.push_back(chunk);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  return AssembleHistory(chunks);
+}
+
+std::unique_ptr<UpdateStream> Client::OpenUpdate(const std::string& cache_id) {
+  return std::make_unique<UpdateStream>(*this, cache_id);
+}
+
+absl::StatusOr<std::vector<v1::UpdateResponse>> Client::Update(
+    const std::string& cache_id, absl::Span<const LayerUpdate> updates) {
+  UpdateStream stream(*this, cache_id);
+  for (const LayerUpdate& update : updates) {
+    if (!stream.Write(update)) break;
+  }
+  return stream.Finish();
+}
+
+UpdateStream::UpdateStream(Client& client, std::string cache_id) : cache_id_(std::move(cache_id)) {
+  context_.set_deadline(absl::ToChronoTime(absl::Now() + client.options().deadline));
+  stream_ = client.stub().Update(&context_);
+  reader_ = std::thread([this] {
+    v1::UpdateResponse ack;
+    while (stream_->Read(&ack)) acks_.push_back(ack);
+  });
+}
+
+UpdateStream::~UpdateStream() {
+  if (!finished_) {
+    context_.TryCancel();
+    (void)Finish();
+  }
+}
+
+bool UpdateStream::Write(const LayerUpdate& update) {
+  v1::UpdateRequest request;
+  request.set_cache_id(cache_id_);
+  request.set_layer(update.layer);
+  FillTensor(update.dtype, update.keys_shape, update.keys, request.mutable_keys());
+  FillTensor(update.dtype, update.values_shape, update.values, request.mutable_values());
+  if (update.expected_offset.has_value()) request.set_expected_offset(*update.expected_offset);
+  return stream_->Write(request);
+}
+
+absl::StatusOr<std::vector<v1::UpdateResponse>> UpdateStream::Finish() {
+  finished_ = true;
+  stream_->WritesDone();
+  reader_.join();
+  const grpc::Status status = stream_->Finish();
+  if (!status.ok()) return FromGrpc(status);
+  return acks_;
+}
+
+}  // namespace kvcache

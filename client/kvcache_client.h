@@ -1,0 +1,128 @@
+// kvcache::Client: a typed C++ API over the kvcache.v1 stub. Every call has a
+// deadline; only idempotent reads are retried (by gRPC's retry policy, on
+// UNAVAILABLE), since a retried CreateCache, Update or Snapshot could apply twice.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+
+namespace kvcache {
+
+struct ClientOptions {
+  std::string address = "127.0.0.1:50051";
+  // Deadline of each unary call, and of each whole Update or Fetch stream.
+  absl::Duration deadline = absl::Seconds(60);
+  uint64_t max_message_bytes = 64 << 20;
+};
+
+// One layer's new tokens: keys [B, H, L, Dk] and values [B, H, L, Dv].
+struct LayerUpdate {
+  uint32_t layer = 0;
+  v1::DType dtype = v1::DTYPE_FLOAT16;
+  std::vector<uint64_t> keys_shape;
+  absl::Span<const std::byte> keys;
+  std::vector<uint64_t> values_shape;
+  absl::Span<const std::byte> values;
+  std::optional<uint64_t> expected_offset;
+};
+
+// A layer's history as Fetch returns it: the position ranges in temporal order
+// and the tokens of all of them concatenated, [B, H, L, D] each.
+struct LayerHistory {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end)
+  uint64_t tokens = 0;
+  std::vector<std::byte> keys;
+  std::vector<std::byte> values;
+};
+
+// Concatenates one layer's Fetch chunks (in order) into a LayerHistory.
+absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse> chunks);
+
+class UpdateStream;
+
+class Client {
+ public:
+  static std::unique_ptr<Client> Connect(const ClientOptions& options);
+  // Waits until the server answers (for start-up scripts and tests).
+  absl::Status WaitForReady(absl::Duration timeout);
+
+  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec);
+  absl::StatusOr<v1::CacheInfo> GetCache(const std::string& cache_id);
+  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches();
+  absl::Status DeleteCache(const std::string& cache_id);
+
+  // Opens an Update stream for one cache (see UpdateStream).
+  std::unique_ptr<UpdateStream> OpenUpdate(const std::string& cache_id);
+  // One step: every update in one stream; returns the acknowledged offsets.
+  absl::StatusOr<std::vector<v1::UpdateResponse>> Update(const std::string& cache_id,
+                                                         absl::Span<const LayerUpdate> updates);
+
+  // Streams the chunks of `request` to `on_chunk`, in order; stops at its first error.
+  absl::Status Fetch(const v1::FetchRequest& request,
+                     const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk);
+  // One layer's whole history (of the live cache, or of snapshot_id if set).
+  absl::StatusOr<LayerHistory> FetchLayer(const std::string& cache_id,
+                                          const std::string& snapshot_id, uint32_t layer);
+
+  absl::StatusOr<v1::TrimResponse> Trim(const std::string& cache_id, uint64_t n);
+  absl::StatusOr<v1::SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
+                                            bool pinned = false);
+  // An empty snapshot_id rewinds the live cache.
+  absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
+                                        const std::string& snapshot_id, uint64_t target_offset);
+  absl::StatusOr<v1::SnapshotInfo> MergeSnapshots(const std::string& parent_id,
+                                                  const std::string& child_id);
+  absl::StatusOr<v1::SplitSnapshotResponse> SplitSnapshot(const std::string& snapshot_id,
+                                                          uint64_t at);
+  absl::Status ReleaseSnapshot(const std::string& snapshot_id);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "");
+  absl::StatusOr<v1::Stats> GetStats();
+
+  v1::KvCacheService::Stub& stub() { return *stub_; }
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
+  void Prepare(grpc::ClientContext& context) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCacheService::Stub> stub_;
+};
+
+// A long-lived Update stream: Write() sends one layer's tokens without waiting;
+// acknowledgements are collected by a reader thread. Finish() closes the
+// stream and returns every acknowledgement, or the status of the first failed
+// request (those before it were applied and acknowledged).
+class UpdateStream {
+ public:
+  UpdateStream(Client& client, std::string cache_id);
+  ~UpdateStream();
+  // False once the stream has broken (Finish tells why).
+  bool Write(const LayerUpdate& update);
+  absl::StatusOr<std::vector<v1::UpdateResponse>> Finish();
+  // Acknowledgements received so far (after Finish: all of them, also when it
+  // failed, i.e. the requests that were applied).
+  const std::vector<v1::UpdateResponse>& acknowledged() const { return acks_; }
+
+ private:
+  std::string cache_id_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::UpdateRequest, v1::UpdateResponse>> stream_;
+  std::vector<v1::UpdateResponse> acks_;
+  std::thread reader_;
+  bool finished_ = false;
+};
+
+}  // namespace kvcache

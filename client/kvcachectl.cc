@@ -1,0 +1,136 @@
+// kvcachectl: inspect and drive a kvcached from the shell.
+//
+//   kvcachectl [--server=host:port] stats
+//   kvcachectl caches
+//   kvcachectl snapshots [CACHE_ID]
+//   kvcachectl snapshot CACHE_ID [--from=N] [--pinned]
+//   kvcachectl restore CACHE_ID [SNAPSHOT_ID] --target=N     (no snapshot: rewind)
+//   kvcachectl release SNAPSHOT_ID
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kvcache_client.h"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(uint64_t, from, 0, "snapshot: first position to capture");
+ABSL_FLAG(bool, pinned, false, "snapshot: never evict it");
+ABSL_FLAG(int64_t, target, -1, "restore: the offset to bring every layer to");
+
+namespace {
+
+using Args = std::vector<char*>;
+
+std::string Bytes(uint64_t bytes) {
+  if (bytes >= (1ull << 30)) return absl::StrFormat("%.2f GiB", bytes / double(1ull << 30));
+  if (bytes >= (1ull << 20)) return absl::StrFormat("%.2f MiB", bytes / double(1ull << 20));
+  if (bytes >= (1ull << 10)) return absl::StrFormat("%.1f KiB", bytes / 1024.0);
+  return absl::StrFormat("%d B", bytes);
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "kvcachectl: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+void PrintSnapshot(const kvcache::v1::SnapshotInfo& s) {
+  std::printf("%-32s  %-32s  [%8llu, %8llu)  %10s%s\n", s.snapshot_id().c_str(),
+              s.cache_id().c_str(), (unsigned long long)s.from_offset(),
+              (unsigned long long)s.to_offset(), Bytes(s.size_bytes()).c_str(),
+              s.pinned() ? "  pinned" : "");
+}
+
+void PrintCache(const kvcache::v1::CacheInfo& c) {
+  std::printf("%-32s  %6d  %8llu  %-9s  %10s  %s\n", c.cache_id().c_str(), c.spec().layers_size(),
+              (unsigned long long)c.offset(), c.in_step() ? "in step" : "mid-step",
+              Bytes(c.size_bytes()).c_str(), c.spec().model().c_str());
+}
+
+int Stats(kvcache::Client& client) {
+  auto stats = client.GetStats();
+  if (!stats.ok()) return Fail(stats.status());
+  std::printf("device        %s (%s transfers)\n", stats->device().c_str(),
+              stats->transfer_path().c_str());
+  std::printf("pool          %s used of %s (%llu of %llu pages of %s)\n",
+              Bytes(stats->pool_bytes_used()).c_str(), Bytes(stats->pool_bytes_total()).c_str(),
+              (unsigned long long)stats->pages_used(), (unsigned long long)stats->pages_total(),
+              Bytes(stats->page_bytes()).c_str());
+  std::printf("caches        %llu\nsnapshots     %llu\nevictions     %llu\n",
+              (unsigned long long)stats->caches(), (unsigned long long)stats->snapshots(),
+              (unsigned long long)stats->evictions());
+  return 0;
+}
+
+int Caches(kvcache::Client& client) {
+  auto caches = client.ListCaches();
+  if (!caches.ok()) return Fail(caches.status());
+  std::printf("%-32s  %6s  %8s  %-9s  %10s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE", "SIZE",
+              "MODEL");
+  for (const auto& cache : *caches) PrintCache(cache);
+  return 0;
+}
+
+int Snapshots(kvcache::Client& client, const Args& args) {
+  auto snapshots = client.ListSnapshots(args.size() > 1 ? args[1] : "");
+  if (!snapshots.ok()) return Fail(snapshots.status());
+  std::printf("%-32s  %-32s  %-20s  %10s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE");
+  for (const auto& snapshot : *snapshots) PrintSnapshot(snapshot);
+  return 0;
+}
+
+int Snapshot(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: snapshot CACHE_ID"));
+  auto snapshot = client.Snapshot(args[1], absl::GetFlag(FLAGS_from), absl::GetFlag(FLAGS_pinned));
+  if (!snapshot.ok()) return Fail(snapshot.status());
+  PrintSnapshot(*snapshot);
+  return 0;
+}
+
+int Restore(kvcache::Client& client, const Args& args) {
+  const int64_t target = absl::GetFlag(FLAGS_target);
+  if (args.size() < 2 || args.size() > 3 || target < 0) {
+    return Fail(absl::InvalidArgumentError("usage: restore CACHE_ID [SNAPSHOT_ID] --target=N"));
+  }
+  auto cache = client.Restore(args[1], args.size() == 3 ? args[2] : "", target);
+  if (!cache.ok()) return Fail(cache.status());
+  PrintCache(*cache);
+  return 0;
+}
+
+int Release(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: release SNAPSHOT_ID"));
+  if (auto status = client.ReleaseSnapshot(args[1]); !status.ok()) return Fail(status);
+  std::printf("released %s\n", args[1]);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
+      "[--pinned] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  args.erase(args.begin());
+  if (args.empty()) {
+    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
+    return 2;
+  }
+  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server)});
+  const std::string command = args[0];
+  if (command == "stats") return Stats(*client);
+  if (command == "caches") return Caches(*client);
+  if (command == "snapshots") return Snapshots(*client, args);
+  if (command == "snapshot") return Snapshot(*client, args);
+  if (command == "restore") return Restore(*client, args);
+  if (command == "release") return Release(*client, args);
+  std::fprintf(stderr, "kvcachectl: unknown command \"%s\"\n%s\n", command.c_str(),
+               absl::ProgramUsageMessage().data());
+  return 2;
+}

@@ -1,0 +1,229 @@
+#include "engine/cache.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "engine/rotating_layer.h"
+#include "engine/standard_layer.h"
+
+namespace kvcache::engine {
+namespace {
+
+absl::Status InLayer(size_t layer, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat("layer ", layer, ": ", status.message()));
+}
+
+bool IsRotating(const CacheSpec& spec, size_t layer) {
+  return std::holds_alternative<RotatingKind>(spec.layers[layer].kind);
+}
+
+}  // namespace
+
+uint64_t CacheSnapshot::size_bytes() const {
+  uint64_t total = 0;
+  for (const LayerSnapshotPtr& layer : layers) total += layer ? layer->size_bytes() : 0;
+  return total;
+}
+
+std::vector<TokenRange> CacheSnapshot::Ranges(uint32_t layer, TokenRange window) const {
+  std::vector<TokenRange> clipped;
+  if (layer >= layers.size() || !layers[layer]) return clipped;
+  for (const TokenRange& range : layers[layer]->Ranges()) {
+    const TokenRange part{std::max(range.begin, window.begin), std::min(range.end, window.end)};
+    if (part.begin < part.end) clipped.push_back(part);
+  }
+  return clipped;
+}
+
+absl::Status CacheSnapshot::Read(uint32_t layer, TokenRange range, const KvOutput& out) const {
+  if (layer >= layers.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("layer %d: the cache has %d layers", layer,
+                                                      layers.size()));
+  }
+  if (!layers[layer]) {
+    return absl::InvalidArgumentError(absl::StrFormat("layer %d holds no tokens", layer));
+  }
+  return layers[layer]->Read(range, out);
+}
+
+absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, gpu::PagePool& pool,
+                                                     uint32_t page_tokens) {
+  std::vector<std::unique_ptr<Layer>> layers;
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    ASSIGN_OR_RETURN(PageGeometry geometry, GeometryFor(spec, i, pool.page_bytes(), page_tokens));
+    if (const auto* rotating = std::get_if<RotatingKind>(&spec.layers[i].kind)) {
+      layers.push_back(std::make_unique<RotatingLayer>(pool, geometry, *rotating));
+    } else {
+      layers.push_back(std::make_unique<StandardLayer>(pool, geometry));
+    }
+  }
+  return std::unique_ptr<Cache>(new Cache(spec, std::move(layers)));
+}
+
+Cache::Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers)
+    : spec_(std::move(spec)), layers_(std::move(layers)) {}
+
+std::vector<uint64_t> Cache::layer_offsets() const {
+  std::vector<uint64_t> offsets;
+  for (const auto& layer : layers_) offsets.push_back(layer->offset());
+  return offsets;
+}
+
+absl::StatusOr<uint64_t> Cache::CommonOffset() const {
+  const uint64_t first = layers_[0]->offset();
+  for (size_t i = 1; i < layers_.size(); ++i) {
+    if (layers_[i]->offset() != first) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "layers are out of step: layer 0 is at offset %d, layer %d at %d; finish the step "
+          "(update every layer) or restore first",
+          first, i, layers_[i]->offset()));
+    }
+  }
+  return first;
+}
+
+uint64_t Cache::size_bytes() const {
+  uint64_t total = 0;
+  for (const auto& layer : layers_) total += layer->size_bytes();
+  return total;
+}
+
+absl::Status Cache::Update(uint32_t layer, const KvInput& kv) {
+  return layers_[layer]->Update(kv);
+}
+
+// mlx-lm trim_prompt_cache: every layer must be trimmable.
+absl::StatusOr<uint64_t> Cache::Trim(uint64_t n) {
+  RETURN_IF_ERROR(CommonOffset().status());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i]->IsTrimmable()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "layer %d cannot be trimmed: its rotating window has filled (offset %d); restore "
+          "from a snapshot instead",
+          i, layers_[i]->offset()));
+    }
+  }
+  uint64_t trimmed = 0;
+  for (auto& layer : layers_) trimmed = layer->Trim(n);
+  return trimmed;
+}
+
+absl::StatusOr<CacheSnapshotPtr> Cache::Snapshot(const std::string& cache_id,
+                                                 uint64_t from_offset) const {
+  ASSIGN_OR_RETURN(const uint64_t offset, CommonOffset());
+  if (from_offset >= offset) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "nothing to snapshot: from_offset %d is not below the cache's offset %d", from_offset,
+        offset));
+  }
+  auto snapshot = std::make_shared<CacheSnapshot>();
+  snapshot->cache_id = cache_id;
+  snapshot->spec = spec_;
+  snapshot->from = from_offset;
+  snapshot->to = offset;
+  for (const auto& layer : layers_) {
+    ASSIGN_OR_RETURN(LayerSnapshotPtr part, layer->Snapshot(from_offset));
+    snapshot->layers.push_back(std::move(part));
+  }
+  return snapshot;
+}
+
+absl::StatusOr<CacheSnapshotPtr> Cache::View(const std::string& cache_id) const {
+  auto view = std::make_shared<CacheSnapshot>();
+  view->cache_id = cache_id;
+  view->spec = spec_;
+  for (const auto& layer : layers_) {
+    ASSIGN_OR_RETURN(LayerSnapshotPtr part, layer->Snapshot(0));
+    view->to = std::max(view->to, layer->offset());
+    view->layers.push_back(std::move(part));
+  }
+  return view;
+}
+
+// Works out every layer's restored state first and swaps them in only when all
+// succeeded, so a refused layer leaves the whole cache as it was. Layers out of
+// step are allowed here: restoring is how a worker recovers from a torn step.
+absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
+  if (snapshot != nullptr && !SameLayout(spec_, snapshot->spec)) {
+    return absl::FailedPreconditionError(
+        "the snapshot's layout (layers, kinds, heads, dims, dtype, batch) differs from this "
+        "cache's");
+  }
+  std::vector<std::unique_ptr<Layer>> restored;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LayerSnapshot* part = snapshot ? snapshot->layers[i].get() : nullptr;
+    auto layer = layers_[i]->Restored(part, target);
+    if (!layer.ok()) return InLayer(i, layer.status());
+    restored.push_back(*std::move(layer));
+  }
+  layers_ = std::move(restored);
+  return absl::OkStatus();
+}
+
+void Cache::Free() {
+  for (auto& layer : layers_) layer->Free();
+}
+
+absl::StatusOr<CacheSnapshotPtr> MergeSnapshots(const CacheSnapshot& parent,
+                                                const CacheSnapshot& child) {
+  if (!SameLayout(parent.spec, child.spec)) {
+    return absl::FailedPreconditionError("the snapshots' layouts differ");
+  }
+  if (parent.to != child.from) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "snapshots are not adjacent: the parent ends at %d, the child starts at %d", parent.to,
+        child.from));
+  }
+  auto merged = std::make_shared<CacheSnapshot>();
+  merged->cache_id = parent.cache_id;
+  merged->spec = parent.spec;
+  merged->from = parent.from;
+  merged->to = child.to;
+  for (size_t i = 0; i < parent.layers.size(); ++i) {
+    const LayerSnapshotPtr& p = parent.layers[i];
+    const LayerSnapshotPtr& c = child.layers[i];
+    if (p && c) {
+      auto part = p->MergedWith(*c);
+      if (!part.ok()) return InLayer(i, part.status());
+      merged->layers.push_back(*std::move(part));
+    } else if (IsRotating(parent.spec, i)) {
+      merged->layers.push_back(c);  // the child's window supersedes the parent's
+    } else {
+      return InLayer(i, absl::FailedPreconditionError("a snapshot holds nothing for this layer"));
+    }
+  }
+  return merged;
+}
+
+absl::StatusOr<std::pair<CacheSnapshotPtr, CacheSnapshotPtr>> SplitSnapshot(
+    const CacheSnapshot& snapshot, uint64_t at) {
+  if (at <= snapshot.from || at >= snapshot.to) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "cannot split [%d, %d) at %d: the split point must lie strictly inside", snapshot.from,
+        snapshot.to, at));
+  }
+  auto parent = std::make_shared<CacheSnapshot>();
+  auto child = std::make_shared<CacheSnapshot>();
+  for (CacheSnapshot* half : {parent.get(), child.get()}) {
+    half->cache_id = snapshot.cache_id;
+    half->spec = snapshot.spec;
+  }
+  parent->from = snapshot.from;
+  parent->to = child->from = at;
+  child->to = snapshot.to;
+  for (size_t i = 0; i < snapshot.layers.size(); ++i) {
+    LayerSnapshotPtr p, c;
+    if (snapshot.layers[i]) {
+      auto halves = snapshot.layers[i]->SplitAt(at);
+      if (!halves.ok()) return InLayer(i, halves.status());
+      std::tie(p, c) = *std::move(halves);
+    }
+    parent->layers.push_back(std::move(p));
+    child->layers.push_back(std::move(c));
+  }
+  return std::make_pair(CacheSnapshotPtr(std::move(parent)), CacheSnapshotPtr(std::move(child)));
+}
+
+}  // namespace kvcache::engine

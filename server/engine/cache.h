@@ -1,0 +1,75 @@
+// A cache: one Layer per LayerSpec, stepping together. Whole-cache snapshots
+// are a LayerSnapshot per layer plus the token range they cover.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/cache_spec.h"
+#include "engine/layer.h"
+#include "gpu/page_pool.h"
+
+namespace kvcache::engine {
+
+// An immutable whole-cache snapshot (or a live view for Fetch). A null layer
+// entry holds nothing for that layer (the reference's nil snapshot).
+struct CacheSnapshot {
+  std::string cache_id;
+  CacheSpec spec;
+  uint64_t from = 0;
+  uint64_t to = 0;
+  std::vector<LayerSnapshotPtr> layers;
+
+  uint64_t size_bytes() const;
+  // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
+  std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;
+  absl::Status Read(uint32_t layer, TokenRange range, const KvOutput& out) const;
+};
+
+// Whole-snapshot merge and split, layer by layer; no live cache is involved.
+// [a,b) + [b,c) -> [a,c): FAILED_PRECONDITION unless same layout and adjacent.
+absl::StatusOr<std::shared_ptr<const CacheSnapshot>> MergeSnapshots(const CacheSnapshot& parent,
+                                                                    const CacheSnapshot& child);
+// [a,c) at b -> ([a,b), [b,c)): FAILED_PRECONDITION unless a < b < c.
+absl::StatusOr<std::pair<std::shared_ptr<const CacheSnapshot>, std::shared_ptr<const CacheSnapshot>>>
+SplitSnapshot(const CacheSnapshot& snapshot, uint64_t at);
+
+using CacheSnapshotPtr = std::shared_ptr<const CacheSnapshot>;
+
+class Cache {
+ public:
+  // `spec` must be validated and normalised.
+  static absl::StatusOr<std::unique_ptr<Cache>> Create(const CacheSpec& spec, gpu::PagePool& pool,
+                                                       uint32_t page_tokens);
+
+  const CacheSpec& spec() const { return spec_; }
+  size_t num_layers() const { return layers_.size(); }
+  const Layer& layer(size_t index) const { return *layers_[index]; }
+  std::vector<uint64_t> layer_offsets() const;
+  // FAILED_PRECONDITION naming the first layer out of step, else the offset.
+  absl::StatusOr<uint64_t> CommonOffset() const;
+  uint64_t size_bytes() const;
+
+  // INVALID_ARGUMENT naming keys / values when their sizes do not match L tokens.
+  absl::Status Update(uint32_t layer, const KvInput& kv);
+  absl::StatusOr<uint64_t> Trim(uint64_t n);
+  absl::StatusOr<CacheSnapshotPtr> Snapshot(const std::string& cache_id, uint64_t from_offset) const;
+  // Every layer as it is now (snapshot from 0), for reading without the lock.
+  absl::StatusOr<CacheSnapshotPtr> View(const std::string& cache_id) const;
+  // snapshot null: rewind live. All layers or none.
+  absl::Status Restore(const CacheSnapshot* snapshot, uint64_t target);
+  void Free();
+
+
+ private:
+  Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers);
+
+  CacheSpec spec_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+};
+
+}  // namespace kvcache::engine

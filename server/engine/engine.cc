@@ -1,0 +1,208 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+
+namespace kvcache::engine {
+namespace {
+
+absl::Status UnknownCache(const std::string& cache_id) {
+  return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
+}
+
+}  // namespace
+
+// Finds a cache and holds its mutex for the rest of the call.
+class Engine::LockedCache {
+ public:
+  static absl::StatusOr<LockedCache> Open(const Engine& engine, const std::string& cache_id) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, engine.FindEntry(cache_id));
+    LockedCache locked(std::move(entry));
+    if (locked.entry_->deleted) return UnknownCache(cache_id);
+    return locked;
+  }
+  LockedCache(LockedCache&& other) noexcept : entry_(std::move(other.entry_)) {}
+  ~LockedCache() {
+    if (entry_) entry_->mutex.Unlock();
+  }
+  Cache& operator*() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return *entry_->cache; }
+  Cache* operator->() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->cache.get(); }
+
+ private:
+  explicit LockedCache(std::shared_ptr<Entry> entry) : entry_(std::move(entry)) {
+    entry_->mutex.Lock();
+  }
+  std::shared_ptr<Entry> entry_;
+};
+
+Engine::Engine(gpu::PagePool& pool, EngineOptions options)
+    : pool_(pool), options_(std::move(options)) {}
+
+Engine::~Engine() {
+  snapshots_.Clear();
+  absl::MutexLock lock(&caches_mutex_);
+  caches_.clear();
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Entry>> Engine::FindEntry(const std::string& cache_id) const {
+  absl::MutexLock lock(&caches_mutex_);
+  auto it = caches_.find(cache_id);
+  if (it == caches_.end()) return UnknownCache(cache_id);
+  return it->second;
+}
+
+CacheInfo Engine::Describe(const std::string& cache_id, const Cache& cache) {
+  CacheInfo info{.cache_id = cache_id, .spec = cache.spec(), .layer_offsets = cache.layer_offsets()};
+  info.offset = *std::min_element(info.layer_offsets.begin(), info.layer_offsets.end());
+  info.in_step = cache.CommonOffset().ok();
+  info.size_bytes = cache.size_bytes();
+  return info;
+}
+
+absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec) {
+  RETURN_IF_ERROR(ValidateSpec(spec, options_.limits));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
+                   Cache::Create(NormalizeSpec(spec), pool_, options_.page_tokens));
+  auto entry = std::make_shared<Entry>();
+  const std::string id = NewRandomId();
+  CacheInfo info = Describe(id, *cache);
+  {
+    absl::MutexLock lock(&entry->mutex);
+    entry->cache = std::move(cache);
+  }
+  absl::MutexLock lock(&caches_mutex_);
+  caches_[id] = std::move(entry);
+  return info;
+}
+
+absl::StatusOr<CacheInfo> Engine::GetCache(const std::string& cache_id) const {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  return Describe(cache_id, *cache);
+}
+
+absl::StatusOr<CacheSpec> Engine::GetSpec(const std::string& cache_id) const {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  return cache->spec();
+}
+
+std::vector<CacheInfo> Engine::ListCaches() const {
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&caches_mutex_);
+    for (const auto& [id, entry] : caches_) ids.push_back(id);
+  }
+  std::vector<CacheInfo> infos;
+  for (const std::string& id : ids) {
+    if (auto info = GetCache(id); info.ok()) infos.push_back(*std::move(info));
+  }
+  return infos;
+}
+
+absl::Status Engine::DeleteCache(const std::string& cache_id) {
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&caches_mutex_);
+    auto it = caches_.find(cache_id);
+    if (it == caches_.end()) return UnknownCache(cache_id);
+    entry = std::move(it->second);
+    caches_.erase(it);
+  }
+  absl::MutexLock lock(&entry->mutex);
+  entry->deleted = true;
+  entry->cache->Free();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Engine::Update(const std::string& cache_id, uint32_t layer,
+                                        const KvInput& kv, std::optional<uint64_t> expected_offset) {
+  if (kv.tokens > options_.max_update_tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tokens: %d in one update, more than the limit of %d", kv.tokens,
+        options_.max_update_tokens));
+  }
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  if (layer >= cache->num_layers()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer: %d is out of range; the cache has %d layers", layer, cache->num_layers()));
+  }
+  const uint64_t offset = cache->layer(layer).offset();
+  if (expected_offset.has_value() && *expected_offset != offset) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "expected_offset: layer %d is at offset %d, not %d", layer, offset, *expected_offset));
+  }
+  RETURN_IF_ERROR(cache->Update(layer, kv));
+  return cache->layer(layer).offset();
+}
+
+absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::View(
+    const std::string& cache_id, const std::string& snapshot_id) const {
+  if (!snapshot_id.empty()) return snapshots_.Get(snapshot_id);
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  return cache->View(cache_id);
+}
+
+absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n) {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  return cache->Trim(n);
+}
+
+absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint64_t from_offset,
+                                              bool pinned) {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot(cache_id, from_offset));
+  return snapshots_.Add(std::move(snapshot), pinned);
+}
+
+absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
+                                          const std::string& snapshot_id, uint64_t target_offset) {
+  CacheSnapshotPtr snapshot;
+  if (!snapshot_id.empty()) {
+    ASSIGN_OR_RETURN(snapshot, snapshots_.Get(snapshot_id));
+  }
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  RETURN_IF_ERROR(cache->Restore(snapshot.get(), target_offset));
+  return Describe(cache_id, *cache);
+}
+
+absl::StatusOr<SnapshotInfo> Engine::MergeSnapshots(const std::string& parent_id,
+                                                    const std::string& child_id) {
+  if (parent_id == child_id) {
+    return absl::FailedPreconditionError("child_id: a snapshot cannot be merged with itself");
+  }
+  ASSIGN_OR_RETURN(CacheSnapshotPtr parent, snapshots_.Get(parent_id));
+  ASSIGN_OR_RETURN(CacheSnapshotPtr child, snapshots_.Get(child_id));
+  ASSIGN_OR_RETURN(CacheSnapshotPtr merged, engine::MergeSnapshots(*parent, *child));
+  ASSIGN_OR_RETURN(std::vector<SnapshotInfo> added,
+                   snapshots_.Replace({parent_id, child_id}, {std::move(merged)}));
+  return added[0];
+}
+
+absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> Engine::SplitSnapshot(
+    const std::string& snapshot_id, uint64_t at) {
+  ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, snapshots_.Get(snapshot_id));
+  ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
+  ASSIGN_OR_RETURN(std::vector<SnapshotInfo> added,
+                   snapshots_.Replace({snapshot_id}, {std::move(halves.first),
+                                                      std::move(halves.second)}));
+  return std::make_pair(added[0], added[1]);
+}
+
+absl::Status Engine::ReleaseSnapshot(const std::string& snapshot_id) {
+  return snapshots_.Release(snapshot_id);
+}
+
+std::vector<SnapshotInfo> Engine::ListSnapshots(const std::string& cache_id) const {
+  return snapshots_.List(cache_id);
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats stats{.pool = pool_.stats(), .snapshots = snapshots_.size()};
+  absl::MutexLock lock(&caches_mutex_);
+  stats.caches = caches_.size();
+  return stats;
+}
+
+}  // namespace kvcache::engine

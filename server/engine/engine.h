@@ -1,0 +1,121 @@
+// The engine: caches, their snapshots and the ids that name them, over one page
+// pool. Everything the service does goes through here; it knows no gRPC.
+//
+// Status codes (DESIGN.md): malformed input INVALID_ARGUMENT naming the field;
+// unknown id NOT_FOUND; unreachable restore / merge / split or layers out of step
+// FAILED_PRECONDITION with the reason; pool exhausted RESOURCE_EXHAUSTED. A call
+// that fails changes nothing. Thread-safe: one mutex per cache.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "engine/cache.h"
+#include "engine/cache_spec.h"
+#include "engine/snapshot_registry.h"
+#include "gpu/page_pool.h"
+
+namespace kvcache::engine {
+
+struct EngineOptions {
+  // Tokens per page, at most; layers too wide for that many get fewer.
+  uint32_t page_tokens = 256;
+  SpecLimits limits;
+  // Most tokens one Update may carry.
+  uint64_t max_update_tokens = 1 << 16;
+};
+
+struct CacheInfo {
+  std::string cache_id;
+  CacheSpec spec;
+  std::vector<uint64_t> layer_offsets;
+  uint64_t offset = 0;          // the common offset of all layers (min while out of step)
+  bool in_step = true;          // every layer at the same offset
+  uint64_t size_bytes = 0;      // pool bytes its pages hold
+};
+
+struct EngineStats {
+  gpu::PoolStats pool;
+  uint64_t caches = 0;
+  uint64_t snapshots = 0;
+};
+
+class Engine {
+ public:
+  Engine(gpu::PagePool& pool, EngineOptions options);
+  ~Engine();
+
+  absl::StatusOr<CacheInfo> CreateCache(const CacheSpec& spec);
+  absl::StatusOr<CacheInfo> GetCache(const std::string& cache_id) const;
+  // The cache's (normalised) spec; fixed for the cache's lifetime.
+  absl::StatusOr<CacheSpec> GetSpec(const std::string& cache_id) const;
+  std::vector<CacheInfo> ListCaches() const;
+  // Frees the cache's pages; snapshots taken from it stay valid.
+  absl::Status DeleteCache(const std::string& cache_id);
+
+  // Appends L tokens to one layer. `kv.keys` is [B, H, L, Dk] and `kv.values`
+  // [B, H, L, Dv] in the cache's dtype. With `expected_offset`, refuses
+  // (FAILED_PRECONDITION) unless the layer is at that offset. Returns the
+  // layer's new offset.
+  absl::StatusOr<uint64_t> Update(const std::string& cache_id, uint32_t layer, const KvInput& kv,
+                                  std::optional<uint64_t> expected_offset = std::nullopt);
+
+  // A consistent, immutable view to Fetch from: the live cache (snapshot_id
+  // empty) or a snapshot. Costs page references, not copies.
+  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> View(const std::string& cache_id,
+                                                           const std::string& snapshot_id) const;
+
+  // mlx-lm trim on every layer: FAILED_PRECONDITION unless all are trimmable
+  // and in step. Returns the number trimmed, min(offset, n).
+  absl::StatusOr<uint64_t> Trim(const std::string& cache_id, uint64_t n);
+
+  absl::StatusOr<SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
+                                        bool pinned = false);
+  // Brings every layer to `target_offset` from the snapshot, or by rewinding the
+  // live state when snapshot_id is empty; all layers or none.
+  absl::StatusOr<CacheInfo> Restore(const std::string& cache_id, const std::string& snapshot_id,
+                                    uint64_t target_offset);
+  // [a,b) + [b,c) -> [a,c). Consumes both inputs on success.
+  absl::StatusOr<SnapshotInfo> MergeSnapshots(const std::string& parent_id,
+                                              const std::string& child_id);
+  // [a,c) at b -> ([a,b), [b,c)), a < b < c. Consumes the input on success.
+  absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> SplitSnapshot(
+      const std::string& snapshot_id, uint64_t at);
+  absl::Status ReleaseSnapshot(const std::string& snapshot_id);
+  // All snapshots, or those taken from `cache_id` when it is not empty.
+  std::vector<SnapshotInfo> ListSnapshots(const std::string& cache_id = "") const;
+
+  EngineStats Stats() const;
+  gpu::PagePool& pool() { return pool_; }
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  // A cache and the mutex that serialises calls on it. `deleted` turns away
+  // calls that found the entry just before DeleteCache removed it.
+  struct Entry {
+    absl::Mutex mutex;
+    std::unique_ptr<Cache> cache ABSL_GUARDED_BY(mutex);
+    bool deleted ABSL_GUARDED_BY(mutex) = false;
+  };
+  class LockedCache;
+
+  absl::StatusOr<std::shared_ptr<Entry>> FindEntry(const std::string& cache_id) const;
+  static CacheInfo Describe(const std::string& cache_id, const Cache& cache);
+
+  gpu::PagePool& pool_;
+  const EngineOptions options_;
+  mutable absl::Mutex caches_mutex_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> caches_ ABSL_GUARDED_BY(caches_mutex_);
+  SnapshotRegistry snapshots_;
+};
+
+}  // namespace kvcache::engine

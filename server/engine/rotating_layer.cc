@@ -1,0 +1,157 @@
+#include "engine/rotating_layer.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "engine/standard_layer.h"
+#include "engine/token_store.h"
+
+namespace kvcache::engine {
+
+std::vector<TokenRange> RotatingState::Ranges(uint32_t keep) const {
+  const uint64_t sinks = sink_end(keep);
+  const uint64_t begin = window_begin(keep);
+  if (begin == sinks) {
+    if (offset == 0) return {};
+    return {{0, offset}};
+  }
+  std::vector<TokenRange> ranges;
+  if (sinks > 0) ranges.push_back({0, sinks});
+  if (offset > begin) ranges.push_back({begin, offset});
+  return ranges;
+}
+
+absl::Status RotatingSnapshot::Read(TokenRange range, const KvOutput& out) const {
+  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
+  return ReadTokens(table_, geometry_, range, out);
+}
+
+uint64_t RotatingSnapshot::size_bytes() const {
+  return table_.CountPages() * table_.pool()->page_bytes();
+}
+
+// mlx-lm routes a single token to _update_in_place (the ring: once full, the
+// token overwrites the oldest non-sink one, trimming first if a multi-token
+// update left more than max_size) and longer updates to _update_concat (keep
+// max_size - 1 old tokens so every new token sees a full window, then append).
+std::pair<uint64_t, uint64_t> RotatingLayer::PlanEviction(uint64_t tokens) const {
+  const uint64_t held = state_.held(kind_.keep);
+  const uint64_t max_size = kind_.max_size;
+  if (tokens > 1) {
+    const uint64_t evict = held + 1 > max_size ? held + 1 - max_size : 0;
+    return {evict, held - evict + tokens};
+  }
+  if (held < max_size) return {0, state_.offset + 1};
+  uint64_t idx = held > max_size ? max_size : state_.ring_idx;
+  if (idx == max_size) idx = kind_.keep;
+  return {held - max_size + 1, idx + 1};
+}
+
+void RotatingLayer::Evict(uint64_t count) {
+  if (count == 0) return;
+  const uint32_t p = geometry_.page_tokens;
+  const uint64_t old_begin = state_.window_begin(kind_.keep);
+  state_.window_start = old_begin + count;
+  // Release pages with no sink and no held position left in them.
+  const uint64_t first = std::max(PagesFor(kind_.keep, p), old_begin / p);
+  for (uint64_t index = first; index < state_.window_start / p; ++index) {
+    table_.Set(index, gpu::kNoPage);
+  }
+}
+
+absl::Status RotatingLayer::Update(const KvInput& kv) {
+  const auto [evict, ring_idx] = PlanEviction(kv.tokens);
+  RETURN_IF_ERROR(WriteTokens(table_, geometry_, state_.offset, kv));
+  Evict(evict);
+  state_.offset += kv.tokens;
+  state_.ring_idx = ring_idx;
+  return absl::OkStatus();
+}
+
+absl::Status RotatingLayer::Read(TokenRange range, const KvOutput& out) const {
+  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
+  return ReadTokens(table_, geometry_, range, out);
+}
+
+// Only called while nothing has been evicted (offset < max_size).
+uint64_t RotatingLayer::Trim(uint64_t n) {
+  n = std::min(n, state_.offset);
+  state_.offset -= n;
+  state_.ring_idx -= std::min(n, state_.ring_idx);
+  table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
+  return n;
+}
+
+absl::StatusOr<LayerSnapshotPtr> RotatingLayer::Snapshot(uint64_t from_offset) const {
+  if (state_.offset <= from_offset) return nullptr;
+  return std::make_shared<RotatingSnapshot>(table_, geometry_, kind_, state_, from_offset);
+}
+
+std::unique_ptr<Layer> RotatingLayer::TrimmedCopy(const PageTable& table, RotatingState state,
+                                                  uint64_t target) const {
+  PageTable copy = table.Slice(0, PagesFor(target, geometry_.page_tokens));
+  state.offset = target;
+  state.ring_idx = std::min(state.ring_idx, target);
+  if (state.window_start > target) state.window_start = target;
+  return std::unique_ptr<Layer>(new RotatingLayer(std::move(copy), geometry_, kind_, state));
+}
+
+// ollama RotatingKVCache.Restore: live rewind only while nothing has been
+// evicted; a snapshot restores whole, and may be clamped only if its window
+// had not wrapped (else the clamped window would be incomplete).
+absl::StatusOr<std::unique_ptr<Layer>> RotatingLayer::Restored(const LayerSnapshot* snapshot,
+                                                               uint64_t target) const {
+  if (snapshot == nullptr) {
+    if (target > state_.offset) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "target %d is beyond the live offset %d; rewinding cannot go forward", target,
+          state_.offset));
+    }
+    if (target < state_.offset && state_.offset > kind_.max_size) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the rotating window has wrapped (offset %d > max_size %d): a live rewind would lose "
+          "the window, restore from a snapshot instead",
+          state_.offset, kind_.max_size));
+    }
+    return TrimmedCopy(table_, state_, target);
+  }
+  const auto* snap = dynamic_cast<const RotatingSnapshot*>(snapshot);
+  if (snap == nullptr) return absl::FailedPreconditionError("snapshot is not of a rotating layer");
+  if (target > snap->to()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("target %d is beyond the snapshot's end %d", target, snap->to()));
+  }
+  if (target < snap->to() && snap->to() > kind_.max_size) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "restoring to %d would leave an incomplete window: the snapshot ends at %d, past "
+        "max_size %d",
+        target, snap->to(), kind_.max_size));
+  }
+  return TrimmedCopy(snap->table(), snap->state(), target);
+}
+
+// A rotating snapshot holds the whole window, so the child supersedes the parent.
+absl::StatusOr<LayerSnapshotPtr> RotatingSnapshot::MergedWith(const LayerSnapshot& child) const {
+  if (dynamic_cast<const RotatingSnapshot*>(&child) == nullptr) {
+    return absl::FailedPreconditionError("child is not a rotating-layer snapshot");
+  }
+  return child.shared_from_this();
+}
+
+// A ring cannot be cut at an arbitrary position: the whole snapshot is the child.
+absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> RotatingSnapshot::SplitAt(
+    uint64_t at) const {
+  return std::make_pair(LayerSnapshotPtr(), shared_from_this());
+}
+
+void RotatingLayer::Free() {
+  table_.Clear();
+  state_ = RotatingState{};
+}
+
+uint64_t RotatingLayer::size_bytes() const {
+  return table_.CountPages() * table_.pool()->page_bytes();
+}
+
+}  // namespace kvcache::engine

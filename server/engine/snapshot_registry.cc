@@ -1,0 +1,110 @@
+#include "engine/snapshot_registry.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvcache::engine {
+
+std::string NewRandomId() {
+  // std::random_device reads the kernel's CSPRNG on Linux: ids are unguessable.
+  static thread_local std::random_device device;
+  std::string id;
+  for (int word = 0; word < 4; ++word) absl::StrAppendFormat(&id, "%08x", device());
+  return id;
+}
+
+SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
+  return SnapshotInfo{.snapshot_id = id,
+                      .cache_id = entry.snapshot->cache_id,
+                      .from_offset = entry.snapshot->from,
+                      .to_offset = entry.snapshot->to,
+                      .size_bytes = entry.snapshot->size_bytes(),
+                      .pinned = entry.pinned};
+}
+
+SnapshotInfo SnapshotRegistry::Add(CacheSnapshotPtr snapshot, bool pinned) {
+  absl::MutexLock lock(&mutex_);
+  std::string id = NewRandomId();
+  while (entries_.contains(id)) id = NewRandomId();
+  const Entry& entry = entries_[id] = Entry{std::move(snapshot), pinned};
+  return Info(id, entry);
+}
+
+namespace {
+absl::Status UnknownSnapshot(const std::string& id) {
+  return absl::NotFoundError(absl::StrCat("snapshot_id: no snapshot \"", id, "\""));
+}
+}  // namespace
+
+absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapshot_id) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = entries_.find(snapshot_id);
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  return it->second.snapshot;
+}
+
+absl::StatusOr<SnapshotInfo> SnapshotRegistry::Describe(const std::string& snapshot_id) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = entries_.find(snapshot_id);
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  return Info(it->first, it->second);
+}
+
+absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
+  CacheSnapshotPtr dropped;  // freed outside the lock
+  absl::MutexLock lock(&mutex_);
+  auto it = entries_.find(snapshot_id);
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  dropped = std::move(it->second.snapshot);
+  entries_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
+    const std::vector<std::string>& consumed, std::vector<CacheSnapshotPtr> added) {
+  std::vector<CacheSnapshotPtr> dropped;
+  absl::MutexLock lock(&mutex_);
+  for (const std::string& id : consumed) {
+    if (!entries_.contains(id)) return UnknownSnapshot(id);
+  }
+  bool pinned = false;
+  for (const std::string& id : consumed) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) continue;  // the same id consumed twice
+    pinned |= it->second.pinned;
+    dropped.push_back(std::move(it->second.snapshot));
+    entries_.erase(it);
+  }
+  std::vector<SnapshotInfo> infos;
+  for (CacheSnapshotPtr& snapshot : added) {
+    std::string id = NewRandomId();
+    while (entries_.contains(id)) id = NewRandomId();
+    const Entry& entry = entries_[id] = Entry{std::move(snapshot), pinned};
+    infos.push_back(Info(id, entry));
+  }
+  return infos;
+}
+
+std::vector<SnapshotInfo> SnapshotRegistry::List(const std::string& cache_id) const {
+  absl::MutexLock lock(&mutex_);
+  std::vector<SnapshotInfo> infos;
+  for (const auto& [id, entry] : entries_) {
+    if (cache_id.empty() || entry.snapshot->cache_id == cache_id) infos.push_back(Info(id, entry));
+  }
+  return infos;
+}
+
+size_t SnapshotRegistry::size() const {
+  absl::MutexLock lock(&mutex_);
+  return entries_.size();
+}
+
+void SnapshotRegistry::Clear() {
+  absl::flat_hash_map<std::string, Entry> dropped;
+  absl::MutexLock lock(&mutex_);
+  dropped.swap(entries_);
+}
+
+}  // namespace kvcache::engine

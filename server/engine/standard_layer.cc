@@ -1,0 +1,145 @@
+#include "engine/standard_layer.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "engine/token_store.h"
+
+namespace kvcache::engine {
+
+absl::Status CheckReadable(const std::vector<TokenRange>& ranges, TokenRange range) {
+  for (const TokenRange& held : ranges) {
+    if (range.begin >= held.begin && range.end <= held.end && range.begin < range.end) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrFormat("tokens [%d, %d) are not held", range.begin, range.end));
+}
+
+namespace {
+
+// `lower` below position `split`, `upper` from it on; copies at most the one
+// page that straddles `split`.
+absl::StatusOr<PageTable> JoinAt(const PageGeometry& geometry, const PageTable& lower,
+                                 const PageTable& upper, uint64_t split) {
+  const uint32_t p = geometry.page_tokens;
+  const uint64_t index = split / p;
+  PageTable joined = PageTable::Join(lower, upper, index);
+  if (split % p != 0) {
+    ASSIGN_OR_RETURN(gpu::PageId page,
+                     JoinBoundaryPage(*lower.pool(), geometry, lower.Get(index), upper.Get(index),
+                                      static_cast<uint32_t>(split % p)));
+    joined.Set(index, page);
+  }
+  return joined;
+}
+
+}  // namespace
+
+absl::Status StandardSnapshot::Read(TokenRange range, const KvOutput& out) const {
+  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
+  return ReadTokens(table_, geometry_, range, out);
+}
+
+uint64_t StandardSnapshot::size_bytes() const {
+  return table_.CountPages() * table_.pool()->page_bytes();
+}
+
+absl::Status StandardLayer::Update(const KvInput& kv) {
+  RETURN_IF_ERROR(WriteTokens(table_, geometry_, offset_, kv));
+  offset_ += kv.tokens;
+  return absl::OkStatus();
+}
+
+std::vector<TokenRange> StandardLayer::Ranges() const {
+  if (offset_ == 0) return {};
+  return {{0, offset_}};
+}
+
+absl::Status StandardLayer::Read(TokenRange range, const KvOutput& out) const {
+  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
+  return ReadTokens(table_, geometry_, range, out);
+}
+
+uint64_t StandardLayer::Trim(uint64_t n) {
+  n = std::min(n, offset_);
+  offset_ -= n;
+  table_.Truncate(PagesFor(offset_, geometry_.page_tokens));
+  return n;
+}
+
+absl::StatusOr<LayerSnapshotPtr> StandardLayer::Snapshot(uint64_t from_offset) const {
+  if (offset_ <= from_offset) return nullptr;
+  const uint32_t p = geometry_.page_tokens;
+  return std::make_shared<StandardSnapshot>(table_.Slice(from_offset / p, PagesFor(offset_, p)),
+                                            geometry_, from_offset, offset_);
+}
+
+// ollama KVCache.Restore: a null snapshot rewinds the live state; a snapshot
+// [from, to) needs the live cache to hold its prefix [0, from), then replaces
+// [from, ...) with the snapshot and clamps to target.
+absl::StatusOr<std::unique_ptr<Layer>> StandardLayer::Restored(const LayerSnapshot* snapshot,
+                                                               uint64_t target) const {
+  const uint32_t p = geometry_.page_tokens;
+  const auto rewound = [&](uint64_t to) {
+    return std::unique_ptr<Layer>(new StandardLayer(table_.Slice(0, PagesFor(to, p)), geometry_, to));
+  };
+  if (snapshot == nullptr) {
+    if (target > offset_) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "target %d is beyond the live offset %d; rewinding cannot go forward", target, offset_));
+    }
+    return rewound(target);
+  }
+  const auto* snap = dynamic_cast<const StandardSnapshot*>(snapshot);
+  if (snap == nullptr) return absl::FailedPreconditionError("snapshot is not of a standard layer");
+  if (target > snap->to()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("target %d is beyond the snapshot's end %d", target, snap->to()));
+  }
+  if (offset_ < snap->from()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the cache holds %d tokens, fewer than the snapshot's start %d", offset_, snap->from()));
+  }
+  if (target <= snap->from()) return rewound(target);
+  ASSIGN_OR_RETURN(PageTable joined, JoinAt(geometry_, table_.Slice(0, PagesFor(snap->from(), p)),
+                                            snap->table(), snap->from()));
+  joined.Truncate(PagesFor(target, p));
+  return std::unique_ptr<Layer>(new StandardLayer(std::move(joined), geometry_, target));
+}
+
+absl::StatusOr<LayerSnapshotPtr> StandardSnapshot::MergedWith(const LayerSnapshot& child) const {
+  const auto* c = dynamic_cast<const StandardSnapshot*>(&child);
+  if (c == nullptr) return absl::FailedPreconditionError("child is not a standard-layer snapshot");
+  if (to_ != c->from()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "snapshots are not adjacent: parent ends at %d, child starts at %d", to_, c->from()));
+  }
+  ASSIGN_OR_RETURN(PageTable joined, JoinAt(geometry_, table_, c->table(), to_));
+  return std::make_shared<StandardSnapshot>(std::move(joined), geometry_, from_, c->to());
+}
+
+absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> StandardSnapshot::SplitAt(
+    uint64_t at) const {
+  if (at <= from_) return std::make_pair(LayerSnapshotPtr(), shared_from_this());
+  if (at >= to_) return std::make_pair(shared_from_this(), LayerSnapshotPtr());
+  const uint32_t p = geometry_.page_tokens;
+  auto parent = std::make_shared<StandardSnapshot>(table_.Slice(from_ / p, PagesFor(at, p)),
+                                                   geometry_, from_, at);
+  auto child = std::make_shared<StandardSnapshot>(table_.Slice(at / p, PagesFor(to_, p)),
+                                                  geometry_, at, to_);
+  return std::make_pair(LayerSnapshotPtr(std::move(parent)), LayerSnapshotPtr(std::move(child)));
+}
+
+void StandardLayer::Free() {
+  table_.Clear();
+  offset_ = 0;
+}
+
+uint64_t StandardLayer::size_bytes() const {
+  return table_.CountPages() * table_.pool()->page_bytes();
+}
+
+}  // namespace kvcache::engine

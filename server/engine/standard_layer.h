@@ -1,0 +1,67 @@
+// StandardLayer: mlx-lm KVCache / ollama KVCache. Every token is kept; a
+// snapshot [from, to) shares the pages covering that range.
+#pragma once
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "engine/cache_spec.h"
+#include "engine/layer.h"
+#include "engine/page_table.h"
+
+namespace kvcache::engine {
+
+// Checks that `range` lies inside one of `ranges` (INVALID_ARGUMENT if not).
+absl::Status CheckReadable(const std::vector<TokenRange>& ranges, TokenRange range);
+
+class StandardSnapshot final : public LayerSnapshot {
+ public:
+  StandardSnapshot(PageTable table, const PageGeometry& geometry, uint64_t from, uint64_t to)
+      : table_(std::move(table)), geometry_(geometry), from_(from), to_(to) {}
+
+  uint64_t from() const override { return from_; }
+  uint64_t to() const override { return to_; }
+  std::vector<TokenRange> Ranges() const override { return {{from_, to_}}; }
+  absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  uint64_t size_bytes() const override;
+  const PageGeometry& geometry() const { return geometry_; }
+  absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
+  absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(
+      uint64_t at) const override;
+  const PageTable& table() const { return table_; }
+
+ private:
+  PageTable table_;
+  PageGeometry geometry_;
+  uint64_t from_;
+  uint64_t to_;
+};
+
+class StandardLayer final : public Layer {
+ public:
+  StandardLayer(gpu::PagePool& pool, const PageGeometry& geometry)
+      : table_(&pool), geometry_(geometry) {}
+
+  uint64_t offset() const override { return offset_; }
+  absl::Status Update(const KvInput& kv) override;
+  std::vector<TokenRange> Ranges() const override;
+  absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  bool IsTrimmable() const override { return true; }
+  uint64_t Trim(uint64_t n) override;
+  absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
+  absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
+                                                  uint64_t target) const override;
+  void Free() override;
+  uint64_t size_bytes() const override;
+
+ private:
+  StandardLayer(PageTable table, const PageGeometry& geometry, uint64_t offset)
+      : table_(std::move(table)), geometry_(geometry), offset_(offset) {}
+
+  PageTable table_;
+  PageGeometry geometry_;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace kvcache::engine

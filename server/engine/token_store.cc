@@ -1,0 +1,171 @@
+#include "engine/token_store.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+
+namespace kvcache::engine {
+namespace {
+
+using gpu::kNoPage;
+using gpu::PageId;
+
+// The slots [begin, end) of page `index` that positions [first, last) cover.
+struct PageSpan {
+  uint64_t index;
+  uint32_t begin;
+  uint32_t end;
+};
+
+template <typename Visit>
+void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& visit) {
+  for (uint64_t index = first / page_tokens; index * page_tokens < last; ++index) {
+    const uint64_t base = index * page_tokens;
+    visit(PageSpan{index, static_cast<uint32_t>(std::max(first, base) - base),
+                   static_cast<uint32_t>(std::min(last, base + page_tokens) - base)});
+  }
+}
+
+struct WritePlan {
+  std::vector<std::pair<uint64_t, PageId>> fresh;  // (index, new page) to install
+  std::vector<gpu::PageCopy> cow_copies;
+  std::vector<gpu::WriteRun> runs;
+};
+
+// Picks the page each touched index is written in: the existing one when no one
+// else holds it, else a fresh page (a copy of the old one when it has tokens
+// before `offset` that must survive).
+absl::Status PlanTargets(const PageTable& table, const PageGeometry& g, uint64_t offset,
+                         uint64_t tokens, WritePlan& plan, std::vector<PageId>& targets) {
+  std::vector<uint64_t> needs_fresh;
+  ForEachPage(offset, offset + tokens, g.page_tokens, [&](const PageSpan& span) {
+    const PageId existing = table.Get(span.index);
+    targets.push_back(existing);
+    if (existing == kNoPage || !table.Exclusive(span.index)) needs_fresh.push_back(targets.size() - 1);
+  });
+  std::vector<PageId> fresh;
+  RETURN_IF_ERROR(table.pool()->Allocate(static_cast<uint32_t>(needs_fresh.size()), fresh));
+  const uint64_t first_index = offset / g.page_tokens;
+  for (size_t i = 0; i < needs_fresh.size(); ++i) {
+    const size_t t = needs_fresh[i];
+    const uint64_t index = first_index + t;
+    if (targets[t] != kNoPage && index * g.page_tokens < offset) {
+      plan.cow_copies.push_back({targets[t], fresh[i], 0, g.used_bytes()});
+    }
+    targets[t] = fresh[i];
+    plan.fresh.emplace_back(index, fresh[i]);
+  }
+  return absl::OkStatus();
+}
+
+void PlanRuns(const PageGeometry& g, uint64_t offset, const KvInput& kv,
+              const std::vector<PageId>& targets, WritePlan& plan) {
+  const uint32_t row_heads = g.batch * g.heads;
+  const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
+  const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
+  size_t t = 0;
+  ForEachPage(offset, offset + kv.tokens, g.page_tokens, [&](const PageSpan& span) {
+    const uint64_t token = span.index * g.page_tokens + span.begin - offset;
+    const uint64_t count = span.end - span.begin;
+    for (uint32_t rh = 0; rh < row_heads; ++rh) {
+      const uint64_t src = uint64_t{rh} * kv.tokens + token;
+      plan.runs.push_back({targets[t], g.KOffset(rh, span.begin), kv.keys.data() + src * k_token,
+                           count * k_token});
+      plan.runs.push_back({targets[t], g.VOffset(rh, span.begin),
+                           kv.values.data() + src * v_token, count * v_token});
+    }
+    ++t;
+  });
+}
+
+}  // namespace
+
+absl::Status CheckInput(const PageGeometry& g, const KvInput& kv) {
+  if (kv.tokens == 0) return absl::InvalidArgumentError("tokens: an update needs at least one token");
+  if (kv.keys.size() != g.KBytes(kv.tokens)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "keys: %d bytes, but [B=%d, H=%d, L=%d, D=%d] of %d-byte elements is %d bytes",
+        kv.keys.size(), g.batch, g.heads, kv.tokens, g.k_dim, g.elem_bytes, g.KBytes(kv.tokens)));
+  }
+  if (kv.values.size() != g.VBytes(kv.tokens)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "values: %d bytes, but [B=%d, H=%d, L=%d, D=%d] of %d-byte elements is %d bytes",
+        kv.values.size(), g.batch, g.heads, kv.tokens, g.v_dim, g.elem_bytes,
+        g.VBytes(kv.tokens)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offset,
+                         const KvInput& kv) {
+  RETURN_IF_ERROR(CheckInput(g, kv));
+  WritePlan plan;
+  std::vector<PageId> targets;
+  RETURN_IF_ERROR(PlanTargets(table, g, offset, kv.tokens, plan, targets));
+  PlanRuns(g, offset, kv, targets, plan);
+  gpu::PagePool& pool = *table.pool();
+  absl::Status status = pool.Copy(plan.cow_copies);
+  if (status.ok()) status = pool.Write(plan.runs);
+  if (!status.ok()) {
+    for (const auto& [index, page] : plan.fresh) pool.Release(page);
+    return status;
+  }
+  for (const auto& [index, page] : plan.fresh) table.Set(index, page);
+  return absl::OkStatus();
+}
+
+absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRange range,
+                        const KvOutput& out) {
+  const uint64_t length = range.size();
+  if (out.keys.size() != g.KBytes(length) || out.values.size() != g.VBytes(length)) {
+    return absl::InvalidArgumentError("read buffers do not match the range's [B, H, L, D] size");
+  }
+  const uint32_t row_heads = g.batch * g.heads;
+  const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
+  const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
+  std::vector<gpu::ReadRun> runs;
+  bool missing = false;
+  ForEachPage(range.begin, range.end, g.page_tokens, [&](const PageSpan& span) {
+    const PageId page = table.Get(span.index);
+    missing |= page == kNoPage;
+    const uint64_t token = span.index * g.page_tokens + span.begin - range.begin;
+    const uint64_t count = span.end - span.begin;
+    for (uint32_t rh = 0; rh < row_heads; ++rh) {
+      const uint64_t dst = uint64_t{rh} * length + token;
+      runs.push_back({page, g.KOffset(rh, span.begin), out.keys.data() + dst * k_token,
+                      count * k_token});
+      runs.push_back({page, g.VOffset(rh, span.begin), out.values.data() + dst * v_token,
+                      count * v_token});
+    }
+  });
+  if (missing) {
+    return absl::InternalError(absl::StrFormat("no page holds part of tokens [%d, %d)",
+                                               range.begin, range.end));
+  }
+  return table.pool()->Read(runs);
+}
+
+absl::StatusOr<PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry& g, PageId lower,
+                                        PageId upper, uint32_t split_slot) {
+  if (lower == upper) {
+    pool.Retain(lower);
+    return lower;
+  }
+  std::vector<PageId> fresh;
+  RETURN_IF_ERROR(pool.Allocate(1, fresh));
+  std::vector<gpu::PageCopy> copies = {{upper, fresh[0], 0, g.used_bytes()}};
+  for (uint32_t rh = 0; rh < g.batch * g.heads; ++rh) {
+    copies.push_back({lower, fresh[0], g.KOffset(rh, 0), uint64_t{split_slot} * g.k_dim * g.elem_bytes});
+    copies.push_back({lower, fresh[0], g.VOffset(rh, 0), uint64_t{split_slot} * g.v_dim * g.elem_bytes});
+  }
+  if (absl::Status status = pool.Copy(copies); !status.ok()) {
+    pool.Release(fresh[0]);
+    return status;
+  }
+  return fresh[0];
+}
+
+}  // namespace kvcache::engine
+

@@ -1,0 +1,42 @@
+// Moving tokens between [B, H, L, D] host tensors and the pages of a PageTable,
+// shared by every attention layer kind. Token position t lives in page t / P at
+// slot t % P (PageGeometry has the byte layout inside a page).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/cache_spec.h"
+#include "engine/layer.h"
+#include "engine/page_table.h"
+
+namespace kvcache::engine {
+
+// INVALID_ARGUMENT naming keys / values / tokens unless `kv` holds L >= 1
+// tokens of exactly this geometry.
+absl::Status CheckInput(const PageGeometry& geometry, const KvInput& kv);
+
+// Writes kv's tokens at positions [offset, offset + L). Pages are allocated as
+// needed and shared pages copied first (copy-on-write). All or nothing: on
+// error `table` is unchanged and no page is leaked.
+absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_t offset,
+                         const KvInput& kv);
+
+// Copies positions `range` (every page present) into `out` as [B, H, L, D].
+absl::Status ReadTokens(const PageTable& table, const PageGeometry& geometry, TokenRange range,
+                        const KvOutput& out);
+
+// A page holding `lower`'s slots [0, split_slot) and `upper`'s from split_slot
+// on: the one boundary page a restore or merge may have to copy. Returns a new
+// reference (to `lower` itself when both are the same page).
+absl::StatusOr<gpu::PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry& geometry,
+                                             gpu::PageId lower, gpu::PageId upper,
+                                             uint32_t split_slot);
+
+// Pages needed to hold positions [0, end).
+inline uint64_t PagesFor(uint64_t end, uint32_t page_tokens) {
+  return (end + page_tokens - 1) / page_tokens;
+}
+
+}  // namespace kvcache::engine

@@ -1,0 +1,115 @@
+// A Vulkan device chosen for kvcached: instance, physical device, logical device
+// and one compute/transfer queue guarded by its own mutex. Every VkResult becomes
+// an absl::Status; every handle is RAII (vulkan_raii.hpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+// vulkan_raii.hpp 1.3.239 requires exceptions: gpu/ catches vk::SystemError at
+// each entry point (VkTry below) and returns an absl::Status instead.
+#include <vulkan/vulkan_raii.hpp>
+
+namespace kvcache::gpu {
+
+// How the staging path moves bytes between staging memory and pages. Measured in
+// bench/gpu_copy_bench; the faster one is the default (see device.cc): copy
+// regions, several times faster than the shader on lavapipe.
+enum class CopyEngine { kCopyRegions, kComputeShader };
+
+struct DeviceOptions {
+  // "" picks the best device: discrete GPU, then integrated, then virtual, then
+  // CPU (lavapipe). Digits pick by index in enumeration order; anything else
+  // picks the first device whose name contains it (case-insensitive).
+  std::string selector;
+  // Loads VK_LAYER_KHRONOS_validation and counts its messages (tests turn it on).
+  bool enable_validation = false;
+  // Where device memory is host-visible, pages are written straight through a
+  // mapping. This forces the staging ring + transfer commands that discrete
+  // GPUs need, so CI exercises that path on lavapipe too.
+  bool force_staging = false;
+  CopyEngine copy_engine = CopyEngine::kCopyRegions;
+};
+
+struct DeviceDescription {
+  uint32_t index;
+  std::string name;
+  std::string type;  // "discrete", "integrated", "virtual", "cpu", "other"
+  uint32_t api_version;
+};
+
+class Device {
+ public:
+  static absl::StatusOr<std::vector<DeviceDescription>> List();
+  static absl::StatusOr<std::unique_ptr<Device>> Create(const DeviceOptions& options);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  const DeviceDescription& description() const { return description_; }
+  const DeviceOptions& options() const { return options_; }
+  // True when pool pages are written and read through a host mapping.
+  bool direct_host_access() const { return direct_host_access_; }
+  uint64_t max_storage_buffer_range() const { return max_storage_buffer_range_; }
+
+  // Validation-layer messages (warnings and errors) seen so far.
+  uint64_t validation_message_count() const;
+  std::vector<std::string> validation_messages() const;
+
+  // Low-level access for gpu/ (the page pool and shader pipelines).
+  const vk::raii::PhysicalDevice& physical_device() const { return *physical_device_; }
+  const vk::raii::Device& device() const { return *device_; }
+  const vk::raii::Queue& queue() const { return *queue_; }
+  uint32_t queue_family() const { return queue_family_; }
+  // Held while recording submissions to queue(): one mutex per queue.
+  absl::Mutex& queue_mutex() const { return queue_mutex_; }
+  // A memory type index with `required` flags (preferring `preferred` too).
+  absl::StatusOr<uint32_t> FindMemoryType(uint32_t type_bits, vk::MemoryPropertyFlags required,
+                                          vk::MemoryPropertyFlags preferred) const;
+
+  struct ValidationSink;  // defined in device.cc
+
+ private:
+  Device() = default;
+  // Create() in three steps, each run under VkTry.
+  absl::Status InitInstance();
+  absl::Status PickPhysicalDevice();
+  absl::Status InitLogicalDevice();
+
+  DeviceOptions options_;
+  DeviceDescription description_;
+  bool direct_host_access_ = false;
+  uint64_t max_storage_buffer_range_ = 0;
+  uint32_t queue_family_ = 0;
+  std::unique_ptr<ValidationSink> validation_;
+  std::unique_ptr<vk::raii::Context> context_;
+  std::unique_ptr<vk::raii::Instance> instance_;
+  std::unique_ptr<vk::raii::DebugUtilsMessengerEXT> messenger_;
+  std::unique_ptr<vk::raii::PhysicalDevice> physical_device_;
+  std::unique_ptr<vk::raii::Device> device_;
+  std::unique_ptr<vk::raii::Queue> queue_;
+  mutable absl::Mutex queue_mutex_;
+};
+
+// Maps a VkResult to a status: OK for success, RESOURCE_EXHAUSTED for
+// out-of-memory results, INTERNAL (naming `what`) for the rest.
+absl::Status VkStatus(vk::Result result, std::string_view what);
+
+// Runs `body` (which may throw vk::SystemError or return a Status) and turns any
+// Vulkan exception into a status naming `what`.
+template <typename Body>
+absl::Status VkTry(std::string_view what, Body&& body) {
+  try {
+    return body();
+  } catch (const vk::SystemError& error) {
+    return VkStatus(static_cast<vk::Result>(error.code().value()), what);
+  }
+}
+
+}  // namespace kvcache::gpu

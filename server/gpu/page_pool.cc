@@ -1,0 +1,195 @@
+// PagePool = PageAllocator (slabs, counts, free list) + one of two transfer paths:
+//
+//   direct  (Device::direct_host_access): slabs are persistently mapped, so
+//           Write / Read / Copy are memcpy into, out of and between pages.
+//   staged  (device-local slabs): StagedTransfer moves the bytes through a
+//           staging ring with vkCmdCopyBuffer or the copy_runs shader.
+#include "gpu/page_pool.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/status_macros.h"
+#include "gpu/page_allocator.h"
+#include "gpu/staged_transfer.h"
+
+namespace kvcache::gpu {
+namespace {
+
+// Small pools get a ring no larger than themselves, but never a tiny one.
+constexpr uint64_t kMinStagingRingBytes = 64 << 10;
+
+uint64_t StagingRingBytes(const PageGeometry& geometry) {
+  const uint64_t pool_bytes = uint64_t{geometry.max_pages} * geometry.page_bytes;
+  return std::clamp(pool_bytes, kMinStagingRingBytes, StagedTransfer::kStagingRingBytes);
+}
+
+}  // namespace
+
+class PagePool::Impl {
+ public:
+  Impl(const Device& device, const PageGeometry& geometry, std::unique_ptr<StagedTransfer> staged)
+      : pages(device, geometry, /*host_mapped=*/staged == nullptr), staged_(std::move(staged)) {}
+
+  absl::Status Write(absl::Span<const WriteRun> runs);
+  absl::Status Read(absl::Span<const ReadRun> runs);
+  absl::Status Copy(absl::Span<const PageCopy> copies);
+
+  PageAllocator pages;
+
+ private:
+  // INVALID_ARGUMENT unless bytes [offset, offset + bytes) lie in a backed page.
+  absl::Status CheckRange(absl::string_view call, size_t index, PageId page, uint64_t offset,
+                          uint64_t bytes) const;
+  BufferSlice SliceOf(PageId page, uint64_t offset, uint64_t bytes) const {
+    const PageLocation location = pages.Locate(page);
+    return {location.slab, location.offset + offset, bytes};
+  }
+  absl::Status CopyStaged(absl::Span<const PageCopy> copies);
+
+  // Null on the direct path.
+  const std::unique_ptr<StagedTransfer> staged_;
+};
+
+absl::Status PagePool::Impl::CheckRange(absl::string_view call, size_t index, PageId page,
+                                        uint64_t offset, uint64_t bytes) const {
+  if (!pages.IsBacked(page)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, "[", index, "]: page ", page, " is not a page of this pool"));
+  }
+  const uint64_t page_bytes = pages.geometry().page_bytes;
+  if (offset > page_bytes || bytes > page_bytes - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(call, "[", index, "]: bytes [", offset, ", ",
+                                                   offset + bytes, ") cross the end of the ",
+                                                   page_bytes, "-byte page ", page));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PagePool::Impl::Write(absl::Span<const WriteRun> runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    RETURN_IF_ERROR(CheckRange("Write", i, runs[i].page, runs[i].offset, runs[i].bytes));
+  }
+  if (staged_ == nullptr) {
+    for (const WriteRun& run : runs) {
+      if (run.bytes > 0) std::memcpy(pages.Locate(run.page).host + run.offset, run.src, run.bytes);
+    }
+    return absl::OkStatus();
+  }
+  std::vector<HostToDevice> writes;
+  writes.reserve(runs.size());
+  for (const WriteRun& run : runs) {
+    writes.push_back(
+        {static_cast<const std::byte*>(run.src), SliceOf(run.page, run.offset, run.bytes)});
+  }
+  return staged_->Write(writes);
+}
+
+absl::Status PagePool::Impl::Read(absl::Span<const ReadRun> runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    RETURN_IF_ERROR(CheckRange("Read", i, runs[i].page, runs[i].offset, runs[i].bytes));
+  }
+  if (staged_ == nullptr) {
+    for (const ReadRun& run : runs) {
+      if (run.bytes > 0) std::memcpy(run.dst, pages.Locate(run.page).host + run.offset, run.bytes);
+    }
+    return absl::OkStatus();
+  }
+  std::vector<DeviceToHost> reads;
+  reads.reserve(runs.size());
+  for (const ReadRun& run : runs) {
+    reads.push_back({SliceOf(run.page, run.offset, run.bytes), static_cast<std::byte*>(run.dst)});
+  }
+  return staged_->Read(reads);
+}
+
+absl::Status PagePool::Impl::Copy(absl::Span<const PageCopy> copies) {
+  for (size_t i = 0; i < copies.size(); ++i) {
+    RETURN_IF_ERROR(CheckRange("Copy", i, copies[i].src, copies[i].offset, copies[i].bytes));
+    RETURN_IF_ERROR(CheckRange("Copy", i, copies[i].dst, copies[i].offset, copies[i].bytes));
+  }
+  if (staged_ != nullptr) return CopyStaged(copies);
+  for (const PageCopy& copy : copies) {
+    if (copy.src == copy.dst || copy.bytes == 0) continue;  // A page onto itself: no-op.
+    std::memcpy(pages.Locate(copy.dst).host + copy.offset,
+                pages.Locate(copy.src).host + copy.offset, copy.bytes);
+  }
+  return absl::OkStatus();
+}
+
+// The copies of one submission run in any order, so a copy that reads a page an
+// earlier copy wrote (or writes one an earlier copy read) starts a new
+// submission: the result is the same as running the list in order, like memcpy.
+absl::Status PagePool::Impl::CopyStaged(absl::Span<const PageCopy> copies) {
+  std::vector<BufferCopy> submission;
+  absl::flat_hash_set<PageId> read_pages;
+  absl::flat_hash_set<PageId> written_pages;
+  for (const PageCopy& copy : copies) {
+    if (copy.src == copy.dst || copy.bytes == 0) continue;
+    if (written_pages.contains(copy.src) || read_pages.contains(copy.dst)) {
+      RETURN_IF_ERROR(staged_->Copy(submission));
+      submission.clear();
+      read_pages.clear();
+      written_pages.clear();
+    }
+    read_pages.insert(copy.src);
+    written_pages.insert(copy.dst);
+    const BufferSlice src = SliceOf(copy.src, copy.offset, copy.bytes);
+    const BufferSlice dst = SliceOf(copy.dst, copy.offset, copy.bytes);
+    submission.push_back({src.buffer, src.offset, dst.buffer, dst.offset, copy.bytes});
+  }
+  return staged_->Copy(submission);
+}
+
+absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
+                                                           const PoolOptions& options) {
+  ASSIGN_OR_RETURN(const PageGeometry geometry, PlanPages(device, options));
+  std::unique_ptr<StagedTransfer> staged;
+  if (!device.direct_host_access()) {
+    ASSIGN_OR_RETURN(staged, StagedTransfer::Create(device, device.options().copy_engine,
+                                                    StagingRingBytes(geometry)));
+  }
+  return std::unique_ptr<PagePool>(
+      new PagePool(std::make_unique<Impl>(device, geometry, std::move(staged))));
+}
+
+PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PagePool::~PagePool() = default;
+
+uint64_t PagePool::page_bytes() const {
+  return impl_->pages.geometry().page_bytes;
+}
+PoolStats PagePool::stats() const {
+  return impl_->pages.stats();
+}
+uint32_t PagePool::available_pages() const {
+  return impl_->pages.available_pages();
+}
+
+absl::Status PagePool::Allocate(uint32_t count, std::vector<PageId>& out) {
+  return impl_->pages.Allocate(count, out);
+}
+void PagePool::Retain(PageId page) {
+  impl_->pages.Retain(page);
+}
+void PagePool::Release(PageId page) {
+  impl_->pages.Release(page);
+}
+uint32_t PagePool::RefCount(PageId page) const {
+  return impl_->pages.RefCount(page);
+}
+
+absl::Status PagePool::Write(absl::Span<const WriteRun> runs) {
+  return impl_->Write(runs);
+}
+absl::Status PagePool::Read(absl::Span<const ReadRun> runs) {
+  return impl_->Read(runs);
+}
+absl::Status PagePool::Copy(absl::Span<const PageCopy> copies) {
+  return impl_->Copy(copies);
+}
+
+}  // namespace kvcache::gpu

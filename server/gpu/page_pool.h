@@ -1,0 +1,106 @@
+// The page pool: device memory cut into fixed-size pages with reference counts.
+//
+//   slab 0 (one VkBuffer)               slab 1                      (allocated lazily,
+//   +--------+--------+-----+--------+  +--------+-----+--------+    up to the budget)
+//   | page 0 | page 1 | ... | page k |  | page k+1 ... | page 2k+1|
+//   +--------+--------+-----+--------+  +--------+-----+--------+
+//   PageId p lives in slab p / pages_per_slab at byte (p % pages_per_slab) * page_bytes.
+//
+// All page metadata (reference counts, the free-list stack) is allocated up front
+// for budget_bytes / page_bytes pages; Allocate and Release are O(1) per page.
+// The pool knows nothing of tokens, layers or caches: it moves bytes in and out
+// of pages and counts who holds them. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gpu/device.h"
+
+namespace kvcache::gpu {
+
+using PageId = uint32_t;
+inline constexpr PageId kNoPage = UINT32_MAX;
+
+struct PoolOptions {
+  uint64_t page_bytes = 64 << 10;
+  // The most device memory the pool may hold, in bytes (rounded down to pages).
+  uint64_t budget_bytes = uint64_t{1} << 30;
+  // Size of one VkBuffer slab; clamped to the device's maxStorageBufferRange and
+  // rounded down to a multiple of page_bytes.
+  uint64_t slab_bytes = 64 << 20;
+};
+
+// Copies `bytes` bytes from host memory into page `page` at byte `offset`.
+struct WriteRun {
+  PageId page;
+  uint64_t offset;
+  const void* src;
+  uint64_t bytes;
+};
+
+// Copies `bytes` bytes out of page `page` at byte `offset` into host memory.
+struct ReadRun {
+  PageId page;
+  uint64_t offset;
+  void* dst;
+  uint64_t bytes;
+};
+
+// Copies bytes [offset, offset + bytes) of page `src` to the same range of `dst`.
+struct PageCopy {
+  PageId src;
+  PageId dst;
+  uint64_t offset;
+  uint64_t bytes;
+};
+
+struct PoolStats {
+  uint64_t page_bytes;
+  uint32_t max_pages;       // budget_bytes / page_bytes
+  uint32_t used_pages;      // pages with a reference count above zero
+  uint32_t backed_pages;    // pages whose slab has been allocated
+  uint32_t slabs;
+};
+
+class PagePool {
+ public:
+  static absl::StatusOr<std::unique_ptr<PagePool>> Create(Device& device, const PoolOptions& options);
+  ~PagePool();
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  uint64_t page_bytes() const;
+  PoolStats stats() const;
+  // Pages that Allocate could still hand out (free list plus unbacked budget).
+  uint32_t available_pages() const;
+
+  // Appends `count` fresh pages (reference count 1, contents undefined) to `out`.
+  // All or nothing: RESOURCE_EXHAUSTED, and `out` unchanged, if the budget or the
+  // device cannot back them.
+  absl::Status Allocate(uint32_t count, std::vector<PageId>& out);
+  void Retain(PageId page);
+  // Drops one reference; the page returns to the free list at zero.
+  void Release(PageId page);
+  uint32_t RefCount(PageId page) const;
+
+  // Bulk transfers. Each call completes before it returns (the bytes are in
+  // device memory, or in host memory for Read). Runs never cross a page end
+  // (INVALID_ARGUMENT, with nothing moved, if one would or names an unbacked
+  // page). The ranges one Write or Read call touches must not overlap; Copy
+  // behaves as if its copies ran one after another, in order.
+  absl::Status Write(absl::Span<const WriteRun> runs);
+  absl::Status Read(absl::Span<const ReadRun> runs);
+  absl::Status Copy(absl::Span<const PageCopy> copies);
+
+ private:
+  class Impl;
+  explicit PagePool(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcache::gpu

@@ -1,0 +1,77 @@
+#include "kv_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "service/handlers.h"
+#include "service/kv_cache_service.h"
+
+namespace kvcache {
+namespace {
+
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen: \"", listen, "\" is not host:port (e.g. 127.0.0.1:50051)"));
+  }
+  return std::make_pair(listen.substr(0, colon), port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const ServerConfig& config) {
+  auto server = std::unique_ptr<KvCacheServer>(new KvCacheServer);
+  ASSIGN_OR_RETURN(auto host_port, SplitHostPort(config.listen));
+  server->host_ = host_port.first;
+  ASSIGN_OR_RETURN(server->device_, gpu::Device::Create(config.device));
+  const gpu::DeviceDescription& device = server->device_->description();
+  const char* path = server->device_->direct_host_access() ? "direct" : "staging";
+  LogInfo("device: %s (%s), transfers: %s", device.name, device.type, path);
+  ASSIGN_OR_RETURN(server->pool_, gpu::PagePool::Create(*server->device_, config.pool));
+  const gpu::PoolStats pool = server->pool_->stats();
+  LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
+          pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
+          config.engine.page_tokens);
+  server->engine_ = std::make_unique<engine::Engine>(*server->pool_, config.engine);
+  server->handlers_ = std::make_unique<service::Handlers>(
+      *server->engine_, service::ServiceOptions{.max_message_bytes = config.max_message_bytes,
+                                                .device_name = device.name,
+                                                .transfer_path = path});
+  server->service_ = std::make_unique<service::KvCacheService>(*server->handlers_);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("listen: cannot listen on ", config.listen));
+  }
+  LogInfo("listening on %s", server->address());
+  return server;
+}
+
+KvCacheServer::~KvCacheServer() {
+  if (server_) server_->Shutdown();
+}
+
+std::string KvCacheServer::address() const { return absl::StrCat(host_, ":", port_); }
+
+void KvCacheServer::Shutdown(absl::Duration grace) {
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+}
+
+void KvCacheServer::Wait() { server_->Wait(); }
+
+}  // namespace kvcache

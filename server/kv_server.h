@@ -1,0 +1,63 @@
+// A running kvcached: device, page pool, engine and the gRPC server around
+// them (with health checking and reflection). main.cc wraps it in flags and
+// signal handling; end-to-end tests start it on a loopback port.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "gpu/device.h"
+#include "gpu/page_pool.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace kvcache {
+namespace service {
+class Handlers;
+class KvCacheService;
+}  // namespace service
+
+struct ServerConfig {
+  // host:port; port 0 picks a free one (see KvCacheServer::port()).
+  std::string listen = "127.0.0.1:50051";
+  gpu::DeviceOptions device;
+  gpu::PoolOptions pool;
+  engine::EngineOptions engine;
+  // The largest message either side may send (gRPC's default is 4 MiB).
+  uint64_t max_message_bytes = 64 << 20;
+};
+
+class KvCacheServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvCacheServer>> Start(const ServerConfig& config);
+  ~KvCacheServer();
+
+  int port() const { return port_; }
+  std::string address() const;
+  // Stops accepting calls, lets in-flight ones finish until `grace` has passed,
+  // then cancels the rest.
+  void Shutdown(absl::Duration grace);
+  void Wait();
+
+  gpu::Device& device() { return *device_; }
+  engine::Engine& engine() { return *engine_; }
+
+ private:
+  KvCacheServer() = default;
+
+  std::string host_;
+  int port_ = 0;
+  std::unique_ptr<gpu::Device> device_;
+  std::unique_ptr<gpu::PagePool> pool_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<service::Handlers> handlers_;
+  std::unique_ptr<service::KvCacheService> service_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace kvcache

@@ -1,0 +1,86 @@
+// kvcached: the KV-cache service. Flags configure the device, the pool and the
+// listening address; SIGTERM or SIGINT stops it gracefully (exit 0).
+#include <csignal>
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "core/log.h"
+#include "kv_server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");
+ABSL_FLAG(std::string, device, "",
+          "Vulkan device: empty picks the best (discrete, integrated, CPU); a number picks by "
+          "index; other text picks the first device whose name contains it");
+ABSL_FLAG(bool, list_devices, false, "print the Vulkan devices and exit");
+ABSL_FLAG(uint64_t, pool_bytes, uint64_t{1} << 30, "device memory budget of the page pool");
+ABSL_FLAG(uint64_t, page_bytes, 64 << 10,
+          "bytes per pool page; a page holds as many tokens of one layer (all rows, heads, K and V) as fit");
+ABSL_FLAG(uint32_t, page_tokens, 256, "most tokens per page");
+ABSL_FLAG(uint64_t, max_message_bytes, 64 << 20, "largest gRPC message either side may send");
+ABSL_FLAG(uint64_t, max_update_tokens, 1 << 16, "most tokens one Update message may carry");
+ABSL_FLAG(bool, force_staging, false,
+          "use staging buffers and transfer commands even where device memory is host-visible");
+ABSL_FLAG(bool, validation, false, "enable the Vulkan validation layer (debugging)");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
+          "how long in-flight calls may run after SIGTERM/SIGINT");
+
+namespace {
+
+kvcache::ServerConfig ConfigFromFlags() {
+  kvcache::ServerConfig config;
+  config.listen = absl::GetFlag(FLAGS_listen);
+  config.device.selector = absl::GetFlag(FLAGS_device);
+  config.device.force_staging = absl::GetFlag(FLAGS_force_staging);
+  config.device.enable_validation = absl::GetFlag(FLAGS_validation);
+  config.pool.budget_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  config.pool.page_bytes = absl::GetFlag(FLAGS_page_bytes);
+  config.engine.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  config.engine.max_update_tokens = absl::GetFlag(FLAGS_max_update_tokens);
+  config.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  return config;
+}
+
+int ListDevices() {
+  auto devices = kvcache::gpu::Device::List();
+  if (!devices.ok()) {
+    kvcache::LogError("%s", devices.status().ToString());
+    return 1;
+  }
+  for (const auto& device : *devices) {
+    std::printf("%u: %s (%s)\n", device.index, device.name.c_str(), device.type.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("kvcached: GPU-resident KV-cache pools and snapshots over gRPC");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_list_devices)) return ListDevices();
+
+  // Block the stop signals in every thread (gRPC's too); main waits for them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto server = kvcache::KvCacheServer::Start(ConfigFromFlags());
+  if (!server.ok()) {
+    kvcache::LogError("cannot start: %s", server.status().ToString());
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
+  kvcache::LogInfo("%s: stopping (in-flight calls get %s)", strsignal(signal_number),
+                   absl::FormatDuration(grace));
+  (*server)->Shutdown(grace);
+  (*server)->Wait();
+  kvcache::LogInfo("stopped");
+  return 0;
+}

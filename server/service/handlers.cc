@@ -1,0 +1,221 @@
+#include "service/handlers.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+#include "service/convert.h"
+#include "service/validation.h"
+
+namespace kvcache::service {
+
+Handlers::Handlers(engine::Engine& engine, ServiceOptions options)
+    : engine_(engine), options_(std::move(options)) {}
+
+absl::Status Handlers::CreateCache(const v1::CreateCacheRequest& request,
+                                   v1::CacheInfo* response) {
+  ASSIGN_OR_RETURN(engine::CacheSpec spec, FromProto(request.spec()));
+  ASSIGN_OR_RETURN(engine::CacheInfo info, engine_.CreateCache(spec));
+  ToProto(info, response);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::GetCache(const v1::GetCacheRequest& request, v1::CacheInfo* response) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  ASSIGN_OR_RETURN(engine::CacheInfo info, engine_.GetCache(request.cache_id()));
+  ToProto(info, response);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::ListCaches(const v1::ListCachesRequest&, v1::ListCachesResponse* response) {
+  for (const engine::CacheInfo& info : engine_.ListCaches()) ToProto(info, response->add_caches());
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::DeleteCache(const v1::DeleteCacheRequest& request,
+                                   v1::DeleteCacheResponse*) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  return engine_.DeleteCache(request.cache_id());
+}
+
+absl::Status Handlers::Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+                              v1::UpdateResponse* response) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  engine::CacheSpec looked_up;
+  if (spec == nullptr) {
+    ASSIGN_OR_RETURN(looked_up, engine_.GetSpec(request.cache_id()));
+    spec = &looked_up;
+  }
+  ASSIGN_OR_RETURN(const uint64_t tokens,
+                   CheckKvTensors(*spec, request.layer(), request.keys(), request.values()));
+  const engine::KvInput kv{
+      .keys = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(request.keys().data().data()),
+                                  request.keys().data().size()),
+      .values = absl::MakeConstSpan(
+          reinterpret_cast<const std::byte*>(request.values().data().data()),
+          request.values().data().size()),
+      .tokens = tokens};
+  std::optional<uint64_t> expected;
+  if (request.has_expected_offset()) expected = request.expected_offset();
+  ASSIGN_OR_RETURN(const uint64_t offset,
+                   engine_.Update(request.cache_id(), request.layer(), kv, expected));
+  response->set_layer(request.layer());
+  response->set_offset(offset);
+  return absl::OkStatus();
+}
+
+uint64_t Handlers::ChunkTokens(const engine::CacheSpec& spec, uint32_t layer,
+                               uint32_t requested) const {
+  const engine::LayerSpec& l = spec.layers[layer];
+  const uint64_t token_bytes =
+      uint64_t{spec.batch_size} * l.num_kv_heads * (l.k_head_dim + l.v_head_dim) * DTypeSize(spec.dtype);
+  // Leave room for the message's own fields under the size limit.
+  const uint64_t fits = std::max<uint64_t>(1, (options_.max_message_bytes - 4096) / token_bytes);
+  const uint64_t wanted =
+      requested != 0 ? requested : std::max<uint64_t>(1, options_.fetch_chunk_bytes / token_bytes);
+  return std::min(wanted, fits);
+}
+
+absl::Status Handlers::CheckFetchLayers(const v1::FetchRequest& request,
+                                        const engine::CacheSpec& spec,
+                                        std::vector<uint32_t>& layers) const {
+  for (int i = 0; i < request.layers_size(); ++i) {
+    if (request.layers(i) >= spec.layers.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layers[%d]: %d is out of range; the cache has %d layers", i, request.layers(i),
+          spec.layers.size()));
+    }
+    layers.push_back(request.layers(i));
+  }
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < spec.layers.size(); ++l) layers.push_back(l);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
+  if (request.cache_id().empty() && request.snapshot_id().empty()) {
+    return absl::InvalidArgumentError("cache_id: set cache_id or snapshot_id");
+  }
+  const uint64_t end = request.has_end() ? request.end() : UINT64_MAX;
+  if (end < request.start()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("end: %d is below start %d", end, request.start()));
+  }
+  FetchPlan plan;
+  ASSIGN_OR_RETURN(plan.view, engine_.View(request.cache_id(), request.snapshot_id()));
+  std::vector<uint32_t> layers;
+  RETURN_IF_ERROR(CheckFetchLayers(request, plan.view->spec, layers));
+  for (uint32_t layer : layers) {
+    const uint64_t step = ChunkTokens(plan.view->spec, layer, request.max_chunk_tokens());
+    for (const engine::TokenRange& range : plan.view->Ranges(layer, {request.start(), end})) {
+      for (uint64_t begin = range.begin; begin < range.end; begin += step) {
+        plan.chunks.push_back({layer, {begin, std::min(range.end, begin + step)}});
+      }
+    }
+  }
+  return plan;
+}
+
+absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
+                                      v1::FetchResponse* response) {
+  const FetchPlan::Chunk& chunk = plan.chunks[index];
+  const engine::CacheSpec& spec = plan.view->spec;
+  const engine::LayerSpec& layer = spec.layers[chunk.layer];
+  const uint64_t tokens = chunk.range.size();
+  const uint64_t elem = DTypeSize(spec.dtype);
+  const uint64_t rows = uint64_t{spec.batch_size} * layer.num_kv_heads * tokens;
+  std::string* keys = response->mutable_keys()->mutable_data();
+  std::string* values = response->mutable_values()->mutable_data();
+  keys->resize(rows * layer.k_head_dim * elem);
+  values->resize(rows * layer.v_head_dim * elem);
+  for (auto [tensor, dim] : {std::pair{response->mutable_keys(), layer.k_head_dim},
+                             std::pair{response->mutable_values(), layer.v_head_dim}}) {
+    tensor->set_dtype(ToProto(spec.dtype));
+    for (uint64_t d : {uint64_t{spec.batch_size}, uint64_t{layer.num_kv_heads}, tokens, uint64_t{dim}}) {
+      tensor->add_shape(d);
+    }
+  }
+  response->set_layer(chunk.layer);
+  response->set_start(chunk.range.begin);
+  const engine::KvOutput out{
+      .keys = absl::MakeSpan(reinterpret_cast<std::byte*>(keys->data()), keys->size()),
+      .values = absl::MakeSpan(reinterpret_cast<std::byte*>(values->data()), values->size())};
+  return plan.view->Read(chunk.layer, chunk.range, out);
+}
+
+absl::Status Handlers::Trim(const v1::TrimRequest& request, v1::TrimResponse* response) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  ASSIGN_OR_RETURN(const uint64_t trimmed, engine_.Trim(request.cache_id(), request.n()));
+  ASSIGN_OR_RETURN(engine::CacheInfo info, engine_.GetCache(request.cache_id()));
+  response->set_trimmed(trimmed);
+  ToProto(info, response->mutable_cache());
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  ASSIGN_OR_RETURN(engine::SnapshotInfo info,
+                   engine_.Snapshot(request.cache_id(), request.from_offset(), request.pinned()));
+  ToProto(info, response);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::Restore(const v1::RestoreRequest& request, v1::CacheInfo* response) {
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  ASSIGN_OR_RETURN(engine::CacheInfo info,
+                   engine_.Restore(request.cache_id(), request.snapshot_id(),
+                                   request.target_offset()));
+  ToProto(info, response);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::MergeSnapshots(const v1::MergeSnapshotsRequest& request,
+                                      v1::SnapshotInfo* response) {
+  RETURN_IF_ERROR(RequireId("parent_id", request.parent_id()));
+  RETURN_IF_ERROR(RequireId("child_id", request.child_id()));
+  ASSIGN_OR_RETURN(engine::SnapshotInfo info,
+                   engine_.MergeSnapshots(request.parent_id(), request.child_id()));
+  ToProto(info, response);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::SplitSnapshot(const v1::SplitSnapshotRequest& request,
+                                     v1::SplitSnapshotResponse* response) {
+  RETURN_IF_ERROR(RequireId("snapshot_id", request.snapshot_id()));
+  ASSIGN_OR_RETURN(auto halves, engine_.SplitSnapshot(request.snapshot_id(), request.at()));
+  ToProto(halves.first, response->mutable_parent());
+  ToProto(halves.second, response->mutable_child());
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::ReleaseSnapshot(const v1::ReleaseSnapshotRequest& request,
+                                       v1::ReleaseSnapshotResponse*) {
+  RETURN_IF_ERROR(RequireId("snapshot_id", request.snapshot_id()));
+  return engine_.ReleaseSnapshot(request.snapshot_id());
+}
+
+absl::Status Handlers::ListSnapshots(const v1::ListSnapshotsRequest& request,
+                                     v1::ListSnapshotsResponse* response) {
+  for (const engine::SnapshotInfo& info : engine_.ListSnapshots(request.cache_id())) {
+    ToProto(info, response->add_snapshots());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response) {
+  const engine::EngineStats stats = engine_.Stats();
+  response->set_device(options_.device_name);
+  response->set_transfer_path(options_.transfer_path);
+  response->set_page_bytes(stats.pool.page_bytes);
+  response->set_pages_total(stats.pool.max_pages);
+  response->set_pages_used(stats.pool.used_pages);
+  response->set_pool_bytes_total(uint64_t{stats.pool.max_pages} * stats.pool.page_bytes);
+  response->set_pool_bytes_used(uint64_t{stats.pool.used_pages} * stats.pool.page_bytes);
+  response->set_caches(stats.caches);
+  response->set_snapshots(stats.snapshots);
+  response->set_evictions(0);
+  return absl::OkStatus();
+}
+
+}  // namespace kvcache::service

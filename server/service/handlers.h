@@ -1,0 +1,80 @@
+// One handler per RPC: validate, call the engine, fill the response. No gRPC
+// types beyond the generated messages, so they are tested without a network;
+// the callback service (kv_cache_service.h) only moves messages and maps
+// statuses.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcache::service {
+
+struct ServiceOptions {
+  // A Fetch chunk aims at this many K+V bytes when the client sets no token cap.
+  uint64_t fetch_chunk_bytes = 1 << 20;
+  // The largest message either side may send; chunks stay below it.
+  uint64_t max_message_bytes = 64 << 20;
+  // Reported by GetStats.
+  std::string device_name;
+  std::string transfer_path;
+};
+
+// What a Fetch sends: a consistent view and the chunks to cut from it.
+struct FetchPlan {
+  struct Chunk {
+    uint32_t layer;
+    engine::TokenRange range;
+  };
+  std::shared_ptr<const engine::CacheSnapshot> view;
+  std::vector<Chunk> chunks;
+};
+
+class Handlers {
+ public:
+  Handlers(engine::Engine& engine, ServiceOptions options);
+
+  const ServiceOptions& options() const { return options_; }
+
+  absl::Status CreateCache(const v1::CreateCacheRequest& request, v1::CacheInfo* response);
+  absl::Status GetCache(const v1::GetCacheRequest& request, v1::CacheInfo* response);
+  absl::Status ListCaches(const v1::ListCachesRequest& request, v1::ListCachesResponse* response);
+  absl::Status DeleteCache(const v1::DeleteCacheRequest& request,
+                           v1::DeleteCacheResponse* response);
+  // One message of an Update stream. `spec` is the cache's spec when the
+  // caller has it at hand (streams look it up once per cache), else null.
+  absl::Status Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+                      v1::UpdateResponse* response);
+  absl::StatusOr<FetchPlan> PlanFetch(const v1::FetchRequest& request);
+  absl::Status FillFetchChunk(const FetchPlan& plan, size_t index, v1::FetchResponse* response);
+  absl::Status Trim(const v1::TrimRequest& request, v1::TrimResponse* response);
+  absl::Status Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response);
+  absl::Status Restore(const v1::RestoreRequest& request, v1::CacheInfo* response);
+  absl::Status MergeSnapshots(const v1::MergeSnapshotsRequest& request,
+                              v1::SnapshotInfo* response);
+  absl::Status SplitSnapshot(const v1::SplitSnapshotRequest& request,
+                             v1::SplitSnapshotResponse* response);
+  absl::Status ReleaseSnapshot(const v1::ReleaseSnapshotRequest& request,
+                               v1::ReleaseSnapshotResponse* response);
+  absl::Status ListSnapshots(const v1::ListSnapshotsRequest& request,
+                             v1::ListSnapshotsResponse* response);
+  absl::Status GetStats(const v1::GetStatsRequest& request, v1::Stats* response);
+
+  engine::Engine& engine() { return engine_; }
+
+ private:
+  uint64_t ChunkTokens(const engine::CacheSpec& spec, uint32_t layer, uint32_t requested) const;
+  absl::Status CheckFetchLayers(const v1::FetchRequest& request, const engine::CacheSpec& spec,
+                                std::vector<uint32_t>& layers) const;
+
+  engine::Engine& engine_;
+  const ServiceOptions options_;
+};
+
+}  // namespace kvcache::service

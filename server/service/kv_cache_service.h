@@ -1,0 +1,59 @@
+// The gRPC face of kvcached: a thin callback service that hands each call to
+// Handlers and maps the returned absl::Status to a grpc::Status, code for code.
+#pragma once
+
+#include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/handlers.h"
+
+namespace kvcache::service {
+
+class KvCacheService final : public v1::KvCacheService::CallbackService {
+ public:
+  explicit KvCacheService(Handlers& handlers) : handlers_(handlers) {}
+
+  grpc::ServerUnaryReactor* CreateCache(grpc::CallbackServerContext* context,
+                                        const v1::CreateCacheRequest* request,
+                                        v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* GetCache(grpc::CallbackServerContext* context,
+                                     const v1::GetCacheRequest* request,
+                                     v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* ListCaches(grpc::CallbackServerContext* context,
+                                       const v1::ListCachesRequest* request,
+                                       v1::ListCachesResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
+                                        const v1::DeleteCacheRequest* request,
+                                        v1::DeleteCacheResponse* response) override;
+  grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse>* Update(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerWriteReactor<v1::FetchResponse>* Fetch(grpc::CallbackServerContext* context,
+                                                     const v1::FetchRequest* request) override;
+  grpc::ServerUnaryReactor* Trim(grpc::CallbackServerContext* context,
+                                 const v1::TrimRequest* request,
+                                 v1::TrimResponse* response) override;
+  grpc::ServerUnaryReactor* Snapshot(grpc::CallbackServerContext* context,
+                                     const v1::SnapshotRequest* request,
+                                     v1::SnapshotInfo* response) override;
+  grpc::ServerUnaryReactor* Restore(grpc::CallbackServerContext* context,
+                                    const v1::RestoreRequest* request,
+                                    v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* MergeSnapshots(grpc::CallbackServerContext* context,
+                                           const v1::MergeSnapshotsRequest* request,
+                                           v1::SnapshotInfo* response) override;
+  grpc::ServerUnaryReactor* SplitSnapshot(grpc::CallbackServerContext* context,
+                                          const v1::SplitSnapshotRequest* request,
+                                          v1::SplitSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSnapshot(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSnapshotRequest* request,
+                                            v1::ReleaseSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* ListSnapshots(grpc::CallbackServerContext* context,
+                                          const v1::ListSnapshotsRequest* request,
+                                          v1::ListSnapshotsResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::Stats* response) override;
+
+ private:
+  Handlers& handlers_;
+};
+
+}  // namespace kvcache::service

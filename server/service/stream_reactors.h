@@ -1,0 +1,66 @@
+// Reactors of the two streaming RPCs. Each owns its state and deletes itself
+// in OnDone, as gRPC's callback API expects.
+#pragma once
+
+#include <deque>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/handlers.h"
+
+namespace kvcache::service {
+
+// Update: reads, applies and acknowledges requests in order. The next read is
+// started as soon as a request is applied, so acknowledgements are written
+// while the worker's next messages arrive. The first failing request ends the
+// stream with its status, after the acknowledgements of those before it.
+class UpdateReactor final : public grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse> {
+ public:
+  explicit UpdateReactor(Handlers& handlers);
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnDone() override { delete this; }
+
+ private:
+  // What to start once the mutex is released (gRPC may run a reaction inline,
+  // so no operation is started while holding it).
+  enum class Next { kNothing, kWrite, kFinish };
+
+  absl::Status Apply(v1::UpdateResponse* response);
+  Next PickNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  void Start(Next next);
+
+  Handlers& handlers_;
+  v1::UpdateRequest request_;          // touched only by the read path
+  std::string spec_cache_id_;          // the cache `spec_` belongs to
+  engine::CacheSpec spec_;
+  absl::Mutex mutex_;
+  std::deque<v1::UpdateResponse> acks_ ABSL_GUARDED_BY(mutex_);
+  v1::UpdateResponse writing_ack_ ABSL_GUARDED_BY(mutex_);
+  bool writing_ ABSL_GUARDED_BY(mutex_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mutex_) = false;
+  std::optional<grpc::Status> final_status_ ABSL_GUARDED_BY(mutex_);  // set when reads end
+  bool finished_ ABSL_GUARDED_BY(mutex_) = false;
+};
+
+// Fetch: plans the chunks from one consistent view, then fills and writes them
+// one after another.
+class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
+ public:
+  FetchReactor(Handlers& handlers, const v1::FetchRequest& request);
+  void OnWriteDone(bool ok) override;
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext();
+
+  Handlers& handlers_;
+  FetchPlan plan_;
+  size_t next_ = 0;
+  v1::FetchResponse response_;
+};
+
+}  // namespace kvcache::service

@@ -1,0 +1,147 @@
+// Device listing and selection, memory types, and the status mapping.
+#include "gpu/device.h"
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gpu/device_selection.h"
+#include "gtest/gtest.h"
+#include "support/gpu_test_base.h"
+
+namespace kvcache::gpu {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TransferPath;
+
+DeviceDescription Fake(uint32_t index, std::string name, std::string type,
+                       uint32_t api_version = VK_API_VERSION_1_3) {
+  return {index, std::move(name), std::move(type), api_version};
+}
+
+const std::vector<DeviceDescription> kFakeDevices = {
+    Fake(0, "llvmpipe (LLVM 15.0.6, 256 bits)", "cpu"),
+    Fake(1, "Intel(R) UHD Graphics 630", "integrated"),
+    Fake(2, "NVIDIA GeForce RTX 4090", "discrete"),
+    Fake(3, "Old Discrete", "discrete", VK_API_VERSION_1_1),
+};
+
+TEST(SelectDeviceTest, EmptySelectorPrefersDiscreteThenIntegratedThenCpu) {
+  EXPECT_EQ(SelectDevice(kFakeDevices, "").value(), 2u);
+  EXPECT_EQ(SelectDevice({kFakeDevices[0], kFakeDevices[1]}, "").value(), 1u);
+  EXPECT_EQ(SelectDevice({kFakeDevices[0]}, "").value(), 0u);
+  EXPECT_EQ(SelectDevice({Fake(0, "a", "other"), Fake(1, "b", "virtual")}, "").value(), 1u);
+}
+
+TEST(SelectDeviceTest, EmptySelectorSkipsDevicesOlderThanVulkan12) {
+  EXPECT_EQ(SelectDevice({kFakeDevices[3], kFakeDevices[0]}, "").value(), 1u);
+}
+
+TEST(SelectDeviceTest, DigitsPickByIndex) {
+  EXPECT_EQ(SelectDevice(kFakeDevices, "0").value(), 0u);
+  EXPECT_EQ(SelectDevice(kFakeDevices, "3").value(), 3u);
+  EXPECT_EQ(SelectDevice(kFakeDevices, "4").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SelectDeviceTest, OtherSelectorsMatchNameSubstringIgnoringCase) {
+  EXPECT_EQ(SelectDevice(kFakeDevices, "rtx").value(), 2u);
+  EXPECT_EQ(SelectDevice(kFakeDevices, "LLVMPIPE").value(), 0u);
+  const absl::Status missing = SelectDevice(kFakeDevices, "radeon").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), HasSubstr("radeon"));
+}
+
+TEST(DeviceTest, ListFindsLavapipe) {
+  const auto devices = Device::List();
+  ASSERT_TRUE(devices.ok()) << devices.status();
+  ASSERT_FALSE(devices->empty());
+  bool found_cpu = false;
+  for (const DeviceDescription& device : *devices) found_cpu |= device.type == "cpu";
+  EXPECT_TRUE(found_cpu) << "lavapipe (mesa-vulkan-drivers) should be installed";
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateWithSelector(std::string selector) {
+  DeviceOptions options;
+  options.selector = std::move(selector);
+  return Device::Create(options);
+}
+
+TEST(DeviceTest, CreatesBySelectorKinds) {
+  const auto devices = Device::List();
+  ASSERT_TRUE(devices.ok()) << devices.status();
+  auto automatic = CreateWithSelector("");
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  EXPECT_EQ((*automatic)->description().index, SelectDevice(*devices, "").value());
+  auto by_index = CreateWithSelector("0");
+  ASSERT_TRUE(by_index.ok()) << by_index.status();
+  EXPECT_EQ((*by_index)->description().name, (*devices)[0].name);
+  auto by_name = CreateWithSelector("LLVMpipe");
+  ASSERT_TRUE(by_name.ok()) << by_name.status();
+  EXPECT_EQ((*by_name)->description().type, "cpu");
+  EXPECT_GE((*by_name)->description().api_version, VK_API_VERSION_1_2);
+}
+
+TEST(DeviceTest, UnknownSelectorIsNotFoundNamingIt) {
+  const auto device = CreateWithSelector("no-such-gpu-anywhere");
+  EXPECT_EQ(device.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(device.status().message(), HasSubstr("no-such-gpu-anywhere"));
+  EXPECT_EQ(CreateWithSelector("999").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(DeviceTest, TestDevicesTakeTheirTransferPaths) {
+  Device& direct = testing::TestDevice(TransferPath::kDirect);
+  if (direct.description().type == "cpu") {
+    EXPECT_TRUE(direct.direct_host_access());
+  }
+  EXPECT_FALSE(testing::TestDevice(TransferPath::kStagingRegions).direct_host_access());
+  Device& shader = testing::TestDevice(TransferPath::kStagingShader);
+  EXPECT_FALSE(shader.direct_host_access());
+  EXPECT_EQ(shader.options().copy_engine, CopyEngine::kComputeShader);
+  EXPECT_TRUE(shader.options().enable_validation);
+  EXPECT_GE(shader.max_storage_buffer_range(), uint64_t{1} << 27);
+}
+
+TEST(DeviceTest, FindsMemoryTypes) {
+  const Device& device = testing::TestDevice(TransferPath::kDirect);
+  const auto host = device.FindMemoryType(~0u, vk::MemoryPropertyFlagBits::eHostVisible,
+                                          vk::MemoryPropertyFlagBits::eHostCached);
+  EXPECT_TRUE(host.ok()) << host.status();
+  const auto none = device.FindMemoryType(0u, vk::MemoryPropertyFlagBits::eDeviceLocal, {});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// The layer must be live, or "no validation messages" would prove nothing.
+TEST(DeviceTest, RecordsValidationMessages) {
+  DeviceOptions options;
+  options.enable_validation = true;
+  auto device = Device::Create(options);
+  ASSERT_TRUE(device.ok()) << device.status();
+  EXPECT_EQ((*device)->validation_message_count(), 0u);
+  // Usage 0 breaks VUID-VkBufferCreateInfo-usage-requiredbitmask; drivers cope.
+  vk::raii::Buffer buffer((*device)->device(), vk::BufferCreateInfo({}, 64, {}));
+  EXPECT_GE((*device)->validation_message_count(), 1u);
+  ASSERT_FALSE((*device)->validation_messages().empty());
+  EXPECT_THAT((*device)->validation_messages()[0], HasSubstr("usage"));
+}
+
+TEST(VkStatusTest, MapsResults) {
+  EXPECT_TRUE(VkStatus(vk::Result::eSuccess, "x").ok());
+  EXPECT_EQ(VkStatus(vk::Result::eErrorOutOfDeviceMemory, "x").code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(VkStatus(vk::Result::eErrorOutOfHostMemory, "x").code(),
+            absl::StatusCode::kResourceExhausted);
+  const absl::Status lost = VkStatus(vk::Result::eErrorDeviceLost, "submit copies");
+  EXPECT_EQ(lost.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(lost.message(), HasSubstr("submit copies"));
+}
+
+TEST(VkStatusTest, VkTryTurnsExceptionsIntoStatuses) {
+  const absl::Status status =
+      VkTry("allocate", []() -> absl::Status { throw vk::OutOfDeviceMemoryError("test"); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(status.message(), HasSubstr("allocate"));
+}
+
+}  // namespace
+}  // namespace kvcache::gpu

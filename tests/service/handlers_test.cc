@@ -1,0 +1,253 @@
+// Handler tests without a network: every validation rule answers with the
+// right code, names the field, and changes nothing.
+#include "service/handlers.h"
+
+#include <memory>
+#include <random>
+
+#include "engine_test_util.h"
+#include "gtest/gtest.h"
+#include "service_test_util.h"
+#include "support/gpu_test_base.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+class HandlersTest : public GpuTestBase {
+ protected:
+  void SetUp() override {
+    GpuTestBase::SetUp();
+    pool_ = MakePool(64 << 10, 64 << 20);
+    ASSERT_NE(pool_, nullptr);
+    engine_ = std::make_unique<engine::Engine>(
+        *pool_, engine::EngineOptions{.page_tokens = 16, .max_update_tokens = 64});
+    handlers_ = std::make_unique<service::Handlers>(
+        *engine_, service::ServiceOptions{.device_name = "test", .transfer_path = "direct"});
+    spec_ = ProtoSpec(2, 2, 8, /*window=*/8);
+    v1::CreateCacheRequest create;
+    *create.mutable_spec() = spec_;
+    v1::CacheInfo info;
+    ASSERT_TRUE(handlers_->CreateCache(create, &info).ok());
+    cache_id_ = info.cache_id();
+    for (uint32_t layer = 0; layer < 3; ++layer) {
+      v1::UpdateResponse ack;
+      ASSERT_TRUE(handlers_->Update(RandomUpdate(cache_id_, spec_, layer, 5, rng_), nullptr, &ack).ok());
+    }
+    v1::SnapshotRequest snap;
+    snap.set_cache_id(cache_id_);
+    v1::SnapshotInfo snapshot;
+    ASSERT_TRUE(handlers_->Snapshot(snap, &snapshot).ok());
+    snapshot_id_ = snapshot.snapshot_id();
+  }
+
+  void TearDown() override {
+    if (engine_) {
+      ReleaseEverything(*engine_);
+      EXPECT_EQ(pool_->stats().used_pages, 0u) << "pages leaked";
+    }
+    handlers_.reset();
+    engine_.reset();
+    pool_.reset();
+    GpuTestBase::TearDown();
+  }
+
+  // Runs `call`, expects `code` with `field` in the message, and no change.
+  template <typename Call>
+  void ExpectRefused(absl::StatusCode code, const std::string& field, Call&& call) {
+    const EngineFingerprint before = Fingerprint(*engine_);
+    const absl::Status status = call();
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(field));
+    EXPECT_TRUE(Fingerprint(*engine_) == before) << "a refused call changed state";
+  }
+
+  absl::Status Update(const v1::UpdateRequest& request) {
+    v1::UpdateResponse ack;
+    return handlers_->Update(request, nullptr, &ack);
+  }
+
+  std::mt19937_64 rng_{42};
+  std::unique_ptr<gpu::PagePool> pool_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<service::Handlers> handlers_;
+  v1::CacheSpec spec_;
+  std::string cache_id_;
+  std::string snapshot_id_;
+};
+
+TEST_P(HandlersTest, CreateCacheRefusesMalformedSpecs) {
+  const auto create = [&](v1::CacheSpec spec) {
+    return [this, spec] {
+      v1::CreateCacheRequest request;
+      *request.mutable_spec() = spec;
+      v1::CacheInfo info;
+      return handlers_->CreateCache(request, &info);
+    };
+  };
+  using Code = absl::StatusCode;
+  ExpectRefused(Code::kInvalidArgument, "spec.layers", create(ProtoSpec(0, 2, 8)));
+  v1::CacheSpec spec = spec_;
+  spec.set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectRefused(Code::kInvalidArgument, "spec.dtype", create(spec));
+  spec = spec_;
+  spec.mutable_layers(1)->clear_kind();
+  ExpectRefused(Code::kInvalidArgument, "spec.layers[1].kind", create(spec));
+  spec = spec_;
+  spec.mutable_layers(0)->set_num_kv_heads(0);
+  ExpectRefused(Code::kInvalidArgument, "layers[0].num_kv_heads", create(spec));
+  spec = spec_;
+  spec.mutable_layers(1)->set_k_head_dim(0);
+  ExpectRefused(Code::kInvalidArgument, "layers[1].k_head_dim", create(spec));
+  spec = spec_;
+  spec.mutable_layers(2)->mutable_rotating()->set_keep(8);
+  ExpectRefused(Code::kInvalidArgument, "layers[2].rotating.keep", create(spec));
+  spec = spec_;
+  spec.mutable_layers(2)->mutable_rotating()->set_max_size(0);
+  ExpectRefused(Code::kInvalidArgument, "layers[2].rotating.max_size", create(spec));
+  spec = spec_;
+  spec.mutable_layers(0)->set_k_head_dim(1 << 20);
+  ExpectRefused(Code::kInvalidArgument, "layers[0].k_head_dim", create(spec));
+}
+
+TEST_P(HandlersTest, UpdateRefusesEachMalformedField) {
+  using Code = absl::StatusCode;
+  const v1::UpdateRequest good = RandomUpdate(cache_id_, spec_, 0, 3, rng_);
+  const auto refuse = [&](Code code, const std::string& field, auto mutate) {
+    v1::UpdateRequest request = good;
+    mutate(request);
+    ExpectRefused(code, field, [&] { return Update(request); });
+  };
+  refuse(Code::kInvalidArgument, "cache_id", [](auto& r) { r.clear_cache_id(); });
+  refuse(Code::kNotFound, "cache_id", [](auto& r) { r.set_cache_id("0123456789abcdef"); });
+  refuse(Code::kInvalidArgument, "layer", [](auto& r) { r.set_layer(3); });
+  refuse(Code::kInvalidArgument, "keys.dtype", [](auto& r) { r.mutable_keys()->set_dtype(v1::DTYPE_FLOAT32); });
+  refuse(Code::kInvalidArgument, "values.dtype", [](auto& r) { r.mutable_values()->set_dtype(v1::DTYPE_BFLOAT16); });
+  refuse(Code::kInvalidArgument, "keys.shape", [](auto& r) { r.mutable_keys()->mutable_shape()->RemoveLast(); });
+  refuse(Code::kInvalidArgument, "keys.shape[0]", [](auto& r) { r.mutable_keys()->set_shape(0, 2); });
+  refuse(Code::kInvalidArgument, "keys.shape[1]", [](auto& r) { r.mutable_keys()->set_shape(1, 3); });
+  refuse(Code::kInvalidArgument, "keys.shape[2]", [](auto& r) { r.mutable_keys()->set_shape(2, 0); });
+  refuse(Code::kInvalidArgument, "keys.shape[3]", [](auto& r) { r.mutable_keys()->set_shape(3, 16); });
+  refuse(Code::kInvalidArgument, "values.shape[2]", [](auto& r) { r.mutable_values()->set_shape(2, 4); });
+  refuse(Code::kInvalidArgument, "keys.data", [](auto& r) { r.mutable_keys()->mutable_data()->pop_back(); });
+  refuse(Code::kInvalidArgument, "values.data", [](auto& r) { r.mutable_values()->mutable_data()->append("xy"); });
+  refuse(Code::kFailedPrecondition, "expected_offset", [](auto& r) { r.set_expected_offset(4); });
+  const v1::UpdateRequest too_long = RandomUpdate(cache_id_, spec_, 0, 65, rng_);
+  ExpectRefused(Code::kInvalidArgument, "tokens", [&] { return Update(too_long); });
+}
+
+TEST_P(HandlersTest, UpdateAppliesAndAcknowledges) {
+  v1::UpdateRequest request = RandomUpdate(cache_id_, spec_, 1, 3, rng_);
+  request.set_expected_offset(5);
+  v1::UpdateResponse ack;
+  ASSERT_TRUE(handlers_->Update(request, nullptr, &ack).ok());
+  EXPECT_EQ(ack.layer(), 1u);
+  EXPECT_EQ(ack.offset(), 8u);
+  v1::GetCacheRequest get;
+  get.set_cache_id(cache_id_);
+  v1::CacheInfo info;
+  ASSERT_TRUE(handlers_->GetCache(get, &info).ok());
+  EXPECT_FALSE(info.in_step());
+  EXPECT_EQ(info.offset(), 5u);
+  EXPECT_EQ(info.layer_offsets(1), 8u);
+}
+
+TEST_P(HandlersTest, IdsAreRequiredAndLookedUp) {
+  using Code = absl::StatusCode;
+  v1::TrimRequest trim;
+  v1::TrimResponse trimmed;
+  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] { return handlers_->Trim(trim, &trimmed); });
+  v1::SnapshotRequest snap;
+  v1::SnapshotInfo info;
+  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] { return handlers_->Snapshot(snap, &info); });
+  snap.set_cache_id("nope");
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return handlers_->Snapshot(snap, &info); });
+  v1::RestoreRequest restore;
+  restore.set_cache_id(cache_id_);
+  restore.set_snapshot_id("nope");
+  v1::CacheInfo cache;
+  ExpectRefused(Code::kNotFound, "snapshot_id", [&] { return handlers_->Restore(restore, &cache); });
+  v1::MergeSnapshotsRequest merge;
+  merge.set_parent_id(snapshot_id_);
+  ExpectRefused(Code::kInvalidArgument, "child_id", [&] { return handlers_->MergeSnapshots(merge, &info); });
+  merge.set_child_id("nope");
+  ExpectRefused(Code::kNotFound, "snapshot_id", [&] { return handlers_->MergeSnapshots(merge, &info); });
+  v1::SplitSnapshotRequest split;
+  v1::SplitSnapshotResponse halves;
+  ExpectRefused(Code::kInvalidArgument, "snapshot_id", [&] { return handlers_->SplitSnapshot(split, &halves); });
+  split.set_snapshot_id(snapshot_id_);
+  split.set_at(5);
+  ExpectRefused(Code::kFailedPrecondition, "split point", [&] { return handlers_->SplitSnapshot(split, &halves); });
+  v1::ReleaseSnapshotRequest release;
+  v1::ReleaseSnapshotResponse released;
+  ExpectRefused(Code::kInvalidArgument, "snapshot_id", [&] { return handlers_->ReleaseSnapshot(release, &released); });
+  v1::DeleteCacheRequest remove;
+  remove.set_cache_id("nope");
+  v1::DeleteCacheResponse removed;
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return handlers_->DeleteCache(remove, &removed); });
+}
+
+TEST_P(HandlersTest, FetchRefusesBadRequests) {
+  using Code = absl::StatusCode;
+  const auto plan = [&](v1::FetchRequest request) {
+    return [this, request] { return handlers_->PlanFetch(request).status(); };
+  };
+  ExpectRefused(Code::kInvalidArgument, "cache_id", plan(v1::FetchRequest()));
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id_);
+  request.set_start(4);
+  request.set_end(2);
+  ExpectRefused(Code::kInvalidArgument, "end", plan(request));
+  request.clear_end();
+  request.add_layers(7);
+  ExpectRefused(Code::kInvalidArgument, "layers[0]", plan(request));
+  request.clear_layers();
+  request.set_snapshot_id("nope");
+  ExpectRefused(Code::kNotFound, "snapshot_id", plan(request));
+}
+
+TEST_P(HandlersTest, FetchChunksEachLayerInTemporalOrder) {
+  for (int step = 0; step < 10; ++step) {  // 15 tokens: the 8-token window has wrapped
+    for (uint32_t layer = 0; layer < 3; ++layer) {
+      ASSERT_TRUE(Update(RandomUpdate(cache_id_, spec_, layer, 1, rng_)).ok());
+    }
+  }
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id_);
+  request.set_max_chunk_tokens(4);
+  auto plan = handlers_->PlanFetch(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::pair<uint32_t, std::pair<uint64_t, uint64_t>>> seen;
+  for (size_t i = 0; i < plan->chunks.size(); ++i) {
+    v1::FetchResponse chunk;
+    ASSERT_TRUE(handlers_->FillFetchChunk(*plan, i, &chunk).ok());
+    const uint64_t length = chunk.keys().shape(2);
+    EXPECT_LE(length, 4u);
+    EXPECT_EQ(chunk.keys().data().size(), 2 * length * 8 * 2);
+    seen.push_back({chunk.layer(), {chunk.start(), chunk.start() + length}});
+  }
+  using Chunk = std::pair<uint32_t, std::pair<uint64_t, uint64_t>>;
+  const std::vector<Chunk> expected = {
+      {0, {0, 4}},  {0, {4, 8}},  {0, {8, 12}}, {0, {12, 15}},
+      {1, {0, 4}},  {1, {4, 8}},  {1, {8, 12}}, {1, {12, 15}},
+      {2, {0, 4}},  {2, {11, 15}}};  // sinks [0,4), then the window's last 4
+  EXPECT_EQ(seen, expected);
+}
+
+TEST_P(HandlersTest, StatsCountWhatIsHeld) {
+  v1::Stats stats;
+  ASSERT_TRUE(handlers_->GetStats(v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.device(), "test");
+  EXPECT_EQ(stats.caches(), 1u);
+  EXPECT_EQ(stats.snapshots(), 1u);
+  EXPECT_EQ(stats.pages_used(), pool_->stats().used_pages);
+  EXPECT_GT(stats.pages_used(), 0u);
+  EXPECT_EQ(stats.page_bytes(), 64u << 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPaths, HandlersTest, ::testing::ValuesIn(kAllTransferPaths),
+                         [](const auto& info) { return TransferPathName(info.param); });
+
+}  // namespace
+}  // namespace kvcache::testing

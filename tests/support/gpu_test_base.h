@@ -1,0 +1,53 @@
+// Test support for suites that run on a Vulkan device (lavapipe in CI), with the
+// Khronos validation layer on: a validation message during a test fails it.
+//
+//   class MyTest : public kvcache::testing::GpuTestBase {};
+//   TEST_P(MyTest, Works) { auto pool = MakePool(4096, 1 << 20); ASSERT_NE(pool, nullptr); ... }
+//   INSTANTIATE_TEST_SUITE_P(AllPaths, MyTest, ::testing::ValuesIn(kAllTransferPaths),
+//                            [](const auto& info) { return TransferPathName(info.param); });
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gpu/device.h"
+#include "gpu/page_pool.h"
+#include "gtest/gtest.h"
+
+namespace kvcache::testing {
+
+// How a page pool moves bytes: the three paths every transfer test covers.
+enum class TransferPath {
+  kDirect,          // host-mapped pages, memcpy (lavapipe's natural path)
+  kStagingRegions,  // force_staging, CopyEngine::kCopyRegions
+  kStagingShader,   // force_staging, CopyEngine::kComputeShader
+};
+
+// "Direct", "StagingRegions", "StagingShader": test-name friendly.
+std::string TransferPathName(TransferPath path);
+
+inline constexpr TransferPath kAllTransferPaths[] = {
+    TransferPath::kDirect, TransferPath::kStagingRegions, TransferPath::kStagingShader};
+
+// The process-wide device for `path`, created on first use with validation on
+// and never destroyed. Creation failure is fatal (ADD_FAILURE, then abort).
+gpu::Device& TestDevice(TransferPath path);
+
+class GpuTestBase : public ::testing::TestWithParam<TransferPath> {
+ protected:
+  // Notes how many validation messages the device has reported so far.
+  void SetUp() override;
+  // Fails the test, listing them, if any validation message came during it.
+  void TearDown() override;
+
+  gpu::Device& device() { return TestDevice(GetParam()); }
+  // A pool on device(); on failure records a test failure and returns null,
+  // so callers write ASSERT_NE(pool, nullptr).
+  std::unique_ptr<gpu::PagePool> MakePool(uint64_t page_bytes, uint64_t budget_bytes);
+
+ private:
+  uint64_t validation_messages_before_ = 0;
+};
+
+}  // namespace kvcache::testing
