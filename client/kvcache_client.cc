@@ -94,6 +94,7 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetServiceConfigJSON(kServiceConfig);
+  if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel =
       grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
   return std::unique_ptr<Client>(new Client(options, std::move(channel)));

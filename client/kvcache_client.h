@@ -24,6 +24,10 @@ struct ClientOptions {
   // Deadline of each unary call, and of each whole Update or Fetch stream.
   absl::Duration deadline = absl::Seconds(60);
   uint64_t max_message_bytes = 64 << 20;
+  // A TCP connection of this Client's own. By default gRPC shares one
+  // connection between Clients of the same address and options, which then
+  // multiplex their streams over it.
+  bool dedicated_connection = false;
 };
 
 // One layer's new tokens: keys [B, H, L, Dk] and values [B, H, L, Dv].

@@ -155,10 +155,19 @@ absl::StatusOr<PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry&
   }
   std::vector<PageId> fresh;
   RETURN_IF_ERROR(pool.Allocate(1, fresh));
-  std::vector<gpu::PageCopy> copies = {{upper, fresh[0], 0, g.used_bytes()}};
+  // Per (row, head): slots [0, split) from `lower`, [split, P) from `upper`;
+  // disjoint runs, so the copies may run in any order.
+  std::vector<gpu::PageCopy> copies;
+  const uint32_t tail = g.page_tokens - split_slot;
   for (uint32_t rh = 0; rh < g.batch * g.heads; ++rh) {
-    copies.push_back({lower, fresh[0], g.KOffset(rh, 0), uint64_t{split_slot} * g.k_dim * g.elem_bytes});
-    copies.push_back({lower, fresh[0], g.VOffset(rh, 0), uint64_t{split_slot} * g.v_dim * g.elem_bytes});
+    for (auto [dim, offset_of] : {std::pair{g.k_dim, &PageGeometry::KOffset},
+                                  std::pair{g.v_dim, &PageGeometry::VOffset}}) {
+      const uint64_t token_bytes = uint64_t{dim} * g.elem_bytes;
+      if (split_slot > 0) {
+        copies.push_back({lower, fresh[0], (g.*offset_of)(rh, 0), split_slot * token_bytes});
+      }
+      copies.push_back({upper, fresh[0], (g.*offset_of)(rh, split_slot), tail * token_bytes});
+    }
   }
   if (absl::Status status = pool.Copy(copies); !status.ok()) {
     pool.Release(fresh[0]);

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
@@ -120,23 +120,49 @@ absl::Status PagePool::Impl::Copy(absl::Span<const PageCopy> copies) {
   return absl::OkStatus();
 }
 
-// The copies of one submission run in any order, so a copy that reads a page an
-// earlier copy wrote (or writes one an earlier copy read) starts a new
-// submission: the result is the same as running the list in order, like memcpy.
+namespace {
+
+// Byte ranges of pages touched by the copies of one submission.
+class TouchedRanges {
+ public:
+  bool Overlaps(PageId page, uint64_t begin, uint64_t end) const {
+    auto it = ranges_.find(page);
+    if (it == ranges_.end()) return false;
+    for (const auto& [b, e] : it->second) {
+      if (begin < e && b < end) return true;
+    }
+    return false;
+  }
+  void Add(PageId page, uint64_t begin, uint64_t end) { ranges_[page].emplace_back(begin, end); }
+  void Clear() { ranges_.clear(); }
+
+ private:
+  absl::flat_hash_map<PageId, std::vector<std::pair<uint64_t, uint64_t>>> ranges_;
+};
+
+}  // namespace
+
+// The copies of one submission run in any order (and concurrently, with the
+// shader), so a copy that touches bytes an earlier copy of the list wrote, or
+// writes bytes an earlier one read, starts a new submission: the result is the
+// same as running the list in order, like memcpy. Disjoint ranges of one page
+// (a boundary page assembled from two sources) share a submission.
 absl::Status PagePool::Impl::CopyStaged(absl::Span<const PageCopy> copies) {
   std::vector<BufferCopy> submission;
-  absl::flat_hash_set<PageId> read_pages;
-  absl::flat_hash_set<PageId> written_pages;
+  TouchedRanges read, written;
   for (const PageCopy& copy : copies) {
     if (copy.src == copy.dst || copy.bytes == 0) continue;
-    if (written_pages.contains(copy.src) || read_pages.contains(copy.dst)) {
+    const uint64_t begin = copy.offset;
+    const uint64_t end = copy.offset + copy.bytes;
+    if (written.Overlaps(copy.src, begin, end) || written.Overlaps(copy.dst, begin, end) ||
+        read.Overlaps(copy.dst, begin, end)) {
       RETURN_IF_ERROR(staged_->Copy(submission));
       submission.clear();
-      read_pages.clear();
-      written_pages.clear();
+      read.Clear();
+      written.Clear();
     }
-    read_pages.insert(copy.src);
-    written_pages.insert(copy.dst);
+    read.Add(copy.src, begin, end);
+    written.Add(copy.dst, begin, end);
     const BufferSlice src = SliceOf(copy.src, copy.offset, copy.bytes);
     const BufferSlice dst = SliceOf(copy.dst, copy.offset, copy.bytes);
     submission.push_back({src.buffer, src.offset, dst.buffer, dst.offset, copy.bytes});

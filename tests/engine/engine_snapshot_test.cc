@@ -219,29 +219,44 @@ TEST_P(EngineSnapshotTest, WritesAfterRestoreCopyOnWrite) {
 
 // A restore or merge at a position inside a page builds one page from two
 // (slots below the split from one, the rest from the other). Repeated many
-// times because an ordering bug there shows only now and then (a copy list
-// whose copies land on the same page in the wrong order).
-TEST_P(EngineSnapshotTest, BoundaryPageJoinsAreExact) {
-  const CacheSpec spec = MakeSpec({StandardLayerSpec(2, 8, 4)}, DType::kFloat16, 3);
-  MirroredCache cache(*engine_, spec);
+// times because an ordering bug there shows only now and then (copies landing
+// on the same page in the wrong order). 2 KiB a token, so 4 fill a page.
+constexpr int kJoinRounds = 300;
+
+CacheSpec WideSpec() { return MakeSpec({StandardLayerSpec(2, 128)}, DType::kFloat32, 1); }
+
+TEST_P(EngineSnapshotTest, RestoreJoinsTheBoundaryPageExactly) {
+  MirroredCache cache(*engine_, WideSpec());
   ASSERT_TRUE(cache.Append(10));
   RefCacheSnapshotPtr tail;
-  std::string tail_id = cache.Snapshot(6, &tail);  // [6, 10): starts mid-page
-  for (int i = 0; i < 150 && !HasFailure(); ++i) {
+  const std::string tail_id = cache.Snapshot(6, &tail);  // [6, 10): starts at page 1 slot 2
+  for (int i = 0; i < kJoinRounds && !HasFailure(); ++i) {
     SCOPED_TRACE(i);
-    ASSERT_TRUE(cache.Restore("", nullptr, 7));
-    ASSERT_TRUE(cache.Append(2));  // positions 7, 8: diverge from the snapshot
-    ASSERT_TRUE(cache.Restore(tail_id, tail.get(), 10));  // joins page 1 at slot 2
+    ASSERT_TRUE(cache.Restore("", nullptr, 4));
+    ASSERT_TRUE(cache.Append(4));  // new 4..7: page 1 differs from the snapshot's
+    ASSERT_TRUE(cache.Restore(tail_id, tail.get(), 10));  // page 1: live 4, 5 + snapshot 6, 7
     EXPECT_TRUE(cache.Matches());
   }
+}
+
+TEST_P(EngineSnapshotTest, MergeJoinsTheBoundaryPageExactly) {
+  MirroredCache cache(*engine_, WideSpec());
+  ASSERT_TRUE(cache.Append(10));
   RefCacheSnapshotPtr whole;
   std::string whole_id = cache.Snapshot(0, &whole);
-  for (int i = 0; i < 150 && !HasFailure(); ++i) {
+  ASSERT_TRUE(cache.Restore("", nullptr, 4));
+  ASSERT_TRUE(cache.Append(6));  // live 4..9 differ from `whole`
+  for (int i = 0; i < kJoinRounds && !HasFailure(); ++i) {
     SCOPED_TRACE(i);
+    RefCacheSnapshotPtr tail;
+    const std::string tail_id = cache.Snapshot(6, &tail);
     auto halves = engine_->SplitSnapshot(whole_id, 6);
     ASSERT_TRUE(halves.ok()) << halves.status();
-    auto merged = engine_->MergeSnapshots(halves->first.snapshot_id, halves->second.snapshot_id);
+    ASSERT_TRUE(engine_->ReleaseSnapshot(halves->second.snapshot_id).ok());
+    // page 1 of the result: `whole`'s slots 0, 1 + the live tail's 2, 3.
+    auto merged = engine_->MergeSnapshots(halves->first.snapshot_id, tail_id);
     ASSERT_TRUE(merged.ok()) << merged.status();
+    whole = RefCache::Merge(RefCache::Split(whole, 6)->first, tail);
     whole_id = merged->snapshot_id;
     EXPECT_TRUE(SnapshotMatches(*engine_, whole_id, *whole));
   }

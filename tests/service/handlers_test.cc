@@ -6,6 +6,7 @@
 #include <random>
 
 #include "engine_test_util.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service_test_util.h"
 #include "support/gpu_test_base.h"

@@ -1,0 +1,194 @@
+// kvcached over loopback: Update and Fetch throughput per (streams, chunk), and
+// Snapshot / Restore latency against context length. Prints one line per
+// result (see load_meter.h) for bench/run_service_bench.sh; the server must be
+// running already.
+//
+//   service_bench --address=127.0.0.1:50051 --ops=update,fetch,latency
+//
+// Each stream has its own Client (its own TCP connection) and its own cache.
+// Update drives the raw bidi stub with one prebuilt UpdateRequest written over
+// and over, acknowledgements counted by a reader thread: it measures the
+// service, not the client library's per-call copy of the tensors into a fresh
+// request (UpdateStream::Write). That copy is the same one hiredis makes when
+// it formats a command, which redis_bench prebuilds likewise. Snapshot and
+// Restore latency go through kvcache::Client, as an application calls them.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
+#include "kvcache_client.h"
+#include "load_meter.h"
+#include "service_workload.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(std::string, ops, "update,fetch,latency", "what to measure");
+ABSL_FLAG(std::string, streams, "1,4", "concurrent streams, each its own connection and cache");
+ABSL_FLAG(std::string, chunks, "65536,262144,1048576", "K+V bytes per Update / Fetch message");
+ABSL_FLAG(double, warmup, 0.5, "seconds before measuring");
+ABSL_FLAG(double, seconds, 2.5, "seconds measured per row");
+ABSL_FLAG(std::string, contexts, "1024,8192,32768", "context lengths of the latency runs");
+ABSL_FLAG(int, latency_iterations, 200, "snapshot / decode / restore rounds per context");
+
+namespace kvcache::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<Client> ConnectOwn(const std::string& address) {
+  return Client::Connect({.address = address,
+                          .deadline = absl::Minutes(10),
+                          .max_message_bytes = 256 << 20,
+                          .dedicated_connection = true});
+}
+
+// One Update stream at full speed into a rotating cache (memory stays bounded).
+void UpdateWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext& context) {
+  auto client = ConnectOwn(address);
+  auto cache = client->CreateCache(ThroughputSpec(kUpdateWindowTokens));
+  if (!cache.ok()) {
+    context.error = cache.status().ToString();
+    return;
+  }
+  const std::vector<std::byte> payload = PatternBytes(chunk_bytes);
+  const v1::UpdateRequest request = MakeUpdateRequest(cache->cache_id(), 0, payload);
+  grpc::ClientContext call;
+  auto stream = client->stub().Update(&call);
+  std::thread reader([&] {
+    v1::UpdateResponse ack;
+    while (stream->Read(&ack)) context.messages.fetch_add(1, std::memory_order_relaxed);
+  });
+  while (!context.stop.load(std::memory_order_relaxed)) {
+    if (!stream->Write(request)) break;
+  }
+  stream->WritesDone();
+  reader.join();
+  const grpc::Status status = stream->Finish();
+  if (!status.ok()) context.error = "Update: " + status.error_message();
+  (void)client->DeleteCache(cache->cache_id());
+}
+
+// Fetches a standard cache of kFetchTokens again and again, each response
+// exactly `chunk_bytes` of K+V.
+void FetchWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext& context) {
+  auto client = ConnectOwn(address);
+  auto cache = client->CreateCache(ThroughputSpec(/*window=*/0));
+  if (!cache.ok()) {
+    context.error = cache.status().ToString();
+    return;
+  }
+  if (absl::Status filled = Fill(*client, cache->cache_id(), 1, kFetchTokens); !filled.ok()) {
+    context.error = filled.ToString();
+    return;
+  }
+  v1::FetchRequest request;
+  request.set_cache_id(cache->cache_id());
+  request.set_max_chunk_tokens(static_cast<uint32_t>(chunk_bytes / kTokenBytes));
+  v1::FetchResponse chunk;
+  while (!context.stop.load(std::memory_order_relaxed) && context.error.empty()) {
+    grpc::ClientContext call;
+    auto reader = client->stub().Fetch(&call, request);
+    while (reader->Read(&chunk)) {
+      if (chunk.keys().data().size() + chunk.values().data().size() != chunk_bytes) {
+        context.error = "Fetch: a chunk is not chunk_bytes long";
+      }
+      context.messages.fetch_add(1, std::memory_order_relaxed);
+      if (context.stop.load(std::memory_order_relaxed)) call.TryCancel();
+    }
+    const grpc::Status status = reader->Finish();
+    if (!status.ok() && status.error_code() != grpc::StatusCode::CANCELLED) {
+      context.error = "Fetch: " + status.error_message();
+    }
+  }
+  (void)client->DeleteCache(cache->cache_id());
+}
+
+void RunThroughput(const char* op, const std::string& address) {
+  const MeterOptions meter{.warmup_seconds = absl::GetFlag(FLAGS_warmup),
+                           .measure_seconds = absl::GetFlag(FLAGS_seconds)};
+  for (uint64_t streams : ParseList(absl::GetFlag(FLAGS_streams))) {
+    for (uint64_t chunk : ParseList(absl::GetFlag(FLAGS_chunks))) {
+      std::vector<Worker> workers;
+      for (uint64_t s = 0; s < streams; ++s) {
+        workers.push_back([&, chunk](WorkerContext& context) {
+          if (std::strcmp(op, "update") == 0) UpdateWorker(address, chunk, context);
+          else FetchWorker(address, chunk, context);
+        });
+      }
+      PrintRow("kvcached", op, streams, chunk, MeasureRate(workers, meter));
+    }
+  }
+}
+
+double MicrosSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+}
+
+// Per context length: Snapshot at the live offset, decode a few tokens past
+// it (the first one copies the shared boundary page), Restore the snapshot.
+void RunLatency(const std::string& address) {
+  auto client = ConnectOwn(address);
+  auto cache = client->CreateCache(LatencySpec());
+  if (!cache.ok()) {
+    std::printf("LAT error: %s\n", cache.status().ToString().c_str());
+    return;
+  }
+  const std::string& id = cache->cache_id();
+  uint64_t offset = 0;
+  for (uint64_t context : ParseList(absl::GetFlag(FLAGS_contexts))) {
+    // Off a page boundary, as a real decode's snapshots usually are.
+    const uint64_t target = context + kLatencyOffPage;
+    if (absl::Status s = Fill(*client, id, kLatencyLayers, target - offset); !s.ok()) {
+      std::printf("LAT error: %s\n", s.ToString().c_str());
+      return;
+    }
+    offset = target;
+    std::vector<double> snapshot_us, restore_us;
+    for (int i = 0; i < absl::GetFlag(FLAGS_latency_iterations); ++i) {
+      const Clock::time_point t0 = Clock::now();
+      auto snap = client->Snapshot(id, 0);
+      snapshot_us.push_back(MicrosSince(t0));
+      absl::Status decoded = snap.ok() ? Decode(*client, id, kLatencyLayers, 3) : snap.status();
+      const Clock::time_point t1 = Clock::now();
+      auto restored = decoded.ok() ? client->Restore(id, snap->snapshot_id(), offset)
+                                   : absl::StatusOr<v1::CacheInfo>(decoded);
+      restore_us.push_back(MicrosSince(t1));
+      if (!restored.ok() || restored->offset() != offset) {
+        std::printf("LAT error: %s\n", restored.status().ToString().c_str());
+        return;
+      }
+      (void)client->ReleaseSnapshot(snap->snapshot_id());
+    }
+    for (auto [name, samples] : {std::pair{"snapshot", &snapshot_us}, {"restore", &restore_us}}) {
+      const double p50 = Percentile(*samples, 50), p99 = Percentile(*samples, 99);
+      std::printf("LAT %s %llu %.1f %.1f\n", name, static_cast<unsigned long long>(context), p50,
+                  p99);
+    }
+    std::fflush(stdout);
+  }
+  (void)client->DeleteCache(id);
+}
+
+}  // namespace
+}  // namespace kvcache::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string address = absl::GetFlag(FLAGS_address);
+  if (absl::Status ready = kvcache::Client::Connect({.address = address})
+                               ->WaitForReady(absl::Seconds(30));
+      !ready.ok()) {
+    std::fprintf(stderr, "%s\n", ready.ToString().c_str());
+    return 1;
+  }
+  for (const std::string& op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
+    if (op == "update" || op == "fetch") kvcache::bench::RunThroughput(op.c_str(), address);
+    if (op == "latency") kvcache::bench::RunLatency(address);
+  }
+  return 0;
+}
