@@ -83,6 +83,17 @@ uint64_t PageTable::CountPages() const {
   return total;
 }
 
+namespace {
+// True when `pages` has no page outside slots [begin, end).
+bool EmptyOutside(const std::array<PageId, PageTable::kChunkPages>& pages, uint64_t begin,
+                  uint64_t end) {
+  for (uint64_t slot = 0; slot < PageTable::kChunkPages; ++slot) {
+    if ((slot < begin || slot >= end) && pages[slot] != kNoPage) return false;
+  }
+  return true;
+}
+}  // namespace
+
 PageTable PageTable::Slice(uint64_t first, uint64_t last) const {
   PageTable out(pool_);
   last = std::min<uint64_t>(last, chunks_.size() * kChunkPages);
@@ -93,7 +104,10 @@ PageTable PageTable::Slice(uint64_t first, uint64_t last) const {
     if (!chunk) continue;
     const uint64_t begin = std::max(first, c * kChunkPages) - c * kChunkPages;
     const uint64_t end = std::min(last, (c + 1) * kChunkPages) - c * kChunkPages;
-    out.chunks_[c] = (begin == 0 && end == kChunkPages) ? chunk : PartialCopy(chunk, begin, end);
+    // Share the chunk when it holds nothing outside the range (the usual case:
+    // a table's last chunk), else copy the part inside.
+    const bool whole = (begin == 0 && end == kChunkPages) || EmptyOutside(chunk->pages, begin, end);
+    out.chunks_[c] = whole ? chunk : PartialCopy(chunk, begin, end);
   }
   return out;
 }
