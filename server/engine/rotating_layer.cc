@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/standard_layer.h"
 #include "engine/token_store.h"
 
 namespace kvcache::engine {
@@ -23,13 +22,10 @@ std::vector<TokenRange> RotatingState::Ranges(uint32_t keep) const {
 }
 
 absl::Status RotatingSnapshot::Read(TokenRange range, const KvOutput& out) const {
-  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
-  return ReadTokens(table_, geometry_, range, out);
+  return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
-uint64_t RotatingSnapshot::size_bytes() const {
-  return table_.CountPages() * table_.pool()->page_bytes();
-}
+uint64_t RotatingSnapshot::size_bytes() const { return PoolBytes(table_); }
 
 // mlx-lm routes a single token to _update_in_place (the ring: once full, the
 // token overwrites the oldest non-sink one, trimming first if a multi-token
@@ -70,8 +66,7 @@ absl::Status RotatingLayer::Update(const KvInput& kv) {
 }
 
 absl::Status RotatingLayer::Read(TokenRange range, const KvOutput& out) const {
-  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
-  return ReadTokens(table_, geometry_, range, out);
+  return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
 // Only called while nothing has been evicted (offset < max_size).
@@ -150,8 +145,6 @@ void RotatingLayer::Free() {
   state_ = RotatingState{};
 }
 
-uint64_t RotatingLayer::size_bytes() const {
-  return table_.CountPages() * table_.pool()->page_bytes();
-}
+uint64_t RotatingLayer::size_bytes() const { return PoolBytes(table_); }
 
 }  // namespace kvcache::engine

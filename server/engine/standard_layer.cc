@@ -8,16 +8,6 @@
 
 namespace kvcache::engine {
 
-absl::Status CheckReadable(const std::vector<TokenRange>& ranges, TokenRange range) {
-  for (const TokenRange& held : ranges) {
-    if (range.begin >= held.begin && range.end <= held.end && range.begin < range.end) {
-      return absl::OkStatus();
-    }
-  }
-  return absl::InvalidArgumentError(
-      absl::StrFormat("tokens [%d, %d) are not held", range.begin, range.end));
-}
-
 namespace {
 
 // `lower` below position `split`, `upper` from it on; copies at most the one
@@ -39,13 +29,10 @@ absl::StatusOr<PageTable> JoinAt(const PageGeometry& geometry, const PageTable& 
 }  // namespace
 
 absl::Status StandardSnapshot::Read(TokenRange range, const KvOutput& out) const {
-  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
-  return ReadTokens(table_, geometry_, range, out);
+  return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
-uint64_t StandardSnapshot::size_bytes() const {
-  return table_.CountPages() * table_.pool()->page_bytes();
-}
+uint64_t StandardSnapshot::size_bytes() const { return PoolBytes(table_); }
 
 absl::Status StandardLayer::Update(const KvInput& kv) {
   RETURN_IF_ERROR(WriteTokens(table_, geometry_, offset_, kv));
@@ -59,8 +46,7 @@ std::vector<TokenRange> StandardLayer::Ranges() const {
 }
 
 absl::Status StandardLayer::Read(TokenRange range, const KvOutput& out) const {
-  RETURN_IF_ERROR(CheckReadable(Ranges(), range));
-  return ReadTokens(table_, geometry_, range, out);
+  return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
 uint64_t StandardLayer::Trim(uint64_t n) {
@@ -138,8 +124,6 @@ void StandardLayer::Free() {
   offset_ = 0;
 }
 
-uint64_t StandardLayer::size_bytes() const {
-  return table_.CountPages() * table_.pool()->page_bytes();
-}
+uint64_t StandardLayer::size_bytes() const { return PoolBytes(table_); }
 
 }  // namespace kvcache::engine

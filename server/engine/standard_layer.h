@@ -12,9 +12,6 @@
 
 namespace kvcache::engine {
 
-// Checks that `range` lies inside one of `ranges` (INVALID_ARGUMENT if not).
-absl::Status CheckReadable(const std::vector<TokenRange>& ranges, TokenRange range);
-
 class StandardSnapshot final : public LayerSnapshot {
  public:
   StandardSnapshot(PageTable table, const PageGeometry& geometry, uint64_t from, uint64_t to)

@@ -147,6 +147,21 @@ absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRang
   return table.pool()->Read(runs);
 }
 
+absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
+                      const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out) {
+  for (const TokenRange& h : held) {
+    if (range.begin >= h.begin && range.end <= h.end && range.begin < range.end) {
+      return ReadTokens(table, geometry, range, out);
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrFormat("tokens [%d, %d) are not held", range.begin, range.end));
+}
+
+uint64_t PoolBytes(const PageTable& table) {
+  return table.CountPages() * table.pool()->page_bytes();
+}
+
 absl::StatusOr<PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry& g, PageId lower,
                                         PageId upper, uint32_t split_slot) {
   if (lower == upper) {

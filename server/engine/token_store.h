@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,6 +27,14 @@ absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_
 // Copies positions `range` (every page present) into `out` as [B, H, L, D].
 absl::Status ReadTokens(const PageTable& table, const PageGeometry& geometry, TokenRange range,
                         const KvOutput& out);
+
+// ReadTokens for a layer or snapshot that holds `held`: INVALID_ARGUMENT
+// unless `range` is non-empty and lies inside one of them.
+absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
+                      const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out);
+
+// Pool bytes the table's pages take.
+uint64_t PoolBytes(const PageTable& table);
 
 // A page holding `lower`'s slots [0, split_slot) and `upper`'s from split_slot
 // on: the one boundary page a restore or merge may have to copy. Returns a new
