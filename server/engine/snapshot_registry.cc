@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <cstdlib>
+#include <random>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -14,7 +14,10 @@ std::string NewRandomId() {
   // 16 bytes from the kernel's CSPRNG in one call: unguessable ids. (libstdc++'s
   // std::random_device may use RDSEED, which takes tens of microseconds on VMs.)
   uint8_t bytes[16];
-  if (getentropy(bytes, sizeof(bytes)) != 0) std::abort();  // cannot fail for <= 256 bytes
+  if (getentropy(bytes, sizeof(bytes)) != 0) {  // only on kernels without getrandom(2)
+    std::random_device device;
+    for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(device());
+  }
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(bytes), sizeof(bytes)));
 }
 
