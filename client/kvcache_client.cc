@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "update_encoding.h"
 
 namespace kvcache {
 namespace {
@@ -42,13 +43,6 @@ absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
   grpc::Status status = call(&context, &response);
   if (!status.ok()) return FromGrpc(status);
   return response;
-}
-
-void FillTensor(v1::DType dtype, const std::vector<uint64_t>& shape,
-                absl::Span<const std::byte> data, v1::Tensor* tensor) {
-  tensor->set_dtype(dtype);
-  for (uint64_t d : shape) tensor->add_shape(d);
-  tensor->set_data(reinterpret_cast<const char*>(data.data()), data.size());
 }
 
 }  // namespace
@@ -102,7 +96,9 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
 
 Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
     : options_(options), channel_(std::move(channel)),
-      stub_(v1::KvCacheService::NewStub(channel_)) {}
+      stub_(v1::KvCacheService::NewStub(channel_)),
+      raw_update_("/kvcache.v1.KvCacheService/Update", grpc::internal::RpcMethod::BIDI_STREAMING,
+                  channel_) {}
 
 absl::Status Client::WaitForReady(absl::Duration timeout) {
   if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
@@ -230,12 +226,15 @@ absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
   request.set_cache_id(cache_id);
   request.set_snapshot_id(snapshot_id);
   request.add_layers(layer);
-  std::vector<v1::FetchResponse> chunks;
-  absl::Status status = Fetch(request, [&](const v1::FetchResponse& chunk) {
-    chunks.push_back(chunk);
-    return absl::OkStatus();
-  });
-  if (!status.ok()) return status;
+  // Read straight into the list (not through Fetch's callback, which would
+  // copy every chunk once more).
+  grpc::ClientContext context;
+  Prepare(context);
+  auto reader = stub_->Fetch(&context, request);
+  std::vector<v1::FetchResponse> chunks(1);
+  while (reader->Read(&chunks.back())) chunks.emplace_back();
+  chunks.pop_back();
+  if (const grpc::Status status = reader->Finish(); !status.ok()) return FromGrpc(status);
   return AssembleHistory(chunks);
 }
 
@@ -254,10 +253,15 @@ absl::StatusOr<std::vector<v1::UpdateResponse>> Client::Update(
 
 UpdateStream::UpdateStream(Client& client, std::string cache_id) : cache_id_(std::move(cache_id)) {
   context_.set_deadline(absl::ToChronoTime(absl::Now() + client.options().deadline));
-  stream_ = client.stub().Update(&context_);
+  // The generated stub's own factory, with requests that are already encoded.
+  stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::UpdateResponse>::
+                    Create(client.channel_.get(), client.raw_update_, &context_));
   reader_ = std::thread([this] {
     v1::UpdateResponse ack;
-    while (stream_->Read(&ack)) acks_.push_back(ack);
+    while (stream_->Read(&ack)) {
+      acks_.push_back(ack);
+      ack_count_.fetch_add(1, std::memory_order_relaxed);
+    }
   });
 }
 
@@ -269,13 +273,11 @@ UpdateStream::~UpdateStream() {
 }
 
 bool UpdateStream::Write(const LayerUpdate& update) {
-  v1::UpdateRequest request;
-  request.set_cache_id(cache_id_);
-  request.set_layer(update.layer);
-  FillTensor(update.dtype, update.keys_shape, update.keys, request.mutable_keys());
-  FillTensor(update.dtype, update.values_shape, update.values, request.mutable_values());
-  if (update.expected_offset.has_value()) request.set_expected_offset(*update.expected_offset);
-  return stream_->Write(request);
+  return stream_->Write(internal::EncodeUpdateCopy(cache_id_, update));
+}
+
+bool UpdateStream::WriteShared(const LayerUpdate& update, std::shared_ptr<const void> owner) {
+  return stream_->Write(internal::EncodeUpdateShared(cache_id_, update, std::move(owner)));
 }
 
 absl::StatusOr<std::vector<v1::UpdateResponse>> UpdateStream::Finish() {

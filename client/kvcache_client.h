@@ -3,6 +3,7 @@
 // UNAVAILABLE), since a retried CreateCache, Update or Snapshot could apply twice.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -97,12 +98,15 @@ class Client {
   const ClientOptions& options() const { return options_; }
 
  private:
+  friend class UpdateStream;
   Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
   void Prepare(grpc::ClientContext& context) const;
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvCacheService::Stub> stub_;
+  // Update with requests the client encodes itself (update_encoding.h).
+  grpc::internal::RpcMethod raw_update_;
 };
 
 // A long-lived Update stream: Write() sends one layer's tokens without waiting;
@@ -113,8 +117,18 @@ class UpdateStream {
  public:
   UpdateStream(Client& client, std::string cache_id);
   ~UpdateStream();
-  // False once the stream has broken (Finish tells why).
+  // False once the stream has broken (Finish tells why). The tensors are
+  // copied once, straight into the outgoing message.
   bool Write(const LayerUpdate& update);
+  // Write without copying the tensors: gRPC sends them from where they lie
+  // and holds a copy of `owner` until it is done with them, which can be after
+  // this returns (once the bytes are in the kernel's socket buffer, at the
+  // latest when the stream ends). Whatever `owner` keeps alive must hold
+  // update.keys and update.values, unchanged, until gRPC drops it: typically a
+  // shared_ptr to the buffers themselves.
+  bool WriteShared(const LayerUpdate& update, std::shared_ptr<const void> owner);
+  // Acknowledgements received so far; safe to call while writing.
+  uint64_t acknowledged_count() const { return ack_count_.load(std::memory_order_relaxed); }
   absl::StatusOr<std::vector<v1::UpdateResponse>> Finish();
   // Acknowledgements received so far (after Finish: all of them, also when it
   // failed, i.e. the requests that were applied).
@@ -123,8 +137,9 @@ class UpdateStream {
  private:
   std::string cache_id_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::UpdateRequest, v1::UpdateResponse>> stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, v1::UpdateResponse>> stream_;
   std::vector<v1::UpdateResponse> acks_;
+  std::atomic<uint64_t> ack_count_{0};
   std::thread reader_;
   bool finished_ = false;
 };

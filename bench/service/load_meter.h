@@ -6,6 +6,8 @@
 // drain are never counted.
 #pragma once
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -66,6 +68,14 @@ inline MeterResult MeasureRate(const std::vector<Worker>& workers, const MeterOp
     if (!context->error.empty() && result.error.empty()) result.error = context->error;
   }
   return result;
+}
+
+// Both load generators run with kvcached's malloc settings (server/main.cc):
+// gRPC's MiB-sized message buffers stay in the heap instead of being mapped
+// and unmapped per message. Redis uses jemalloc; hiredis is unaffected.
+inline void KeepMessageBuffersInHeap() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
 }
 
 // Comma-separated integers ("65536,262144") as a list.

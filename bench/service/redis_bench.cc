@@ -9,8 +9,9 @@
 // each connection keeps about --pipeline_bytes of commands in flight. SET
 // commands are formatted once and appended again and again, as service_bench
 // reuses one UpdateRequest; hiredis still copies each into its output buffer,
-// as gRPC serialises each message. Keys cycle over the pipeline depth, so
-// Redis holds a bounded amount.
+// as gRPC serialises each message. Each connection cycles over
+// --working_set_bytes of keys, as each kvcached stream cycles over a cache
+// (or rotating window) of that size: neither side serves from the CPU cache.
 #include <hiredis/hiredis.h>
 
 #include <cstdio>
@@ -29,6 +30,7 @@ ABSL_FLAG(std::string, ops, "set,get", "what to measure");
 ABSL_FLAG(std::string, connections, "1,4", "concurrent connections, each its own thread");
 ABSL_FLAG(std::string, chunks, "65536,262144,1048576", "value bytes per SET / GET");
 ABSL_FLAG(uint64_t, pipeline_bytes, 4 << 20, "bytes of commands in flight per connection");
+ABSL_FLAG(uint64_t, working_set_bytes, 64 << 20, "bytes of keys each connection cycles over");
 ABSL_FLAG(double, warmup, 0.5, "seconds before measuring");
 ABSL_FLAG(double, seconds, 2.5, "seconds measured per row");
 
@@ -40,10 +42,10 @@ struct Command {
   int length = 0;
 };
 
-// The formatted commands of one connection: one per key, keys cycling.
-std::vector<Command> FormatCommands(bool set, int connection, int depth, const std::string& value) {
-  std::vector<Command> commands(depth);
-  for (int i = 0; i < depth; ++i) {
+// The formatted commands of one connection: one per key.
+std::vector<Command> FormatCommands(bool set, int connection, int keys, const std::string& value) {
+  std::vector<Command> commands(keys);
+  for (int i = 0; i < keys; ++i) {
     const std::string key = absl::StrCat("bench:", connection, ":", i);
     commands[i].length =
         set ? redisFormatCommand(&commands[i].text, "SET %b %b", key.data(), key.size(),
@@ -68,19 +70,21 @@ bool ReadReply(redisContext* redis, bool set, size_t value_bytes, std::string& e
   return ok;
 }
 
-// Keeps `commands.size()` commands in flight until told to stop.
+// Sends `commands` round and round, `depth` in flight, until told to stop
+// (once round when `context.stop` is already set).
 void Pipeline(redisContext* redis, bool set, size_t value_bytes,
-              const std::vector<Command>& commands, WorkerContext& context) {
+              const std::vector<Command>& commands, size_t depth, WorkerContext& context) {
   size_t next = 0;
-  for (; next < commands.size(); ++next) {
-    redisAppendFormattedCommand(redis, commands[next].text, commands[next].length);
+  size_t outstanding = 0;
+  for (; outstanding < depth; ++outstanding, ++next) {
+    const Command& command = commands[next % commands.size()];
+    redisAppendFormattedCommand(redis, command.text, command.length);
   }
-  size_t outstanding = commands.size();
   while (outstanding > 0) {
     if (!ReadReply(redis, set, value_bytes, context.error)) return;
     --outstanding;
     context.messages.fetch_add(1, std::memory_order_relaxed);
-    if (!context.stop.load(std::memory_order_relaxed)) {
+    if (!context.stop.load(std::memory_order_relaxed) || next < commands.size()) {
       const Command& command = commands[next++ % commands.size()];
       redisAppendFormattedCommand(redis, command.text, command.length);
       ++outstanding;
@@ -95,18 +99,19 @@ void RedisWorker(bool set, int connection, uint64_t chunk, WorkerContext& contex
     if (redis) redisFree(redis);
     return;
   }
-  const int depth = static_cast<int>(std::max<uint64_t>(2, absl::GetFlag(FLAGS_pipeline_bytes) / chunk));
+  const size_t depth = std::max<uint64_t>(2, absl::GetFlag(FLAGS_pipeline_bytes) / chunk);
+  const int keys = static_cast<int>(std::max<uint64_t>(depth, absl::GetFlag(FLAGS_working_set_bytes) / chunk));
   const std::string value(chunk, 'v');
-  std::vector<Command> sets = FormatCommands(true, connection, depth, value);
+  std::vector<Command> sets = FormatCommands(true, connection, keys, value);
   if (!set) {  // the keys must exist before they are read
     WorkerContext fill;
     fill.stop = true;
-    Pipeline(redis, true, chunk, sets, fill);
-    std::vector<Command> gets = FormatCommands(false, connection, depth, value);
-    Pipeline(redis, false, chunk, gets, context);
+    Pipeline(redis, true, chunk, sets, depth, fill);
+    std::vector<Command> gets = FormatCommands(false, connection, keys, value);
+    Pipeline(redis, false, chunk, gets, depth, context);
     for (Command& command : gets) redisFreeCommand(command.text);
   } else {
-    Pipeline(redis, true, chunk, sets, context);
+    Pipeline(redis, true, chunk, sets, depth, context);
   }
   for (Command& command : sets) redisFreeCommand(command.text);
   redisFree(redis);
@@ -118,9 +123,11 @@ void RedisWorker(bool set, int connection, uint64_t chunk, WorkerContext& contex
 int main(int argc, char** argv) {
   using namespace kvcache::bench;
   absl::ParseCommandLine(argc, argv);
+  kvcache::bench::KeepMessageBuffersInHeap();
   const MeterOptions meter{.warmup_seconds = absl::GetFlag(FLAGS_warmup),
                            .measure_seconds = absl::GetFlag(FLAGS_seconds)};
-  for (const std::string& op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
+  const std::vector<std::string> ops = absl::StrSplit(absl::GetFlag(FLAGS_ops), ',');
+  for (const std::string& op : ops) {
     const bool set = op == "set";
     for (uint64_t connections : ParseList(absl::GetFlag(FLAGS_connections))) {
       for (uint64_t chunk : ParseList(absl::GetFlag(FLAGS_chunks))) {

@@ -6,12 +6,13 @@
 //   service_bench --address=127.0.0.1:50051 --ops=update,fetch,latency
 //
 // Each stream has its own Client (its own TCP connection) and its own cache.
-// Update drives the raw bidi stub with one prebuilt UpdateRequest written over
-// and over, acknowledgements counted by a reader thread: it measures the
-// service, not the client library's per-call copy of the tensors into a fresh
-// request (UpdateStream::Write). That copy is the same one hiredis makes when
-// it formats a command, which redis_bench prebuilds likewise. Snapshot and
-// Restore latency go through kvcache::Client, as an application calls them.
+// Update rows go through the client library's UpdateStream, writing the same
+// tensors over and over with WriteShared (gRPC sends them from where they
+// lie; --update_path picks the copying paths instead), acknowledgements
+// counted as they arrive. Fetch rows use the generated stub, one FetchResponse
+// parsed per chunk (protobuf copies the bytes once, as hiredis copies a GET's
+// reply). Snapshot and Restore latency go through kvcache::Client, as an
+// application calls them.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -30,6 +31,12 @@ ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, ops, "update,fetch,latency", "what to measure");
 ABSL_FLAG(std::string, streams, "1,4", "concurrent streams, each its own connection and cache");
 ABSL_FLAG(std::string, chunks, "65536,262144,1048576", "K+V bytes per Update / Fetch message");
+ABSL_FLAG(std::string, update_path, "shared",
+          "how Update rows send: shared (UpdateStream::WriteShared, no copy), copy "
+          "(UpdateStream::Write, one copy), proto (generated stub, a prebuilt UpdateRequest "
+          "serialised per message)");
+ABSL_FLAG(uint64_t, working_set_bytes, 64 << 20,
+          "bytes each stream cycles over: the Update rows' rotating window, the Fetch rows' cache");
 ABSL_FLAG(double, warmup, 0.5, "seconds before measuring");
 ABSL_FLAG(double, seconds, 2.5, "seconds measured per row");
 ABSL_FLAG(std::string, contexts, "1024,8192,32768", "context lengths of the latency runs");
@@ -47,34 +54,75 @@ std::unique_ptr<Client> ConnectOwn(const std::string& address) {
                           .dedicated_connection = true});
 }
 
-// One Update stream at full speed into a rotating cache (memory stays bounded).
-void UpdateWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext& context) {
-  auto client = ConnectOwn(address);
-  auto cache = client->CreateCache(ThroughputSpec(kUpdateWindowTokens));
-  if (!cache.ok()) {
-    context.error = cache.status().ToString();
-    return;
-  }
-  const std::vector<std::byte> payload = PatternBytes(chunk_bytes);
-  const v1::UpdateRequest request = MakeUpdateRequest(cache->cache_id(), 0, payload);
+uint32_t WorkingSetTokens() {
+  return static_cast<uint32_t>(absl::GetFlag(FLAGS_working_set_bytes) / kTokenBytes);
+}
+
+// The generated stub's Update with one prebuilt UpdateRequest, serialised
+// anew per message (--update_path=proto); acknowledgements counted by a reader.
+void PumpProtoUpdates(Client& client, const std::string& cache_id,
+                      const std::vector<std::byte>& payload, WorkerContext& context) {
+  const v1::UpdateRequest request = MakeUpdateRequest(cache_id, 0, payload);
   grpc::ClientContext call;
-  auto stream = client->stub().Update(&call);
+  auto stream = client.stub().Update(&call);
   std::thread reader([&] {
     v1::UpdateResponse ack;
     while (stream->Read(&ack)) context.messages.fetch_add(1, std::memory_order_relaxed);
   });
-  while (!context.stop.load(std::memory_order_relaxed)) {
-    if (!stream->Write(request)) break;
+  while (!context.stop.load(std::memory_order_relaxed) && stream->Write(request)) {
   }
   stream->WritesDone();
   reader.join();
-  const grpc::Status status = stream->Finish();
-  if (!status.ok()) context.error = "Update: " + status.error_message();
+  if (const grpc::Status status = stream->Finish(); !status.ok()) {
+    context.error = "Update: " + status.error_message();
+  }
+}
+
+// Sends `payload` over and over on one UpdateStream until told to stop; the
+// acknowledgements are the messages counted.
+void PumpUpdates(Client& client, const std::string& cache_id,
+                 const std::shared_ptr<const std::vector<std::byte>>& payload,
+                 WorkerContext& context) {
+  const std::string path = absl::GetFlag(FLAGS_update_path);
+  if (path == "proto") return PumpProtoUpdates(client, cache_id, *payload, context);
+  const LayerUpdate update = TokensOf(0, *payload);
+  auto stream = client.OpenUpdate(cache_id);
+  std::thread counter([&] {  // mirrors the stream's acknowledgements into the meter
+    while (!context.stop.load(std::memory_order_relaxed)) {
+      context.messages.store(stream->acknowledged_count(), std::memory_order_relaxed);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  while (!context.stop.load(std::memory_order_relaxed)) {
+    if (!(path == "copy" ? stream->Write(update) : stream->WriteShared(update, payload))) break;
+  }
+  counter.join();
+  if (auto acks = stream->Finish(); !acks.ok()) context.error = acks.status().ToString();
+}
+
+// One Update stream at full speed into a rotating cache (memory stays bounded).
+void UpdateWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext& context) {
+  auto client = ConnectOwn(address);
+  auto cache = client->CreateCache(ThroughputSpec(WorkingSetTokens()));
+  if (!cache.ok()) {
+    context.error = cache.status().ToString();
+    return;
+  }
+  auto payload = std::make_shared<const std::vector<std::byte>>(PatternBytes(chunk_bytes));
+  PumpUpdates(*client, cache->cache_id(), payload, context);
+  // The numbers count only if the bytes arrived intact, and gRPC let go of them.
+  if (absl::Status tail = CheckTail(*client, cache->cache_id(), *payload);
+      !tail.ok() && context.error.empty()) {
+    context.error = tail.ToString();
+  }
+  if (payload.use_count() != 1 && context.error.empty()) {
+    context.error = "WriteShared: gRPC still holds the tensors after the stream finished";
+  }
   (void)client->DeleteCache(cache->cache_id());
 }
 
-// Fetches a standard cache of kFetchTokens again and again, each response
-// exactly `chunk_bytes` of K+V.
+// Fetches a standard cache of the working set's size again and again, each
+// response exactly `chunk_bytes` of K+V.
 void FetchWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext& context) {
   auto client = ConnectOwn(address);
   auto cache = client->CreateCache(ThroughputSpec(/*window=*/0));
@@ -82,7 +130,7 @@ void FetchWorker(const std::string& address, uint64_t chunk_bytes, WorkerContext
     context.error = cache.status().ToString();
     return;
   }
-  if (absl::Status filled = Fill(*client, cache->cache_id(), 1, kFetchTokens); !filled.ok()) {
+  if (absl::Status filled = Fill(*client, cache->cache_id(), 1, WorkingSetTokens()); !filled.ok()) {
     context.error = filled.ToString();
     return;
   }
@@ -179,6 +227,7 @@ void RunLatency(const std::string& address) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  kvcache::bench::KeepMessageBuffersInHeap();
   const std::string address = absl::GetFlag(FLAGS_address);
   if (absl::Status ready = kvcache::Client::Connect({.address = address})
                                ->WaitForReady(absl::Seconds(30));
@@ -186,7 +235,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", ready.ToString().c_str());
     return 1;
   }
-  for (const std::string& op : absl::StrSplit(absl::GetFlag(FLAGS_ops), ',')) {
+  const std::vector<std::string> ops = absl::StrSplit(absl::GetFlag(FLAGS_ops), ',');
+  for (const std::string& op : ops) {
     if (op == "update" || op == "fetch") kvcache::bench::RunThroughput(op.c_str(), address);
     if (op == "latency") kvcache::bench::RunLatency(address);
   }

@@ -5,16 +5,6 @@
 namespace kvcache::bench {
 namespace {
 
-LayerUpdate TokensOf(uint32_t layer, const std::vector<std::byte>& payload) {
-  const uint64_t tokens = payload.size() / kTokenBytes;
-  const absl::Span<const std::byte> bytes(payload);
-  return LayerUpdate{.layer = layer,
-                     .dtype = v1::DTYPE_FLOAT16,
-                     .keys_shape = {1, kHeads, tokens, kHeadDim},
-                     .keys = bytes.subspan(0, payload.size() / 2),
-                     .values_shape = {1, kHeads, tokens, kHeadDim},
-                     .values = bytes.subspan(payload.size() / 2)};
-}
 
 void AddLayer(v1::CacheSpec& spec, uint32_t window) {
   v1::LayerSpec* layer = spec.add_layers();
@@ -28,6 +18,17 @@ void AddLayer(v1::CacheSpec& spec, uint32_t window) {
 }
 
 }  // namespace
+
+LayerUpdate TokensOf(uint32_t layer, const std::vector<std::byte>& payload) {
+  const uint64_t tokens = payload.size() / kTokenBytes;
+  const absl::Span<const std::byte> bytes(payload);
+  return LayerUpdate{.layer = layer,
+                     .dtype = v1::DTYPE_FLOAT16,
+                     .keys_shape = {1, kHeads, tokens, kHeadDim},
+                     .keys = bytes.subspan(0, payload.size() / 2),
+                     .values_shape = {1, kHeads, tokens, kHeadDim},
+                     .values = bytes.subspan(payload.size() / 2)};
+}
 
 v1::CacheSpec ThroughputSpec(uint32_t window) {
   v1::CacheSpec spec;
@@ -78,6 +79,31 @@ absl::Status Fill(Client& client, const std::string& cache_id, uint32_t layers, 
     }
   }
   return stream->Finish().status();
+}
+
+absl::Status CheckTail(Client& client, const std::string& cache_id,
+                       const std::vector<std::byte>& payload) {
+  auto info = client.GetCache(cache_id);
+  if (!info.ok()) return info.status();
+  const uint64_t tokens = payload.size() / kTokenBytes;
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id);
+  request.set_start(info->offset() - tokens);
+  std::vector<v1::FetchResponse> chunks;
+  absl::Status status = client.Fetch(request, [&](const v1::FetchResponse& chunk) {
+    chunks.push_back(chunk);
+    return absl::OkStatus();
+  });
+  if (!status.ok()) return status;
+  auto history = AssembleHistory(chunks);
+  if (!history.ok()) return history.status();
+  const size_t half = payload.size() / 2;
+  if (history->tokens != tokens ||
+      !std::equal(history->keys.begin(), history->keys.end(), payload.begin()) ||
+      !std::equal(history->values.begin(), history->values.end(), payload.begin() + half)) {
+    return absl::DataLossError("the cache's last tokens are not the bytes that were sent");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Decode(Client& client, const std::string& cache_id, uint32_t layers, int steps) {

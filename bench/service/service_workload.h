@@ -17,10 +17,6 @@ namespace kvcache::bench {
 constexpr uint32_t kHeads = 8;
 constexpr uint32_t kHeadDim = 128;
 constexpr uint64_t kTokenBytes = 2ull * kHeads * kHeadDim * 2;  // K + V, f16
-// The Update rows' rotating window: 16 MiB per stream, far above any chunk.
-constexpr uint32_t kUpdateWindowTokens = 4096;
-// The Fetch rows' cache: 64 MiB per stream, fetched whole again and again.
-constexpr uint64_t kFetchTokens = 16384;
 constexpr uint32_t kLatencyLayers = 16;
 // Latency contexts end this far past a page boundary.
 constexpr uint64_t kLatencyOffPage = 5;
@@ -31,11 +27,16 @@ v1::CacheSpec ThroughputSpec(uint32_t window);
 v1::CacheSpec LatencySpec();
 // `bytes` of a non-zero pattern (so nothing can skip zero pages).
 std::vector<std::byte> PatternBytes(uint64_t bytes);
+// `payload` (keys then values, half each) as one layer's update.
+LayerUpdate TokensOf(uint32_t layer, const std::vector<std::byte>& payload);
 // An Update of `payload` (keys then values, half each) to `layer`.
 v1::UpdateRequest MakeUpdateRequest(const std::string& cache_id, uint32_t layer,
                                     const std::vector<std::byte>& payload);
 // Appends `tokens` tokens to each of the first `layers` layers, in 4 MiB messages.
 absl::Status Fill(Client& client, const std::string& cache_id, uint32_t layers, uint64_t tokens);
+// DATA_LOSS unless the last tokens of layer 0 are `payload`'s (keys, values).
+absl::Status CheckTail(Client& client, const std::string& cache_id,
+                       const std::vector<std::byte>& payload);
 // `steps` decode steps: one token into each of `layers` layers per step.
 absl::Status Decode(Client& client, const std::string& cache_id, uint32_t layers, int steps);
 

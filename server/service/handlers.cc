@@ -117,31 +117,44 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
   return plan;
 }
 
-absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
-                                      v1::FetchResponse* response) {
+void Handlers::FetchChunkHeader(const FetchPlan& plan, size_t index, v1::FetchResponse* header,
+                                uint64_t* key_bytes, uint64_t* value_bytes) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
   const engine::CacheSpec& spec = plan.view->spec;
   const engine::LayerSpec& layer = spec.layers[chunk.layer];
   const uint64_t tokens = chunk.range.size();
-  const uint64_t elem = DTypeSize(spec.dtype);
   const uint64_t rows = uint64_t{spec.batch_size} * layer.num_kv_heads * tokens;
-  std::string* keys = response->mutable_keys()->mutable_data();
-  std::string* values = response->mutable_values()->mutable_data();
-  keys->resize(rows * layer.k_head_dim * elem);
-  values->resize(rows * layer.v_head_dim * elem);
-  for (auto [tensor, dim] : {std::pair{response->mutable_keys(), layer.k_head_dim},
-                             std::pair{response->mutable_values(), layer.v_head_dim}}) {
+  *key_bytes = rows * layer.k_head_dim * DTypeSize(spec.dtype);
+  *value_bytes = rows * layer.v_head_dim * DTypeSize(spec.dtype);
+  for (auto [tensor, dim] : {std::pair{header->mutable_keys(), layer.k_head_dim},
+                             std::pair{header->mutable_values(), layer.v_head_dim}}) {
     tensor->set_dtype(ToProto(spec.dtype));
     for (uint64_t d : {uint64_t{spec.batch_size}, uint64_t{layer.num_kv_heads}, tokens, uint64_t{dim}}) {
       tensor->add_shape(d);
     }
   }
-  response->set_layer(chunk.layer);
-  response->set_start(chunk.range.begin);
-  const engine::KvOutput out{
-      .keys = absl::MakeSpan(reinterpret_cast<std::byte*>(keys->data()), keys->size()),
-      .values = absl::MakeSpan(reinterpret_cast<std::byte*>(values->data()), values->size())};
+  header->set_layer(chunk.layer);
+  header->set_start(chunk.range.begin);
+}
+
+absl::Status Handlers::ReadFetchChunk(const FetchPlan& plan, size_t index,
+                                      const engine::KvOutput& out) const {
+  const FetchPlan::Chunk& chunk = plan.chunks[index];
   return plan.view->Read(chunk.layer, chunk.range, out);
+}
+
+absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
+                                      v1::FetchResponse* response) {
+  uint64_t key_bytes = 0, value_bytes = 0;
+  FetchChunkHeader(plan, index, response, &key_bytes, &value_bytes);
+  std::string* keys = response->mutable_keys()->mutable_data();
+  std::string* values = response->mutable_values()->mutable_data();
+  keys->resize(key_bytes);
+  values->resize(value_bytes);
+  return ReadFetchChunk(
+      plan, index,
+      {.keys = absl::MakeSpan(reinterpret_cast<std::byte*>(keys->data()), keys->size()),
+       .values = absl::MakeSpan(reinterpret_cast<std::byte*>(values->data()), values->size())});
 }
 
 absl::Status Handlers::Trim(const v1::TrimRequest& request, v1::TrimResponse* response) {

@@ -53,6 +53,13 @@ class Handlers {
                       v1::UpdateResponse* response);
   absl::StatusOr<FetchPlan> PlanFetch(const v1::FetchRequest& request);
   absl::Status FillFetchChunk(const FetchPlan& plan, size_t index, v1::FetchResponse* response);
+  // FillFetchChunk in two halves, so the Fetch stream can read the data
+  // straight into its outgoing buffer: every field but the tensors' data, and
+  // the data's sizes; then the data itself.
+  void FetchChunkHeader(const FetchPlan& plan, size_t index, v1::FetchResponse* header,
+                        uint64_t* key_bytes, uint64_t* value_bytes) const;
+  absl::Status ReadFetchChunk(const FetchPlan& plan, size_t index,
+                              const engine::KvOutput& out) const;
   absl::Status Trim(const v1::TrimRequest& request, v1::TrimResponse* response);
   absl::Status Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response);
   absl::Status Restore(const v1::RestoreRequest& request, v1::CacheInfo* response);

@@ -48,8 +48,8 @@ grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse>* KvCacheService::
   return new UpdateReactor(handlers_);
 }
 
-grpc::ServerWriteReactor<v1::FetchResponse>* KvCacheService::Fetch(
-    grpc::CallbackServerContext* context, const v1::FetchRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::Fetch(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new FetchReactor(handlers_, *request);
 }
 

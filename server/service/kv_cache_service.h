@@ -7,7 +7,27 @@
 
 namespace kvcache::service {
 
-class KvCacheService final : public v1::KvCacheService::CallbackService {
+// v1::KvCacheService::CallbackService with Fetch registered raw
+// (grpc::ByteBuffer), so its chunks skip protobuf's copies (stream_reactors.h).
+// A new RPC must be added here too, or it is served by the synchronous base,
+// which answers UNIMPLEMENTED.
+using KvCacheServiceBase = v1::KvCacheService::WithCallbackMethod_CreateCache<
+    v1::KvCacheService::WithCallbackMethod_GetCache<
+    v1::KvCacheService::WithCallbackMethod_ListCaches<
+    v1::KvCacheService::WithCallbackMethod_DeleteCache<
+    v1::KvCacheService::WithCallbackMethod_Update<
+    v1::KvCacheService::WithRawCallbackMethod_Fetch<
+    v1::KvCacheService::WithCallbackMethod_Trim<
+    v1::KvCacheService::WithCallbackMethod_Snapshot<
+    v1::KvCacheService::WithCallbackMethod_Restore<
+    v1::KvCacheService::WithCallbackMethod_MergeSnapshots<
+    v1::KvCacheService::WithCallbackMethod_SplitSnapshot<
+    v1::KvCacheService::WithCallbackMethod_ReleaseSnapshot<
+    v1::KvCacheService::WithCallbackMethod_ListSnapshots<
+    v1::KvCacheService::WithCallbackMethod_GetStats<
+    v1::KvCacheService::Service>>>>>>>>>>>>>>;
+
+class KvCacheService final : public KvCacheServiceBase {
  public:
   explicit KvCacheService(Handlers& handlers) : handlers_(handlers) {}
 
@@ -25,8 +45,8 @@ class KvCacheService final : public v1::KvCacheService::CallbackService {
                                         v1::DeleteCacheResponse* response) override;
   grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse>* Update(
       grpc::CallbackServerContext* context) override;
-  grpc::ServerWriteReactor<v1::FetchResponse>* Fetch(grpc::CallbackServerContext* context,
-                                                     const v1::FetchRequest* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* Trim(grpc::CallbackServerContext* context,
                                  const v1::TrimRequest* request,
                                  v1::TrimResponse* response) override;

@@ -2,6 +2,7 @@
 
 #include "core/status_macros.h"
 #include "service/status_mapping.h"
+#include "service/wire_format.h"
 
 namespace kvcache::service {
 
@@ -31,8 +32,9 @@ void UpdateReactor::OnReadDone(bool ok) {
     }
     next = PickNext();
   }
-  Start(next);
+  // The next read first: sending an acknowledgement may take a system call.
   if (ok && status.ok()) StartRead(&request_);
+  Start(next);
 }
 
 void UpdateReactor::OnWriteDone(bool ok) {
@@ -54,6 +56,9 @@ UpdateReactor::Next UpdateReactor::PickNext() {
   if (!acks_.empty() && !write_failed_) {
     writing_ack_ = std::move(acks_.front());
     acks_.pop_front();
+    // More to come: let gRPC hold this one back and send them together; the
+    // last one, written without the hint, flushes them all.
+    write_options_ = acks_.empty() ? grpc::WriteOptions() : grpc::WriteOptions().set_buffer_hint();
     writing_ = true;
     return Next::kWrite;
   }
@@ -65,12 +70,20 @@ UpdateReactor::Next UpdateReactor::PickNext() {
 // writing_ack_ and final_status_ are stable here: only PickNext changes them,
 // and it returns kNothing until the write finishes (and never after kFinish).
 void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (next == Next::kWrite) StartWrite(&writing_ack_);
+  if (next == Next::kWrite) StartWrite(&writing_ack_, write_options_);
   if (next == Next::kFinish) Finish(*final_status_);
 }
 
-FetchReactor::FetchReactor(Handlers& handlers, const v1::FetchRequest& request)
+FetchReactor::FetchReactor(Handlers& handlers, const grpc::ByteBuffer& raw_request)
     : handlers_(handlers) {
+  grpc::ByteBuffer buffer = raw_request;  // shares the slices; Deserialize consumes it
+  v1::FetchRequest request;
+  const grpc::Status parsed =
+      grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&buffer, &request);
+  if (!parsed.ok()) {
+    Finish(parsed);
+    return;
+  }
   absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
   if (!plan.ok()) {
     Finish(ToGrpcStatus(plan.status()));
@@ -86,12 +99,17 @@ void FetchReactor::WriteNext() {
     Finish(grpc::Status::OK);
     return;
   }
-  response_.Clear();
-  const absl::Status status = handlers_.FillFetchChunk(plan_, next_++, &response_);
+  v1::FetchResponse header;
+  uint64_t key_bytes = 0, value_bytes = 0;
+  handlers_.FetchChunkHeader(plan_, next_, &header, &key_bytes, &value_bytes);
+  FetchChunkBuffer chunk(header, key_bytes, value_bytes);
+  const absl::Status status =
+      handlers_.ReadFetchChunk(plan_, next_++, {.keys = chunk.keys(), .values = chunk.values()});
   if (!status.ok()) {
     Finish(ToGrpcStatus(status));
     return;
   }
+  response_ = chunk.Finish();
   StartWrite(&response_);
 }
 

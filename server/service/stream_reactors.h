@@ -40,6 +40,7 @@ class UpdateReactor final : public grpc::ServerBidiReactor<v1::UpdateRequest, v1
   absl::Mutex mutex_;
   std::deque<v1::UpdateResponse> acks_ ABSL_GUARDED_BY(mutex_);
   v1::UpdateResponse writing_ack_ ABSL_GUARDED_BY(mutex_);
+  grpc::WriteOptions write_options_ ABSL_GUARDED_BY(mutex_);
   bool writing_ ABSL_GUARDED_BY(mutex_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mutex_) = false;
   std::optional<grpc::Status> final_status_ ABSL_GUARDED_BY(mutex_);  // set when reads end
@@ -47,10 +48,12 @@ class UpdateReactor final : public grpc::ServerBidiReactor<v1::UpdateRequest, v1
 };
 
 // Fetch: plans the chunks from one consistent view, then fills and writes them
-// one after another.
-class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
+// one after another. Registered raw (grpc::ByteBuffer), so that each chunk is
+// read from pages straight into its outgoing buffer (wire_format.h) rather
+// than into a zero-filled FetchResponse that protobuf then copies again.
+class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(Handlers& handlers, const v1::FetchRequest& request);
+  FetchReactor(Handlers& handlers, const grpc::ByteBuffer& request);
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
 
@@ -60,7 +63,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
   Handlers& handlers_;
   FetchPlan plan_;
   size_t next_ = 0;
-  v1::FetchResponse response_;
+  grpc::ByteBuffer response_;
 };
 
 }  // namespace kvcache::service

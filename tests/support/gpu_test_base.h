@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "gpu/device.h"
@@ -26,6 +27,8 @@ enum class TransferPath {
 
 // "Direct", "StagingRegions", "StagingShader": test-name friendly.
 std::string TransferPathName(TransferPath path);
+// So googletest and ctest print the path's name, not its bytes.
+inline void PrintTo(TransferPath path, std::ostream* out) { *out << TransferPathName(path); }
 
 inline constexpr TransferPath kAllTransferPaths[] = {
     TransferPath::kDirect, TransferPath::kStagingRegions, TransferPath::kStagingShader};

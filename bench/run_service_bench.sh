@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# Service over loopback (issue 3): kvcached Update / Fetch throughput beside
+# Redis SET / GET of the same bytes (hiredis, pipelined like kvcached's
+# streams) and the TCP ceiling (iperf3, one stream), plus Snapshot / Restore
+# latency against context length, all in one run on this machine.
+#
+#   bash bench/run_service_bench.sh            # prints the markdown tables
+#   REPEATS=5 ROW_SECONDS=3 bash bench/run_service_bench.sh
+#   bash bench/run_service_bench.sh --report   # the tables of the last run again
+#   KVCACHED=/other/kvcached UPDATE_PATH=proto bash bench/run_service_bench.sh
+#       # another server build, and Updates sent through the generated stub
+#
+# Installs the peers (.ci/setup --bench), builds Release into build-bench/,
+# starts kvcached, redis-server and iperf3 on free loopback ports, and stops
+# them on exit. Each row runs REPEATS times, kvcached and Redis alternating so
+# both see the same background load; the tables give medians. Raw rows go to
+# build-bench/service_bench_raw.txt. About 5 minutes after the build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+REPEATS=${REPEATS:-3}
+ROW_SECONDS=${ROW_SECONDS:-2}
+STREAMS=${STREAMS:-"1 4"}
+CHUNKS=${CHUNKS:-"65536 262144 1048576"}
+BUILD_DIR=${BUILD_DIR:-build-bench}
+KVCACHED=${KVCACHED:-$BUILD_DIR/server/kvcached}
+UPDATE_PATH=${UPDATE_PATH:-shared}
+work=$(mktemp -d)
+raw="$BUILD_DIR/service_bench_raw.txt"
+pids=()
+
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+log() { echo "bench: $*" >&2; }
+
+# The first port from $1 on that nothing on 127.0.0.1 answers.
+free_port() {
+  local port=$1
+  while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$((port + 1)); done
+  echo "$port"
+}
+
+# Waits until `$@` succeeds (up to 30 s).
+wait_for() {
+  for _ in $(seq 300); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
+  log "gave up waiting for: $*"; return 1
+}
+
+median() { sort -g | awk '{v[NR] = $1} END {print NR ? v[int((NR + 1) / 2)] : 0}'; }
+
+build() {
+  bash .ci/setup --bench >&2
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCACHED_BUILD_TESTS=OFF >&2
+  cmake --build "$BUILD_DIR" --parallel "$(nproc)" --target kvcached service_bench redis_bench >&2
+}
+
+start_peers() {
+  kv_port=$(free_port 50151)
+  "$KVCACHED" --listen="127.0.0.1:$kv_port" --pool_bytes=$((6 << 30)) \
+    --max_message_bytes=$((256 << 20)) >"$work/kvcached.log" 2>&1 &
+  pids+=($!)
+  redis_port=$(free_port 6390)
+  redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
+    --daemonize no --logfile "$work/redis.log" &
+  pids+=($!)
+  wait_for redis-cli -p "$redis_port" ping
+  wait_for grep -q "listening on" "$work/kvcached.log"
+  log "kvcached on $kv_port, redis-server on $redis_port"
+}
+
+# iperf3's one-stream loopback throughput in GB/s (-1: the server serves one
+# test). Pinned to two different cores: unpinned, the scheduler often puts
+# both ends on one core and the "ceiling" halves (5-7 instead of 11-14 GB/s
+# here), which would flatter everything measured against it.
+iperf3_once() {
+  local port pin_server=() pin_client=()
+  port=$(free_port 5301)
+  if (($(nproc) >= 2)); then pin_server=(-A 1) pin_client=(-A 0); fi
+  iperf3 -s -1 -B 127.0.0.1 -p "$port" "${pin_server[@]}" >/dev/null 2>&1 &
+  pids+=($!)
+  sleep 0.5
+  iperf3 -c 127.0.0.1 -p "$port" -t 5 "${pin_client[@]}" -J |
+    awk '/"sum_received"/ {found = 1} found && /"bits_per_second"/ {
+           gsub(/[^0-9.e+]/, "", $2); printf "%.3f\n", $2 / 8e9; exit }'
+}
+
+run_rows() {
+  local kv="$BUILD_DIR/bench/service/service_bench" redis="$BUILD_DIR/bench/service/redis_bench"
+  local common=(--seconds="$ROW_SECONDS" --warmup=0.5)
+  : >"$raw"
+  for rep in $(seq "$REPEATS"); do
+    log "round $rep of $REPEATS"
+    for pair in "update set" "fetch get"; do
+      read -r kv_op redis_op <<<"$pair"
+      for streams in $STREAMS; do
+        for chunk in $CHUNKS; do
+          "$kv" --address="127.0.0.1:$kv_port" --ops="$kv_op" --streams="$streams" \
+            --chunks="$chunk" --update_path="$UPDATE_PATH" "${common[@]}" >>"$raw"
+          "$redis" --port="$redis_port" --ops="$redis_op" --connections="$streams" \
+            --chunks="$chunk" "${common[@]}" >>"$raw"
+        done
+      done
+    done
+    echo "IPERF3 $(iperf3_once)" >>"$raw"
+  done
+  log "latency"
+  "$kv" --address="127.0.0.1:$kv_port" --ops=latency >>"$raw"
+}
+
+print_machine() {
+  echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
+  echo "- kernel $(uname -r), $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- device: $(sed -n 's/.*device: \(.*\), transfers.*/\1/p' "$work/kvcached.log" | head -1)"
+  echo "- load average before / after: $load_before / $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "- $REPEATS rounds of ${ROW_SECONDS} s per row (after 0.5 s warm-up); medians"
+  echo "- server $KVCACHED, Update rows sent with --update_path=$UPDATE_PATH"
+}
+
+# One line per row: label streams chunk kvcached-median redis-median kvcached-min..max redis-min..max
+summarise_rows() {
+  for pair in "update set Update/SET" "fetch get Fetch/GET"; do
+    read -r kv_op redis_op label <<<"$pair"
+    for streams in $STREAMS; do
+      for chunk in $CHUNKS; do
+        local kv redis
+        kv=$(awk -v o="$kv_op" -v s="$streams" -v c="$chunk" \
+          '$1 == "ROW" && $2 == "kvcached" && $3 == o && $4 == s && $5 == c {print $6}' "$raw")
+        redis=$(awk -v o="$redis_op" -v s="$streams" -v c="$chunk" \
+          '$1 == "ROW" && $2 == "redis" && $3 == o && $4 == s && $5 == c {print $6}' "$raw")
+        echo "$label $streams $chunk $(median <<<"$kv") $(median <<<"$redis")" \
+          "$(sort -g <<<"$kv" | sed -n '1p;$p' | paste -sd-)" \
+          "$(sort -g <<<"$redis" | sed -n '1p;$p' | paste -sd-)"
+      done
+    done
+  done
+}
+
+print_throughput() {
+  local ceiling=$1
+  echo "| op | streams | chunk | kvcached GB/s | Redis GB/s | kvcached / Redis | iperf3 GB/s | kvcached / iperf3 |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+  awk -v t="$ceiling" '{
+    ratio = $5 > 0 ? $4 / $5 : 0
+    tcp = ""; tcp_ratio = ""
+    if ($2 == 1 && $3 == 1048576) { tcp = t; tcp_ratio = sprintf("%.2f", t > 0 ? $4 / t : 0) }
+    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %s | %s |\n", $1, $2, $3 / 1024, $4, $5, ratio, tcp, tcp_ratio
+  }' "$work/summary"
+}
+
+# Medians as bars, and each row's spread over the rounds.
+print_plot() {
+  local ceiling=$1
+  echo '```'
+  awk -v t="$ceiling" '
+    function bar(v) { s = ""; for (i = 0; i < int(v * 4 + 0.5); ++i) s = s "#"; return s }
+    {
+      row = sprintf("%s x%d %4d KiB", $1, $2, $3 / 1024)
+      printf "%-24s kvcached %-40s %5.2f  (%s)\n", row, bar($4), $4, $6
+      printf "%-24s Redis    %-40s %5.2f  (%s)\n", "", bar($5), $5, $7
+    }
+    END { printf "%-24s iperf3   %-40s %5.2f\n", "TCP ceiling x1", bar(t), t }' "$work/summary"
+  echo '```'
+}
+
+print_latency() {
+  echo "| context (tokens) | Snapshot p50 µs | Snapshot p99 µs | Restore p50 µs | Restore p99 µs |"
+  echo "|---:|---:|---:|---:|---:|"
+  awk '$1 == "LAT" && $2 == "snapshot" {s[$3] = $4 " | " $5; order[++n] = $3}
+       $1 == "LAT" && $2 == "restore" {r[$3] = $4 " | " $5}
+       END {for (i = 1; i <= n; ++i) printf "| %d | %s | %s |\n", order[i], s[order[i]], r[order[i]]}' "$raw"
+}
+
+main() {
+  # --report: print the tables again from the last run's raw rows.
+  if [[ ${1:-} != --report ]]; then
+    build
+    load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+    start_peers
+    run_rows
+    print_machine >"$BUILD_DIR/service_bench_machine.txt"
+  fi
+  local ceiling
+  ceiling=$(awk '$1 == "IPERF3" {print $2}' "$raw" | median)
+  if grep -q "error" "$raw"; then log "some rows failed:"; grep "error" "$raw" >&2; fi
+  echo "### Machine"
+  cat "$BUILD_DIR/service_bench_machine.txt"
+  echo
+  echo "### Throughput (GB/s = 10^9 bytes of K+V or value per second)"
+  summarise_rows >"$work/summary"
+  print_throughput "$ceiling"
+  echo
+  echo "Medians as bars (one # = 0.25 GB/s), with (min-max) over the rounds:"
+  echo
+  print_plot "$ceiling"
+  echo
+  echo "### Snapshot / Restore latency (16 layers, 8 KV heads, head dim 128, f16; through kvcache::Client)"
+  print_latency
+}
+
+main "$@"

@@ -1,0 +1,25 @@
+// UpdateRequests encoded by hand into gRPC slices, so a step's tensors are
+// copied once (into the message) or not at all (referenced where they lie),
+// instead of twice (into a protobuf message, then by its serialiser). The
+// bytes are protobuf's encoding of kvcache.v1.UpdateRequest.
+#pragma once
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include <memory>
+#include <string>
+
+#include "kvcache_client.h"
+
+namespace kvcache::internal {
+
+// One slice holding the whole request: the tensors are copied once.
+grpc::ByteBuffer EncodeUpdateCopy(const std::string& cache_id, const LayerUpdate& update);
+
+// The tensors are referenced, not copied: gRPC holds `owner` until it has
+// written them to the socket, so whatever `owner` keeps alive must hold
+// update.keys and update.values unchanged until then.
+grpc::ByteBuffer EncodeUpdateShared(const std::string& cache_id, const LayerUpdate& update,
+                                    std::shared_ptr<const void> owner);
+
+}  // namespace kvcache::internal

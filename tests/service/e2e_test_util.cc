@@ -1,0 +1,234 @@
+#include "e2e_test_util.h"
+
+#include <algorithm>
+#include <map>
+#include <variant>
+
+#include "absl/strings/str_join.h"
+
+namespace kvcache::testing {
+
+std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
+  ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.device.enable_validation = true;
+  config.device.force_staging = setup.path != TransferPath::kDirect;
+  config.device.copy_engine = setup.path == TransferPath::kStagingShader
+                                  ? gpu::CopyEngine::kComputeShader
+                                  : gpu::CopyEngine::kCopyRegions;
+  config.pool.page_bytes = setup.page_bytes;
+  config.pool.budget_bytes = setup.budget_bytes;
+  config.engine.page_tokens = setup.page_tokens;
+  config.engine.max_update_tokens = 256;
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
+  if (!server.ok()) {
+    ADD_FAILURE() << "KvCacheServer::Start: " << server.status();
+    return nullptr;
+  }
+  auto test_server = std::unique_ptr<TestServer>(new TestServer);
+  test_server->server_ = *std::move(server);
+  test_server->client_ = test_server->Connect(/*dedicated=*/false);
+  const absl::Status ready = test_server->client_->WaitForReady(absl::Seconds(10));
+  if (!ready.ok()) {
+    ADD_FAILURE() << ready;
+    return nullptr;
+  }
+  return test_server;
+}
+
+TestServer::~TestServer() {
+  client_.reset();  // before the server, so no call of ours is left in flight
+  server_.reset();
+}
+
+std::unique_ptr<Client> TestServer::Connect(bool dedicated) const {
+  return Client::Connect(ClientOptions{.address = server_->address(),
+                                       .deadline = absl::Seconds(30),
+                                       .dedicated_connection = dedicated});
+}
+
+std::unique_ptr<Client> TestServer::ConnectTo(const std::string& address) const {
+  return Client::Connect(ClientOptions{
+      .address = address, .deadline = absl::Seconds(30), .dedicated_connection = true});
+}
+
+void TestServer::Shutdown(absl::Duration grace) {
+  shut_down_ = true;
+  server_->Shutdown(grace);
+}
+
+void TestServer::CleanUpAndCheck() {
+  if (shut_down_) {
+    ReleaseEverything(server_->engine());
+    EXPECT_EQ(server_->engine().pool().stats().used_pages, 0u) << "pages leaked";
+  } else {
+    absl::StatusOr<std::vector<v1::SnapshotInfo>> snapshots = client_->ListSnapshots();
+    ASSERT_TRUE(snapshots.ok()) << snapshots.status();
+    for (const v1::SnapshotInfo& info : *snapshots) {
+      EXPECT_TRUE(client_->ReleaseSnapshot(info.snapshot_id()).ok());
+    }
+    absl::StatusOr<std::vector<v1::CacheInfo>> caches = client_->ListCaches();
+    ASSERT_TRUE(caches.ok()) << caches.status();
+    for (const v1::CacheInfo& info : *caches) {
+      EXPECT_TRUE(client_->DeleteCache(info.cache_id()).ok());
+    }
+    absl::StatusOr<v1::Stats> stats = client_->GetStats();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->pages_used(), 0u) << "pages leaked";
+    EXPECT_EQ(stats->caches(), 0u);
+    EXPECT_EQ(stats->snapshots(), 0u);
+  }
+  const gpu::Device& device = server_->device();
+  EXPECT_EQ(device.validation_message_count(), 0u)
+      << "Vulkan validation messages from the server's device:\n  "
+      << absl::StrJoin(device.validation_messages(), "\n  ");
+}
+
+void E2eTest::SetUp() {
+  server_ = TestServer::Start({.path = GetParam()});
+  ASSERT_NE(server_, nullptr);
+}
+
+void E2eTest::TearDown() {
+  if (server_) server_->CleanUpAndCheck();
+  server_.reset();
+}
+
+std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info) {
+  return TransferPathName(info.param);
+}
+
+v1::CacheSpec ToWireSpec(const engine::CacheSpec& spec) {
+  v1::CacheSpec wire;
+  wire.set_dtype(static_cast<v1::DType>(spec.dtype));
+  wire.set_batch_size(spec.batch_size);
+  wire.set_model(spec.model);
+  for (const engine::LayerSpec& layer : spec.layers) {
+    v1::LayerSpec* out = wire.add_layers();
+    out->set_num_kv_heads(layer.num_kv_heads);
+    out->set_k_head_dim(layer.k_head_dim);
+    out->set_v_head_dim(layer.v_head_dim);
+    if (const auto* rotating = std::get_if<engine::RotatingKind>(&layer.kind)) {
+      out->mutable_rotating()->set_max_size(rotating->max_size);
+      out->mutable_rotating()->set_keep(rotating->keep);
+    } else {
+      out->mutable_standard();
+    }
+  }
+  return wire;
+}
+
+LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv) {
+  const RefShape shape = ShapeOf(spec, layer);
+  return LayerUpdate{.layer = layer,
+                     .dtype = static_cast<v1::DType>(spec.dtype),
+                     .keys_shape = {shape.batch, shape.heads, kv.tokens, shape.k_dim},
+                     .keys = kv.keys,
+                     .values_shape = {shape.batch, shape.heads, kv.tokens, shape.v_dim},
+                     .values = kv.values};
+}
+
+absl::Span<const std::byte> BytesOf(const std::string& data) {
+  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
+}
+
+LayerUpdate ToLayerUpdate(const v1::UpdateRequest& request) {
+  return LayerUpdate{
+      .layer = request.layer(),
+      .dtype = request.keys().dtype(),
+      .keys_shape = {request.keys().shape().begin(), request.keys().shape().end()},
+      .keys = BytesOf(request.keys().data()),
+      .values_shape = {request.values().shape().begin(), request.values().shape().end()},
+      .values = BytesOf(request.values().data())};
+}
+
+std::vector<RefToken> TokensOf(const LayerHistory& history, const RefShape& shape) {
+  std::vector<RefToken> tokens =
+      TokensFromTensors(shape, history.keys, history.values, history.tokens);
+  size_t next = 0;
+  for (const auto& [begin, end] : history.ranges) {
+    for (uint64_t position = begin; position < end && next < tokens.size(); ++position) {
+      tokens[next++].position = position;
+    }
+  }
+  return tokens;
+}
+
+::testing::AssertionResult HistoryMatches(const std::vector<RefToken>& expected,
+                                          const absl::StatusOr<LayerHistory>& history,
+                                          const RefShape& shape) {
+  if (!history.ok()) return ::testing::AssertionFailure() << "fetch: " << history.status();
+  std::vector<engine::TokenRange> ranges;
+  uint64_t tokens = 0;
+  for (const auto& [begin, end] : history->ranges) {
+    ranges.push_back({begin, end});
+    tokens += end - begin;
+  }
+  if (RangesString(ranges) != RangesString(RangesOf(expected)) || tokens != history->tokens ||
+      history->keys.size() != shape.KTensorBytes(tokens) ||
+      history->values.size() != shape.VTensorBytes(tokens)) {
+    return ::testing::AssertionFailure()
+           << "fetched ranges " << RangesString(ranges) << " (" << history->tokens << " tokens, "
+           << history->keys.size() << "+" << history->values.size() << " bytes), expected "
+           << RangesString(RangesOf(expected));
+  }
+  return SameTokens(expected, TokensOf(*history, shape));
+}
+
+namespace {
+
+// Every layer of a cache or snapshot, fetched in one stream.
+std::vector<EngineFingerprint::Layer> FetchAllLayers(Client& client, const std::string& cache_id,
+                                                     const std::string& snapshot_id) {
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id);
+  request.set_snapshot_id(snapshot_id);
+  std::map<uint32_t, std::vector<v1::FetchResponse>> chunks;
+  const absl::Status status = client.Fetch(request, [&](const v1::FetchResponse& chunk) {
+    chunks[chunk.layer()].push_back(chunk);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+  std::vector<EngineFingerprint::Layer> layers;
+  for (const auto& [layer, parts] : chunks) {
+    absl::StatusOr<LayerHistory> history = AssembleHistory(parts);
+    EXPECT_TRUE(history.ok()) << history.status();
+    if (!history.ok()) continue;
+    EngineFingerprint::Layer out{.keys = history->keys, .values = history->values};
+    for (const auto& [begin, end] : history->ranges) out.ranges.push_back({begin, end});
+    layers.push_back(std::move(out));
+  }
+  return layers;
+}
+
+}  // namespace
+
+EngineFingerprint WireFingerprint(Client& client) {
+  EngineFingerprint fingerprint;
+  absl::StatusOr<std::vector<v1::CacheInfo>> caches = client.ListCaches();
+  EXPECT_TRUE(caches.ok()) << caches.status();
+  for (const v1::CacheInfo& info : caches.value_or(std::vector<v1::CacheInfo>{})) {
+    fingerprint.caches.push_back(
+        {.id = info.cache_id(),
+         .cache_id = info.cache_id(),
+         .offsets = {info.layer_offsets().begin(), info.layer_offsets().end()},
+         .layers = FetchAllLayers(client, info.cache_id(), "")});
+  }
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> snapshots = client.ListSnapshots();
+  EXPECT_TRUE(snapshots.ok()) << snapshots.status();
+  for (const v1::SnapshotInfo& info : snapshots.value_or(std::vector<v1::SnapshotInfo>{})) {
+    fingerprint.snapshots.push_back({.id = info.snapshot_id(),
+                                     .cache_id = info.cache_id(),
+                                     .offsets = {info.from_offset(), info.to_offset()},
+                                     .layers = FetchAllLayers(client, "", info.snapshot_id())});
+  }
+  auto by_id = [](const auto& a, const auto& b) { return a.id < b.id; };
+  std::sort(fingerprint.caches.begin(), fingerprint.caches.end(), by_id);
+  std::sort(fingerprint.snapshots.begin(), fingerprint.snapshots.end(), by_id);
+  absl::StatusOr<v1::Stats> stats = client.GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  fingerprint.used_pages = stats.ok() ? stats->pages_used() : UINT32_MAX;
+  return fingerprint;
+}
+
+}  // namespace kvcache::testing

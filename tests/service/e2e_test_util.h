@@ -1,0 +1,93 @@
+// End-to-end test support: a whole kvcached (KvCacheServer) started in-process
+// on a free loopback port with the Vulkan validation layer on, a
+// kvcache::Client talking to it over TCP, and comparisons of what the wire
+// returns against the CPU reference model (tests/engine/reference_model.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/cache_spec.h"
+#include "engine_test_util.h"
+#include "gtest/gtest.h"
+#include "kv_server.h"
+#include "kvcache_client.h"
+#include "reference_model.h"
+#include "support/gpu_test_base.h"
+
+namespace kvcache::testing {
+
+struct ServerSetup {
+  TransferPath path = TransferPath::kDirect;
+  uint32_t page_tokens = 16;
+  uint64_t page_bytes = 8 << 10;
+  uint64_t budget_bytes = 64 << 20;
+};
+
+class TestServer {
+ public:
+  // Starts the server and connects a client; on failure records a test
+  // failure and returns null (callers ASSERT_NE(server, nullptr)).
+  static std::unique_ptr<TestServer> Start(const ServerSetup& setup);
+  ~TestServer();
+
+  KvCacheServer& server() { return *server_; }
+  Client& client() { return *client_; }
+  // Another client of this server; `dedicated` gives it a TCP connection of its own.
+  std::unique_ptr<Client> Connect(bool dedicated = true) const;
+  std::unique_ptr<Client> ConnectTo(const std::string& address) const;
+
+  // KvCacheServer::Shutdown; afterwards CleanUpAndCheck works on the engine.
+  void Shutdown(absl::Duration grace);
+  // Releases every snapshot and deletes every cache (over the wire while the
+  // server runs), then expects no page in use and no validation message.
+  void CleanUpAndCheck();
+
+ private:
+  TestServer() = default;
+
+  std::unique_ptr<KvCacheServer> server_;
+  std::unique_ptr<Client> client_;
+  bool shut_down_ = false;
+};
+
+// Every end-to-end fixture: one server per test on GetParam()'s transfer path.
+class E2eTest : public ::testing::TestWithParam<TransferPath> {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  Client& client() { return server_->client(); }
+
+  std::unique_ptr<TestServer> server_;
+};
+
+// The transfer paths the end-to-end suites run on (the engine suites cover all).
+inline constexpr TransferPath kE2ePaths[] = {TransferPath::kDirect, TransferPath::kStagingRegions};
+std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info);
+
+// The wire form of an engine spec, built field by field (not by the service's
+// own converter, so a converter bug shows as a mismatch).
+v1::CacheSpec ToWireSpec(const engine::CacheSpec& spec);
+
+// One layer's update as the client sends it.
+LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv);
+// The client library's form of a raw request (its tensors stay in `request`).
+LayerUpdate ToLayerUpdate(const v1::UpdateRequest& request);
+absl::Span<const std::byte> BytesOf(const std::string& data);
+
+// The tokens a fetched history holds, at the positions its ranges give.
+std::vector<RefToken> TokensOf(const LayerHistory& history, const RefShape& shape);
+// Same ranges, same tokens, same bytes; the message names the first difference.
+::testing::AssertionResult HistoryMatches(const std::vector<RefToken>& expected,
+                                          const absl::StatusOr<LayerHistory>& history,
+                                          const RefShape& shape);
+
+// Everything a client can see (caches with offsets and fetched bytes,
+// snapshots with ranges and bytes, pages in use), read over the wire.
+EngineFingerprint WireFingerprint(Client& client);
+
+}  // namespace kvcache::testing

@@ -1,0 +1,257 @@
+// Validation over the wire: a representative subset of the rules the handler
+// tests cover in-process, each checked for its gRPC status code, a message
+// naming the field (or the reason), and no change visible to a client
+// (offsets, fetched bytes, snapshot list, pages in use). Then an Update stream
+// whose 3rd of 5 messages is bad.
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "e2e_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+constexpr char kUnknownId[] = "00112233445566778899aabbccddeeff";
+
+class E2eValidationTest : public E2eTest {
+ protected:
+  // Two standard layers and a rotating one (window 8, 4 sinks), 5 tokens each,
+  // and a snapshot [0, 5).
+  void SetUp() override {
+    E2eTest::SetUp();
+    if (HasFatalFailure()) return;
+    absl::StatusOr<v1::CacheInfo> info = client().CreateCache(ToWireSpec(spec_));
+    ASSERT_TRUE(info.ok()) << info.status();
+    cache_id_ = info->cache_id();
+    for (uint32_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(Append(layer, 5).ok());
+    absl::StatusOr<v1::SnapshotInfo> snapshot = client().Snapshot(cache_id_, 0);
+    ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+    snapshot_id_ = snapshot->snapshot_id();
+  }
+
+  // Appends `tokens` random tokens to one layer, mirrored in the reference.
+  absl::Status Append(uint32_t layer, uint64_t tokens) {
+    const KvTensors kv = RandomKv(spec_, layer, tokens, rng_);
+    const LayerUpdate update = MakeLayerUpdate(spec_, layer, kv);
+    absl::Status status = client().Update(cache_id_, {&update, 1}).status();
+    if (status.ok()) {
+      reference_.Update(layer,
+                        TokensFromTensors(ShapeOf(spec_, layer), kv.keys, kv.values, tokens));
+    }
+    return status;
+  }
+
+  // Runs `call`; expects `code`, `field` in the message, and no visible change.
+  void ExpectRefused(Code code, const std::string& field,
+                     const std::function<absl::Status()>& call) {
+    SCOPED_TRACE(field);
+    const EngineFingerprint before = WireFingerprint(client());
+    const absl::Status status = call();
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(field));
+    const EngineFingerprint after = WireFingerprint(client());
+    EXPECT_TRUE(after == before) << "a refused call changed state:\nbefore: " << Describe(before)
+                                 << "\nafter: " << Describe(after);
+  }
+
+  // An update of `layer` (3 tokens) changed by `mutate`, sent alone.
+  std::function<absl::Status()> BadUpdate(uint32_t layer,
+                                          std::function<void(LayerUpdate&)> mutate) {
+    return [this, layer, mutate] {
+      const KvTensors kv = RandomKv(spec_, layer, 3, rng_);
+      LayerUpdate update = MakeLayerUpdate(spec_, layer, kv);
+      mutate(update);
+      return client().Update(cache_id_, {&update, 1}).status();
+    };
+  }
+
+  const engine::CacheSpec spec_ = MakeSpec(
+      {StandardLayerSpec(2, 8), StandardLayerSpec(2, 8), RotatingLayerSpec(2, 8, 0, 8, 4)});
+  RefCache reference_{spec_};
+  std::mt19937_64 rng_{7};
+  std::string cache_id_;
+  std::string snapshot_id_;
+};
+
+TEST_P(E2eValidationTest, CreateCacheRefusesMalformedSpecs) {
+  const auto create = [this](v1::CacheSpec spec) {
+    return [this, spec] { return client().CreateCache(spec).status(); };
+  };
+  const v1::CacheSpec good = ToWireSpec(spec_);
+  v1::CacheSpec spec = good;
+  spec.clear_layers();
+  ExpectRefused(Code::kInvalidArgument, "spec.layers", create(spec));
+  spec = good;
+  spec.set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectRefused(Code::kInvalidArgument, "spec.dtype", create(spec));
+  spec = good;
+  spec.mutable_layers(1)->clear_kind();
+  ExpectRefused(Code::kInvalidArgument, "spec.layers[1].kind", create(spec));
+  spec = good;
+  spec.mutable_layers(0)->set_num_kv_heads(0);
+  ExpectRefused(Code::kInvalidArgument, "layers[0].num_kv_heads", create(spec));
+  spec = good;
+  spec.mutable_layers(2)->mutable_rotating()->set_keep(8);
+  ExpectRefused(Code::kInvalidArgument, "layers[2].rotating.keep", create(spec));
+}
+
+TEST_P(E2eValidationTest, UpdateRefusesMalformedTensors) {
+  using U = LayerUpdate;
+  ExpectRefused(Code::kInvalidArgument, "layer", BadUpdate(0, [](U& u) { u.layer = 3; }));
+  ExpectRefused(Code::kInvalidArgument, "keys.dtype",
+                BadUpdate(0, [](U& u) { u.dtype = v1::DTYPE_FLOAT32; }));
+  ExpectRefused(Code::kInvalidArgument, "keys.shape",
+                BadUpdate(1, [](U& u) { u.keys_shape.pop_back(); }));
+  ExpectRefused(Code::kInvalidArgument, "keys.shape[1]",
+                BadUpdate(1, [](U& u) { u.keys_shape[1] = 3; }));
+  ExpectRefused(Code::kInvalidArgument, "values.shape[2]",
+                BadUpdate(2, [](U& u) { u.values_shape[2] = 4; }));
+  ExpectRefused(Code::kInvalidArgument, "keys.data",
+                BadUpdate(0, [](U& u) { u.keys = u.keys.subspan(1); }));
+  ExpectRefused(Code::kInvalidArgument, "values.data",
+                BadUpdate(2, [](U& u) { u.values = u.values.subspan(0, u.values.size() - 2); }));
+  ExpectRefused(Code::kFailedPrecondition, "expected_offset",
+                BadUpdate(1, [](U& u) { u.expected_offset = 4; }));
+  const KvTensors too_long = RandomKv(spec_, 0, 257, rng_);  // the server allows 256
+  const LayerUpdate update = MakeLayerUpdate(spec_, 0, too_long);
+  ExpectRefused(Code::kInvalidArgument, "tokens", [&] {
+    return client().Update(cache_id_, {&update, 1}).status();
+  });
+}
+
+TEST_P(E2eValidationTest, UnknownAndMissingIds) {
+  Client& c = client();
+  const KvTensors kv = RandomKv(spec_, 0, 1, rng_);
+  const LayerUpdate update = MakeLayerUpdate(spec_, 0, kv);
+  ExpectRefused(Code::kNotFound, "cache_id", [&] {
+    return c.Update(kUnknownId, {&update, 1}).status();
+  });
+  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] {
+    return c.Update("", {&update, 1}).status();
+  });
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.GetCache(kUnknownId).status(); });
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.DeleteCache(kUnknownId); });
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.Trim(kUnknownId, 1).status(); });
+  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] { return c.Snapshot("", 0).status(); });
+  ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.Restore(kUnknownId, "", 0).status(); });
+  ExpectRefused(Code::kNotFound, "snapshot_id",
+                [&] { return c.Restore(cache_id_, kUnknownId, 0).status(); });
+  ExpectRefused(Code::kNotFound, "snapshot_id",
+                [&] { return c.MergeSnapshots(kUnknownId, snapshot_id_).status(); });
+  ExpectRefused(Code::kInvalidArgument, "child_id",
+                [&] { return c.MergeSnapshots(snapshot_id_, "").status(); });
+  ExpectRefused(Code::kNotFound, "snapshot_id",
+                [&] { return c.SplitSnapshot(kUnknownId, 2).status(); });
+  ExpectRefused(Code::kNotFound, "snapshot_id", [&] { return c.ReleaseSnapshot(kUnknownId); });
+  ExpectRefused(Code::kNotFound, "snapshot_id",
+                [&] { return c.FetchLayer("", kUnknownId, 0).status(); });
+}
+
+TEST_P(E2eValidationTest, FetchRefusesBadRequests) {
+  const auto fetch = [this](v1::FetchRequest request) {
+    return [this, request] {
+      return client().Fetch(request, [](const v1::FetchResponse&) { return absl::OkStatus(); });
+    };
+  };
+  ExpectRefused(Code::kInvalidArgument, "cache_id", fetch(v1::FetchRequest()));
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id_);
+  request.set_start(4);
+  request.set_end(2);
+  ExpectRefused(Code::kInvalidArgument, "end", fetch(request));
+  request.clear_end();
+  request.add_layers(1);
+  request.add_layers(7);
+  ExpectRefused(Code::kInvalidArgument, "layers[1]", fetch(request));
+  request.clear_layers();
+  request.set_cache_id(kUnknownId);
+  ExpectRefused(Code::kNotFound, "cache_id", fetch(request));
+}
+
+TEST_P(E2eValidationTest, RefusedSnapshotOperationsChangeNothing) {
+  Client& c = client();
+  ExpectRefused(Code::kFailedPrecondition, "from_offset",
+                [&] { return c.Snapshot(cache_id_, 5).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "beyond the live offset",
+                [&] { return c.Restore(cache_id_, "", 6).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "beyond the snapshot's end",
+                [&] { return c.Restore(cache_id_, snapshot_id_, 6).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "child_id",
+                [&] { return c.MergeSnapshots(snapshot_id_, snapshot_id_).status(); });
+  absl::StatusOr<v1::SnapshotInfo> other = c.Snapshot(cache_id_, 2);  // [2, 5): not after [0, 5)
+  ASSERT_TRUE(other.ok()) << other.status();
+  ExpectRefused(Code::kFailedPrecondition, "adjacent",
+                [&] { return c.MergeSnapshots(snapshot_id_, other->snapshot_id()).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "split point",
+                [&] { return c.SplitSnapshot(snapshot_id_, 5).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "split point",
+                [&] { return c.SplitSnapshot(other->snapshot_id(), 2).status(); });
+}
+
+TEST_P(E2eValidationTest, RefusedWhileOutOfStepOrWrapped) {
+  Client& c = client();
+  ASSERT_TRUE(Append(0, 1).ok());  // layer 0 at 6, the others at 5
+  ExpectRefused(Code::kFailedPrecondition, "out of step",
+                [&] { return c.Snapshot(cache_id_, 0).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "out of step",
+                [&] { return c.Trim(cache_id_, 1).status(); });
+  for (uint32_t layer : {1, 2}) ASSERT_TRUE(Append(layer, 1).ok());
+  for (uint32_t layer : {0, 1, 2}) ASSERT_TRUE(Append(layer, 4).ok());  // 10 > the window of 8
+  ExpectRefused(Code::kFailedPrecondition, "cannot be trimmed",
+                [&] { return c.Trim(cache_id_, 1).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "layer 2: the rotating window has wrapped",
+                [&] { return c.Restore(cache_id_, "", 7).status(); });
+}
+
+// The 3rd of 5 messages is bad: the first 2 are applied and acknowledged, the
+// stream ends with INVALID_ARGUMENT, and the 4th and 5th are not applied.
+TEST_P(E2eValidationTest, UpdateStreamStopsAtTheFirstBadMessage) {
+  const std::vector<uint32_t> layers = {0, 1, 2, 2, 0};
+  std::vector<KvTensors> data;
+  for (uint32_t layer : layers) data.push_back(RandomKv(spec_, layer, 3, rng_));
+  std::vector<LayerUpdate> updates;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    updates.push_back(MakeLayerUpdate(spec_, layers[i], data[i]));
+  }
+  updates[2].keys_shape[3] = 4;  // head dim 4, not 8
+  const std::vector<v1::SnapshotInfo> snapshots_before = client().ListSnapshots().value();
+
+  std::unique_ptr<UpdateStream> stream = client().OpenUpdate(cache_id_);
+  for (const LayerUpdate& update : updates) {
+    if (!stream->Write(update)) break;
+  }
+  const absl::Status status = stream->Finish().status();
+  EXPECT_EQ(status.code(), Code::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("keys.shape[3]"));
+  ASSERT_EQ(stream->acknowledged().size(), 2u);
+  EXPECT_EQ(stream->acknowledged()[0].layer(), 0u);
+  EXPECT_EQ(stream->acknowledged()[0].offset(), 8u);
+  EXPECT_EQ(stream->acknowledged()[1].layer(), 1u);
+  EXPECT_EQ(stream->acknowledged()[1].offset(), 8u);
+
+  for (size_t i = 0; i < 2; ++i) {
+    reference_.Update(
+        layers[i], TokensFromTensors(ShapeOf(spec_, layers[i]), data[i].keys, data[i].values, 3));
+  }
+  absl::StatusOr<v1::CacheInfo> info = client().GetCache(cache_id_);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(info->layer_offsets(), ::testing::ElementsAre(8, 8, 5));
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    EXPECT_TRUE(HistoryMatches(reference_.layer(layer).Fetch(),
+                               client().FetchLayer(cache_id_, "", layer), ShapeOf(spec_, layer)))
+        << "layer " << layer;
+  }
+  EXPECT_EQ(client().ListSnapshots().value().size(), snapshots_before.size());
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, E2eValidationTest, ::testing::ValuesIn(kE2ePaths), PathTestName);
+
+}  // namespace
+}  // namespace kvcache::testing

@@ -1,0 +1,259 @@
+#!/usr/bin/python3
+"""Interop: a Python client generated from protos/kvcache/v1/kvcache.proto
+talks to the real kvcached binary over loopback.
+
+The test starts kvcached itself (a free port, the Vulkan validation layer on),
+streams updates, snapshots, restores and fetches, checks every byte against a
+plain Python mirror, then stops the server with SIGTERM and expects exit code 0
+and no validation message in its log.
+
+The stubs are generated with protoc and grpc_python_plugin: the protoc bundled
+in Debian's python3-grpc-tools (1.14) predates proto3 `optional` fields.
+
+  /usr/bin/python3 interop_test.py --kvcached build/server/kvcached \\
+      --proto_dir protos --protoc /usr/bin/protoc \\
+      --grpc_python_plugin /usr/bin/grpc_python_plugin
+"""
+
+import argparse
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+
+ARGS = None
+pb = None  # kvcache.v1.kvcache_pb2, once generated
+pb_grpc = None
+grpc = None
+
+HEADS, DIM, ELEM = 2, 8, 2  # float16 K and V of [1, 2, L, 8]
+ROW = DIM * ELEM
+WINDOW, SINKS = 8, 4  # the rotating layer
+
+
+def generate_stubs(out_dir):
+    """Generates kvcache_pb2 / kvcache_pb2_grpc into out_dir and imports them."""
+    global pb, pb_grpc, grpc
+    proto = os.path.join(ARGS.proto_dir, "kvcache", "v1", "kvcache.proto")
+    subprocess.run([ARGS.protoc, "--proto_path=" + ARGS.proto_dir, "--python_out=" + out_dir,
+                    "--grpc_out=" + out_dir,
+                    "--plugin=protoc-gen-grpc=" + ARGS.grpc_python_plugin, proto], check=True)
+    sys.path.insert(0, out_dir)
+    import grpc as grpc_module
+    from kvcache.v1 import kvcache_pb2, kvcache_pb2_grpc
+    grpc, pb, pb_grpc = grpc_module, kvcache_pb2, kvcache_pb2_grpc
+
+
+class Kvcached:
+    """The kvcached binary on 127.0.0.1:<free port>, its log collected."""
+
+    def __init__(self):
+        self.log = []
+        self.address = None
+        self._listening = threading.Event()
+        self.process = subprocess.Popen(
+            [ARGS.kvcached, "--listen=127.0.0.1:0", "--validation", "--pool_bytes=67108864",
+             "--page_bytes=8192", "--page_tokens=16", "--shutdown_grace=5s"],
+            stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        if not self._listening.wait(60) or self.address is None:
+            self.process.kill()
+            raise RuntimeError("kvcached did not start:\n" + "".join(self.log))
+
+    def _read_log(self):
+        for line in self.process.stderr:
+            self.log.append(line)
+            match = re.search(r"listening on (\S+)", line)
+            if match:
+                self.address = match.group(1)
+                self._listening.set()
+        self._listening.set()  # exited before listening
+
+    def stop(self):
+        """SIGTERM, then the exit code."""
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self._reader.join(timeout=10)
+        return code
+
+
+def random_kv(tokens):
+    return random.randbytes(HEADS * tokens * ROW), random.randbytes(HEADS * tokens * ROW)
+
+
+def tensor(data, tokens):
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT16, shape=[1, HEADS, tokens, DIM], data=data)
+
+
+def split_tokens(data, tokens, start):
+    """[1, H, L, D] bytes -> [(position, per-head rows)] for L tokens."""
+    return [(start + t, tuple(data[(h * tokens + t) * ROW:(h * tokens + t + 1) * ROW]
+                              for h in range(HEADS)))
+            for t in range(tokens)]
+
+
+class Mirror:
+    """What each layer holds: (position, K rows, V rows) in temporal order."""
+
+    def __init__(self, kinds):
+        self.kinds = kinds  # "standard" or "rotating" per layer
+        self.layers = [[] for _ in kinds]
+
+    def offset(self, layer):
+        return self.layers[layer][-1][0] + 1 if self.layers[layer] else 0
+
+    def append(self, layer, keys, values, tokens):
+        start = self.offset(layer)
+        ks, vs = split_tokens(keys, tokens, start), split_tokens(values, tokens, start)
+        self.layers[layer] += [(k[0], k[1], v[1]) for k, v in zip(ks, vs)]
+        if self.kinds[layer] == "rotating" and len(self.layers[layer]) > WINDOW:
+            # Single-token steps past the window: the sinks, then the recent rest.
+            held = self.layers[layer]
+            self.layers[layer] = held[:SINKS] + held[-(WINDOW - SINKS):]
+
+    def copy(self):
+        other = Mirror(self.kinds)
+        other.layers = [list(tokens) for tokens in self.layers]
+        return other
+
+
+class InteropTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Kvcached()
+        options = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20)]
+        cls.channel = grpc.insecure_channel(cls.server.address, options=options)
+        grpc.channel_ready_future(cls.channel).result(timeout=30)
+        cls.stub = pb_grpc.KvCacheServiceStub(cls.channel)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.channel.close()
+        code = cls.server.stop()
+        log = "".join(cls.server.log)
+        if code != 0:
+            raise AssertionError("kvcached exited with %d after SIGTERM:\n%s" % (code, log))
+        if "vulkan validation" in log:
+            raise AssertionError("Vulkan validation messages:\n" + log)
+
+    def setUp(self):
+        random.seed(20240611)
+
+    def create_cache(self):
+        layers = [pb.LayerSpec(num_kv_heads=HEADS, k_head_dim=DIM, standard=pb.StandardLayer())
+                  for _ in range(2)]
+        layers.append(pb.LayerSpec(num_kv_heads=HEADS, k_head_dim=DIM,
+                                   rotating=pb.RotatingLayer(max_size=WINDOW, keep=SINKS)))
+        info = self.stub.CreateCache(pb.CreateCacheRequest(
+            spec=pb.CacheSpec(layers=layers, dtype=pb.DTYPE_FLOAT16, model="interop")))
+        self.assertEqual(len(info.cache_id), 32)
+        self.assertEqual(list(info.layer_offsets), [0, 0, 0])
+        return info.cache_id, Mirror(["standard", "standard", "rotating"])
+
+    def stream_steps(self, cache_id, mirror, step_tokens):
+        """One Update stream: a step of every layer per entry of step_tokens."""
+        requests, expected = [], []
+        for tokens in step_tokens:
+            for layer in range(3):
+                keys, values = random_kv(tokens)
+                requests.append(pb.UpdateRequest(cache_id=cache_id, layer=layer,
+                                                 keys=tensor(keys, tokens),
+                                                 values=tensor(values, tokens)))
+                mirror.append(layer, keys, values, tokens)
+                expected.append((layer, mirror.offset(layer)))
+        acks = [(ack.layer, ack.offset) for ack in self.stub.Update(iter(requests))]
+        self.assertEqual(acks, expected)
+
+    def fetch(self, layer, cache_id="", snapshot_id="", start=0, end=None):
+        """[(position, K rows, V rows)] of one layer, from 3-token chunks."""
+        request = pb.FetchRequest(cache_id=cache_id, snapshot_id=snapshot_id, layers=[layer],
+                                  start=start, max_chunk_tokens=3)
+        if end is not None:
+            request.end = end
+        held = []
+        for chunk in self.stub.Fetch(request):
+            self.assertEqual(chunk.layer, layer)
+            tokens = chunk.keys.shape[2]
+            self.assertLessEqual(tokens, 3)
+            self.assertEqual(list(chunk.values.shape), [1, HEADS, tokens, DIM])
+            ks = split_tokens(chunk.keys.data, tokens, chunk.start)
+            vs = split_tokens(chunk.values.data, tokens, chunk.start)
+            held += [(k[0], k[1], v[1]) for k, v in zip(ks, vs)]
+        return held
+
+    def assert_holds(self, cache_id, mirror):
+        for layer in range(3):
+            self.assertEqual(self.fetch(layer, cache_id=cache_id), mirror.layers[layer],
+                             "layer %d" % layer)
+
+    def test_stream_snapshot_restore_fetch(self):
+        cache_id, mirror = self.create_cache()
+        self.stream_steps(cache_id, mirror, [6, 1, 1, 1, 1])  # a prompt, then decoding
+        self.assert_holds(cache_id, mirror)
+        snapshot = self.stub.Snapshot(pb.SnapshotRequest(cache_id=cache_id, from_offset=0))
+        self.assertEqual((snapshot.from_offset, snapshot.to_offset), (0, 10))
+        at_snapshot = mirror.copy()
+
+        self.stream_steps(cache_id, mirror, [1] * 5)
+        self.assert_holds(cache_id, mirror)
+        self.assertEqual([p for p, _, _ in mirror.layers[2]], [0, 1, 2, 3, 11, 12, 13, 14])
+
+        restored = self.stub.Restore(pb.RestoreRequest(cache_id=cache_id,
+                                                       snapshot_id=snapshot.snapshot_id,
+                                                       target_offset=10))
+        self.assertEqual(list(restored.layer_offsets), [10, 10, 10])
+        self.assert_holds(cache_id, at_snapshot)
+        # The snapshot itself, a window of it.
+        self.assertEqual(self.fetch(0, snapshot_id=snapshot.snapshot_id, start=2, end=7),
+                         at_snapshot.layers[0][2:7])
+
+        # The rotating layer has wrapped: a live rewind is refused and changes nothing.
+        with self.assertRaises(grpc.RpcError) as refused:
+            self.stub.Restore(pb.RestoreRequest(cache_id=cache_id, target_offset=8))
+        self.assertEqual(refused.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assert_holds(cache_id, at_snapshot)
+
+        self.stub.ReleaseSnapshot(pb.ReleaseSnapshotRequest(snapshot_id=snapshot.snapshot_id))
+        self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=cache_id))
+        self.assertEqual(self.stub.GetStats(pb.GetStatsRequest()).pages_used, 0)
+
+    def test_errors_map_to_status_codes(self):
+        cache_id, _ = self.create_cache()
+        keys, values = random_kv(2)
+        bad = pb.UpdateRequest(cache_id=cache_id, layer=3, keys=tensor(keys, 2),
+                               values=tensor(values, 2))
+        with self.assertRaises(grpc.RpcError) as invalid:
+            list(self.stub.Update(iter([bad])))
+        self.assertEqual(invalid.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("layer", invalid.exception.details())
+        with self.assertRaises(grpc.RpcError) as missing:
+            self.stub.GetCache(pb.GetCacheRequest(cache_id="0" * 32))
+        self.assertEqual(missing.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertEqual(list(self.stub.GetCache(pb.GetCacheRequest(cache_id=cache_id))
+                              .layer_offsets), [0, 0, 0])
+        self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=cache_id))
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kvcached", required=True)
+    parser.add_argument("--proto_dir", required=True)
+    parser.add_argument("--protoc", default="protoc")
+    parser.add_argument("--grpc_python_plugin", default="/usr/bin/grpc_python_plugin")
+    ARGS, rest = parser.parse_known_args()
+    with tempfile.TemporaryDirectory(prefix="kvcache_py_") as out_dir:
+        generate_stubs(out_dir)
+        program = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    sys.exit(0 if program.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+// WireDriver's reads and comparisons: fetches of the live cache and of
+// snapshots (whole layers, and windows cut into small chunks), offsets, and
+// the snapshot list.
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "e2e_test_util.h"
+#include "gtest/gtest.h"
+#include "wire_driver.h"
+
+namespace kvcache::testing {
+
+std::vector<RefToken> WireDriver::Expected(uint32_t layer, const RefCacheSnapshot* snapshot) const {
+  if (snapshot != nullptr) return RefCache::FetchSnapshot(*snapshot, layer);
+  return reference_->layer(layer).Fetch();
+}
+
+void WireDriver::FetchLive() {
+  const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
+  SCOPED_TRACE(absl::StrCat("fetch live layer ", layer));
+  ASSERT_TRUE(HistoryMatches(Expected(layer, nullptr), client_.FetchLayer(cache_id_, "", layer),
+                             ShapeOf(config_.spec, layer)));
+  ++stats_.fetches;
+}
+
+void WireDriver::FetchSnapshot() {
+  if (snapshots_.empty()) return;
+  const TrackedSnapshot& snapshot = snapshots_[RandomSnapshotIndex()];
+  const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
+  SCOPED_TRACE(absl::StrCat("fetch snapshot [", snapshot.reference->from, ",",
+                            snapshot.reference->to, ") layer ", layer));
+  // A snapshot is found by its id alone; a cache id beside it is ignored.
+  const std::string cache_id = Chance(0.5) ? cache_id_ : "";
+  ASSERT_TRUE(HistoryMatches(Expected(layer, snapshot.reference.get()),
+                             client_.FetchLayer(cache_id, snapshot.id, layer),
+                             ShapeOf(config_.spec, layer)));
+  ++stats_.snapshot_fetches;
+}
+
+// A Fetch of the live cache or a snapshot with a random window, a random
+// subset of layers in random order, and small chunks.
+void WireDriver::FetchWindow() {
+  const TrackedSnapshot* snapshot =
+      !snapshots_.empty() && Chance(0.4) ? &snapshots_[RandomSnapshotIndex()] : nullptr;
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id_);
+  if (snapshot != nullptr) request.set_snapshot_id(snapshot->id);
+  std::vector<uint32_t> layers(reference_->num_layers());
+  for (uint32_t l = 0; l < layers.size(); ++l) layers[l] = l;
+  if (Chance(0.7)) {
+    std::shuffle(layers.begin(), layers.end(), rng_);
+    layers.resize(Uniform(1, layers.size()));
+    for (uint32_t l : layers) request.add_layers(l);
+  }
+  const uint64_t bound = (snapshot ? snapshot->reference->to : reference_->layer_offsets()[0]) + 2;
+  request.set_start(Uniform(0, bound));
+  if (Chance(0.7)) request.set_end(Uniform(request.start(), bound + 1));
+  request.set_max_chunk_tokens(Chance(0.3) ? 0 : Uniform(1, 9));
+  SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
+  std::vector<v1::FetchResponse> chunks;
+  const absl::Status status = client_.Fetch(request, [&](const v1::FetchResponse& chunk) {
+    chunks.push_back(chunk);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  CheckFetchedChunks(request, layers, chunks, snapshot ? snapshot->reference.get() : nullptr);
+  ++(snapshot ? stats_.snapshot_fetches : stats_.fetches);
+}
+
+// Chunks come layer by layer in the requested order, each one layer and one
+// contiguous range of at most max_chunk_tokens, shaped [B, H, L, D].
+void WireDriver::CheckFetchedChunks(const v1::FetchRequest& request,
+                                    const std::vector<uint32_t>& layers,
+                                    const std::vector<v1::FetchResponse>& chunks,
+                                    const RefCacheSnapshot* snapshot) {
+  const engine::TokenRange window{request.start(), request.has_end() ? request.end() : UINT64_MAX};
+  size_t next = 0;
+  for (uint32_t layer : layers) {
+    const RefShape shape = ShapeOf(config_.spec, layer);
+    std::vector<v1::FetchResponse> mine;
+    for (; next < chunks.size() && chunks[next].layer() == layer; ++next) {
+      const v1::FetchResponse& chunk = chunks[next];
+      ASSERT_EQ(chunk.keys().shape_size(), 4) << "chunk " << next;
+      const uint64_t length = chunk.keys().shape(2);
+      const std::vector<uint64_t> keys_shape(chunk.keys().shape().begin(),
+                                             chunk.keys().shape().end());
+      const std::vector<uint64_t> values_shape(chunk.values().shape().begin(),
+                                               chunk.values().shape().end());
+      ASSERT_EQ(keys_shape, (std::vector<uint64_t>{shape.batch, shape.heads, length, shape.k_dim}));
+      ASSERT_EQ(values_shape,
+                (std::vector<uint64_t>{shape.batch, shape.heads, length, shape.v_dim}));
+      ASSERT_EQ(chunk.keys().dtype(), static_cast<int>(config_.spec.dtype));
+      ASSERT_GE(length, 1u) << "an empty chunk";
+      if (request.max_chunk_tokens() > 0) {
+        ASSERT_LE(length, request.max_chunk_tokens());
+      }
+      mine.push_back(chunk);
+    }
+    SCOPED_TRACE(absl::StrCat("layer ", layer));
+    ASSERT_TRUE(
+        HistoryMatches(Clip(Expected(layer, snapshot), window), AssembleHistory(mine), shape));
+  }
+  ASSERT_EQ(next, chunks.size()) << "a chunk of layer " << chunks[next].layer()
+                                 << " out of the requested layer order";
+}
+
+void WireDriver::CheckSnapshotInfo(const v1::SnapshotInfo& info, const RefCacheSnapshot& reference,
+                                   bool pinned) {
+  EXPECT_EQ(info.from_offset(), reference.from) << info.snapshot_id();
+  EXPECT_EQ(info.to_offset(), reference.to) << info.snapshot_id();
+  EXPECT_EQ(info.pinned(), pinned) << info.snapshot_id();
+  EXPECT_EQ(info.snapshot_id().size(), 32u);
+  EXPECT_TRUE(cache_ids_.contains(info.cache_id())) << info.cache_id();
+}
+
+void WireDriver::CheckOffsets() {
+  absl::StatusOr<v1::CacheInfo> info = client_.GetCache(cache_id_);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::vector<uint64_t> expected = reference_->layer_offsets();
+  const std::vector<uint64_t> offsets(info->layer_offsets().begin(), info->layer_offsets().end());
+  ASSERT_EQ(offsets, expected);
+  ASSERT_EQ(info->in_step(), reference_->CommonOffset().has_value());
+  ASSERT_EQ(info->offset(), *std::min_element(expected.begin(), expected.end()));
+}
+
+// ListSnapshots shows exactly this driver's snapshots (other drivers' are
+// told apart by cache id), with their ranges; filtered by cache, only those
+// of the current cache.
+void WireDriver::CheckSnapshotList() {
+  using Entry = std::tuple<std::string, uint64_t, uint64_t>;
+  std::vector<Entry> expected;
+  for (const TrackedSnapshot& s : snapshots_) {
+    expected.emplace_back(s.id, s.reference->from, s.reference->to);
+  }
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> all = client_.ListSnapshots();
+  ASSERT_TRUE(all.ok()) << all.status();
+  std::vector<Entry> listed;
+  for (const v1::SnapshotInfo& info : *all) {
+    if (!cache_ids_.contains(info.cache_id())) continue;
+    listed.emplace_back(info.snapshot_id(), info.from_offset(), info.to_offset());
+  }
+  std::sort(expected.begin(), expected.end());
+  std::sort(listed.begin(), listed.end());
+  ASSERT_EQ(listed, expected);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> mine = client_.ListSnapshots(cache_id_);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  for (const v1::SnapshotInfo& info : *mine) EXPECT_EQ(info.cache_id(), cache_id_);
+}
+
+void WireDriver::CheckEverything() {
+  for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
+    EXPECT_TRUE(HistoryMatches(Expected(layer, nullptr), client_.FetchLayer(cache_id_, "", layer),
+                               ShapeOf(config_.spec, layer)))
+        << "live layer " << layer;
+    for (const TrackedSnapshot& s : snapshots_) {
+      EXPECT_TRUE(HistoryMatches(Expected(layer, s.reference.get()),
+                                 client_.FetchLayer("", s.id, layer), ShapeOf(config_.spec, layer)))
+          << "snapshot " << s.id << " layer " << layer;
+    }
+  }
+  CheckSnapshotList();
+}
+
+void WireDriver::Finish() {
+  SCOPED_TRACE(absl::StrCat(config_.name, " seed=", config_.seed, " final check"));
+  if (!::testing::Test::HasFailure()) CheckEverything();
+  for (const TrackedSnapshot& s : snapshots_) EXPECT_TRUE(client_.ReleaseSnapshot(s.id).ok());
+  snapshots_.clear();
+  EXPECT_TRUE(client_.DeleteCache(cache_id_).ok());
+}
+
+}  // namespace kvcache::testing
