@@ -130,8 +130,9 @@ class UpdateStream {
   // Acknowledgements received so far; safe to call while writing.
   uint64_t acknowledged_count() const { return ack_count_.load(std::memory_order_relaxed); }
   absl::StatusOr<std::vector<v1::UpdateResponse>> Finish();
-  // Acknowledgements received so far (after Finish: all of them, also when it
-  // failed, i.e. the requests that were applied).
+  // Every acknowledgement, also when Finish failed (the requests that were
+  // applied). Call only after Finish: the reader thread fills it until then
+  // (acknowledged_count() is the live count).
   const std::vector<v1::UpdateResponse>& acknowledged() const { return acks_; }
 
  private:

@@ -1,5 +1,7 @@
 #include "kv_server.h"
 
+#include <chrono>
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
@@ -62,8 +64,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   return server;
 }
 
+// Cancels whatever is still in flight at once: an open stream would otherwise
+// keep an unbounded Shutdown() waiting for its client.
 KvCacheServer::~KvCacheServer() {
-  if (server_) server_->Shutdown();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now());
 }
 
 std::string KvCacheServer::address() const { return absl::StrCat(host_, ":", port_); }

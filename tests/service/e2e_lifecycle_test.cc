@@ -143,6 +143,49 @@ TEST_P(E2eLifecycleTest, ClientConnectionDropsMidStream) {
   ExpectCacheMatches(cache_id);
 }
 
+// WriteShared sends the caller's buffers without copying them: the bytes that
+// arrive are the buffers' bytes, and gRPC lets go of the owner afterwards.
+TEST_P(E2eLifecycleTest, WriteSharedSendsTheCallersBuffers) {
+  const std::string cache_id = CreateCache();
+  std::weak_ptr<const void> watched;
+  {
+    auto stream = client().OpenUpdate(cache_id);
+    for (uint32_t layer : {0, 1}) {
+      auto request = std::make_shared<v1::UpdateRequest>(NewUpdate(cache_id, layer, 5));
+      Mirror(*request);
+      watched = request;
+      ASSERT_TRUE(stream->WriteShared(ToLayerUpdate(*request), request));
+    }
+    absl::StatusOr<std::vector<v1::UpdateResponse>> acks = stream->Finish();
+    ASSERT_TRUE(acks.ok()) << acks.status();
+    EXPECT_EQ(acks->size(), 2u);
+  }
+  ExpectCacheMatches(cache_id);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!watched.expired() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(watched.expired()) << "gRPC still holds the caller's buffers";
+}
+
+// Destroying a server with a stream still open cancels it instead of waiting
+// for the client (KvCacheServer's destructor has no grace).
+TEST(E2eServerTest, DestructorDoesNotWaitForOpenStreams) {
+  std::unique_ptr<TestServer> server = TestServer::Start(ServerSetup{});
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<Client> client = server->Connect(/*dedicated=*/true);
+  absl::StatusOr<v1::CacheInfo> info = client->CreateCache(ProtoSpec(1, 1, 4));
+  ASSERT_TRUE(info.ok()) << info.status();
+  grpc::ClientContext context;
+  auto stream = client->stub().Update(&context);
+  std::mt19937_64 rng(5);
+  ASSERT_TRUE(stream->Write(RandomUpdate(info->cache_id(), info->spec(), 0, 2, rng)));
+  v1::UpdateResponse ack;
+  ASSERT_TRUE(stream->Read(&ack));
+  const absl::Time start = absl::Now();
+  server.reset();  // the stream is still open
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_FALSE(stream->Finish().ok());
+}
+
 TEST_P(E2eLifecycleTest, CancelledFetchReleasesItsView) {
   const std::string cache_id = CreateCache(1);
   std::unique_ptr<UpdateStream> stream = client().OpenUpdate(cache_id);
