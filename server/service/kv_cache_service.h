@@ -9,8 +9,9 @@ namespace kvcache::service {
 
 // v1::KvCacheService::CallbackService with Fetch registered raw
 // (grpc::ByteBuffer), so its chunks skip protobuf's copies (stream_reactors.h).
-// A new RPC must be added here too, or it is served by the synchronous base,
-// which answers UNIMPLEMENTED.
+// A new RPC must be added here too, or the synchronous base answers it with an
+// "unimplemented" status; e2e_validation_test calls every RPC of the proto to
+// catch that.
 using KvCacheServiceBase = v1::KvCacheService::WithCallbackMethod_CreateCache<
     v1::KvCacheService::WithCallbackMethod_GetCache<
     v1::KvCacheService::WithCallbackMethod_ListCaches<

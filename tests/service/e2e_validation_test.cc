@@ -3,11 +3,17 @@
 // naming the field (or the reason), and no change visible to a client
 // (offsets, fetched bytes, snapshot list, pages in use). Then an Update stream
 // whose 3rd of 5 messages is bad.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
 #include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -252,6 +258,51 @@ TEST_P(E2eValidationTest, UpdateStreamStopsAtTheFirstBadMessage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, E2eValidationTest, ::testing::ValuesIn(kE2ePaths), PathTestName);
+
+}  // namespace
+}  // namespace kvcache::testing
+
+namespace kvcache::testing {
+namespace {
+
+// Every RPC of the proto reaches a handler: called with an empty request, each
+// answers with a real status (OK or a validation error), never UNIMPLEMENTED.
+TEST(E2eContractTest, EveryRpcOfTheProtoIsServed) {
+  std::unique_ptr<TestServer> server = TestServer::Start(ServerSetup{});
+  ASSERT_NE(server, nullptr);
+  auto channel =
+      grpc::CreateChannel(server->server().address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::KvCacheService::service_full_name());
+  ASSERT_NE(service, nullptr);
+  // The same call on a method the server lacks answers UNIMPLEMENTED, so the
+  // check below can tell a served RPC from an unserved one.
+  const auto call = [&](const std::string& method) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Slice no_bytes("");
+    grpc::ByteBuffer empty_request(&no_bytes, 1), response;  // an empty message
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, method, grpc::StubOptions(), &empty_request, &response,
+                   [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    return status.error_code();
+  };
+  EXPECT_EQ(call(absl::StrCat("/", service->full_name(), "/NoSuchMethod")),
+            grpc::StatusCode::UNIMPLEMENTED);
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string method =
+        absl::StrCat("/", service->full_name(), "/", service->method(i)->name());
+    EXPECT_NE(call(method), grpc::StatusCode::UNIMPLEMENTED) << method;
+  }
+  server->CleanUpAndCheck();
+}
 
 }  // namespace
 }  // namespace kvcache::testing
