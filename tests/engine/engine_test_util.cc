@@ -8,6 +8,16 @@
 
 namespace kvcache::testing {
 
+uint64_t LongestUsefulUpdate(const engine::CacheSpec& spec) {
+  uint64_t largest_window = 0;
+  for (const engine::LayerSpec& layer : spec.layers) {
+    if (const auto* rotating = std::get_if<engine::RotatingKind>(&layer.kind)) {
+      largest_window = std::max<uint64_t>(largest_window, rotating->max_size);
+    }
+  }
+  return largest_window > 0 ? 2 * largest_window + 3 : 24;
+}
+
 engine::LayerSpec StandardLayerSpec(uint32_t heads, uint32_t k_dim, uint32_t v_dim) {
   return engine::LayerSpec{.num_kv_heads = heads, .k_head_dim = k_dim, .v_head_dim = v_dim,
                            .kind = engine::StandardKind{}};

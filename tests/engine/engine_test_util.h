@@ -26,6 +26,10 @@ engine::LayerSpec RotatingLayerSpec(uint32_t heads, uint32_t k_dim, uint32_t v_d
 engine::CacheSpec MakeSpec(std::vector<engine::LayerSpec> layers, DType dtype = DType::kFloat16,
                            uint32_t batch_size = 1);
 
+// The most tokens a random update of `spec` should carry: for rotating layers,
+// enough for one multi-token update to wrap the largest ring twice.
+uint64_t LongestUsefulUpdate(const engine::CacheSpec& spec);
+
 // L tokens of one layer as [B, H, L, Dk] keys and [B, H, L, Dv] values.
 struct KvTensors {
   std::vector<std::byte> keys;

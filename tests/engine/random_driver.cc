@@ -52,16 +52,7 @@ engine::TokenRange RandomDriver::RandomWindow(uint64_t end) {
   return {begin, Uniform(begin, end + 1)};
 }
 
-uint64_t RandomDriver::MaxUpdateTokens() const {
-  uint64_t largest_window = 0;
-  for (const engine::LayerSpec& layer : config_.spec.layers) {
-    if (const auto* rotating = std::get_if<engine::RotatingKind>(&layer.kind)) {
-      largest_window = std::max<uint64_t>(largest_window, rotating->max_size);
-    }
-  }
-  // Rotating: long enough for multi-token updates that wrap the ring twice.
-  return largest_window > 0 ? 2 * largest_window + 3 : 24;
-}
+uint64_t RandomDriver::MaxUpdateTokens() const { return LongestUsefulUpdate(config_.spec); }
 
 size_t RandomDriver::RandomSnapshotIndex() { return Uniform(0, snapshots_.size() - 1); }
 

@@ -58,16 +58,7 @@ uint64_t WireDriver::Uniform(uint64_t low, uint64_t high) {
 
 bool WireDriver::Chance(double p) { return std::bernoulli_distribution(p)(rng_); }
 
-uint64_t WireDriver::MaxUpdateTokens() const {
-  uint64_t largest_window = 0;
-  for (const engine::LayerSpec& layer : config_.spec.layers) {
-    if (const auto* rotating = std::get_if<engine::RotatingKind>(&layer.kind)) {
-      largest_window = std::max<uint64_t>(largest_window, rotating->max_size);
-    }
-  }
-  // Rotating: long enough for one update to wrap the ring twice.
-  return largest_window > 0 ? 2 * largest_window + 3 : 24;
-}
+uint64_t WireDriver::MaxUpdateTokens() const { return LongestUsefulUpdate(config_.spec); }
 
 size_t WireDriver::RandomSnapshotIndex() { return Uniform(0, snapshots_.size() - 1); }
 
