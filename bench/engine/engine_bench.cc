@@ -46,7 +46,7 @@ Fixture& Shared() {
   return *fixture;
 }
 
-CacheSpec ModelSpec(std::variant<StandardKind, RotatingKind> kind, uint32_t layers = kLayers) {
+CacheSpec ModelSpec(decltype(LayerSpec::kind) kind, uint32_t layers = kLayers) {
   CacheSpec spec{.dtype = DType::kFloat16};
   for (uint32_t i = 0; i < layers; ++i) {
     spec.layers.push_back({.num_kv_heads = kHeads, .k_head_dim = kHeadDim, .kind = kind});

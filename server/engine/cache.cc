@@ -37,15 +37,31 @@ std::vector<TokenRange> CacheSnapshot::Ranges(uint32_t layer, TokenRange window)
   return clipped;
 }
 
-absl::Status CacheSnapshot::Read(uint32_t layer, TokenRange range, const KvOutput& out) const {
+absl::StatusOr<const LayerSnapshot*> CacheSnapshot::HeldLayer(uint32_t layer) const {
   if (layer >= layers.size()) {
     return absl::InvalidArgumentError(absl::StrFormat("layer %d: the cache has %d layers", layer,
                                                       layers.size()));
   }
   if (!layers[layer]) {
-    return absl::InvalidArgumentError(absl::StrFormat("layer %d holds no tokens", layer));
+    return absl::InvalidArgumentError(absl::StrFormat("layer %d holds nothing", layer));
   }
-  return layers[layer]->Read(range, out);
+  return layers[layer].get();
+}
+
+absl::Status CacheSnapshot::Read(uint32_t layer, TokenRange range, const KvOutput& out) const {
+  ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));
+  return held->Read(range, out);
+}
+
+absl::Status CacheSnapshot::ReadPacked(uint32_t layer, TokenRange range,
+                                       const PackedOutput& out) const {
+  ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));
+  return held->ReadPacked(range, out);
+}
+
+absl::Status CacheSnapshot::ReadState(uint32_t layer, const StateOutput& out) const {
+  ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));
+  return held->ReadState(out);
 }
 
 absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, gpu::PagePool& pool,
@@ -92,6 +108,10 @@ uint64_t Cache::size_bytes() const {
 
 absl::Status Cache::Update(uint32_t layer, const KvInput& kv) {
   return layers_[layer]->Update(kv);
+}
+
+absl::Status Cache::UpdateState(uint32_t layer, const StateInput& state) {
+  return layers_[layer]->UpdateState(state);
 }
 
 // mlx-lm trim_prompt_cache: every layer must be trimmable.

@@ -28,6 +28,13 @@ struct CacheSnapshot {
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
   std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;
   absl::Status Read(uint32_t layer, TokenRange range, const KvOutput& out) const;
+  // Quantized layers: `range` as stored (packed). Recurrent layers: the state.
+  absl::Status ReadPacked(uint32_t layer, TokenRange range, const PackedOutput& out) const;
+  absl::Status ReadState(uint32_t layer, const StateOutput& out) const;
+
+ private:
+  // The layer's snapshot; INVALID_ARGUMENT when out of range or holding nothing.
+  absl::StatusOr<const LayerSnapshot*> HeldLayer(uint32_t layer) const;
 };
 
 // Whole-snapshot merge and split, layer by layer; no live cache is involved.
@@ -56,6 +63,7 @@ class Cache {
 
   // INVALID_ARGUMENT naming keys / values when their sizes do not match L tokens.
   absl::Status Update(uint32_t layer, const KvInput& kv);
+  absl::Status UpdateState(uint32_t layer, const StateInput& state);
   absl::StatusOr<uint64_t> Trim(uint64_t n);
   absl::StatusOr<CacheSnapshotPtr> Snapshot(const std::string& cache_id, uint64_t from_offset) const;
   // Every layer as it is now (snapshot from 0), for reading without the lock.

@@ -123,6 +123,20 @@ absl::StatusOr<uint64_t> Engine::Update(const std::string& cache_id, uint32_t la
         "tokens: %d in one update, more than the limit of %d", kv.tokens,
         options_.max_update_tokens));
   }
+  return UpdateLayer(cache_id, layer, expected_offset,
+                     [&](Cache& cache) { return cache.Update(layer, kv); });
+}
+
+absl::StatusOr<uint64_t> Engine::UpdateState(const std::string& cache_id, uint32_t layer,
+                                             const StateInput& state,
+                                             std::optional<uint64_t> expected_offset) {
+  return UpdateLayer(cache_id, layer, expected_offset,
+                     [&](Cache& cache) { return cache.UpdateState(layer, state); });
+}
+
+absl::StatusOr<uint64_t> Engine::UpdateLayer(
+    const std::string& cache_id, uint32_t layer, std::optional<uint64_t> expected_offset,
+    absl::FunctionRef<absl::Status(Cache&)> apply) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   if (layer >= cache->num_layers()) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -133,7 +147,7 @@ absl::StatusOr<uint64_t> Engine::Update(const std::string& cache_id, uint32_t la
     return absl::FailedPreconditionError(absl::StrFormat(
         "expected_offset: layer %d is at offset %d, not %d", layer, offset, *expected_offset));
   }
-  RETURN_IF_ERROR(cache->Update(layer, kv));
+  RETURN_IF_ERROR(apply(*cache));
   return cache->layer(layer).offset();
 }
 

@@ -16,6 +16,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -69,6 +70,12 @@ class Engine {
   absl::StatusOr<uint64_t> Update(const std::string& cache_id, uint32_t layer, const KvInput& kv,
                                   std::optional<uint64_t> expected_offset = std::nullopt);
 
+  // Replaces a recurrent layer's state and advances its offset by
+  // state.advance; INVALID_ARGUMENT for attention layers.
+  absl::StatusOr<uint64_t> UpdateState(const std::string& cache_id, uint32_t layer,
+                                       const StateInput& state,
+                                       std::optional<uint64_t> expected_offset = std::nullopt);
+
   // A consistent, immutable view to Fetch from: the live cache (snapshot_id
   // empty) or a snapshot. Costs page references, not copies.
   absl::StatusOr<std::shared_ptr<const CacheSnapshot>> View(const std::string& cache_id,
@@ -108,6 +115,10 @@ class Engine {
   };
   class LockedCache;
 
+  // Checks `layer` and `expected_offset`, then applies one update under the lock.
+  absl::StatusOr<uint64_t> UpdateLayer(const std::string& cache_id, uint32_t layer,
+                                       std::optional<uint64_t> expected_offset,
+                                       absl::FunctionRef<absl::Status(Cache&)> apply);
   absl::StatusOr<std::shared_ptr<Entry>> FindEntry(const std::string& cache_id) const;
   static CacheInfo Describe(const std::string& cache_id, const Cache& cache);
 

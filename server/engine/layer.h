@@ -4,12 +4,15 @@
 // serialises calls. Snapshots are immutable and may be read from any thread.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -24,11 +27,67 @@ struct TokenRange {
   bool operator==(const TokenRange&) const = default;
 };
 
+// A tensor's bytes, held in one or more contiguous pieces that read as their
+// concatenation: the service hands over gRPC's receive slices as they are
+// rather than gathering them into one string first.
+class TensorBytes {
+ public:
+  TensorBytes() = default;
+  TensorBytes(absl::Span<const std::byte> bytes) { Append(bytes); }  // NOLINT: implicit
+  // Any contiguous byte container (a vector, a mutable span); it must outlive this.
+  template <typename Bytes, typename = std::enable_if_t<
+                                std::is_convertible_v<const Bytes&, absl::Span<const std::byte>>>>
+  TensorBytes(const Bytes& bytes)  // NOLINT: implicit
+      : TensorBytes(absl::Span<const std::byte>(bytes)) {}
+  void Append(absl::Span<const std::byte> piece);
+  absl::Span<const absl::Span<const std::byte>> pieces() const { return pieces_; }
+  uint64_t size() const { return size_; }
+  // Calls visit(span) for each contiguous part of bytes [offset, offset + bytes),
+  // in order; the range must lie inside size().
+  template <typename Visit>
+  void ForEachPart(uint64_t offset, uint64_t bytes, Visit&& visit) const;
+  // Copies bytes [offset, offset + dst.size()) into dst.
+  void CopyTo(uint64_t offset, absl::Span<std::byte> dst) const;
+
+ private:
+  absl::InlinedVector<absl::Span<const std::byte>, 2> pieces_;
+  uint64_t size_ = 0;
+};
+
 // L new tokens of one layer: keys [B, H, L, Dk], values [B, H, L, Dv], row-major.
 struct KvInput {
-  absl::Span<const std::byte> keys;
-  absl::Span<const std::byte> values;
+  TensorBytes keys;
+  TensorBytes values;
   uint64_t tokens = 0;
+};
+
+// A recurrent layer's new state (ollama RecurrentCache SetConvState /
+// SetDeltaState, then Advance): conv [B, conv_tail, conv_dim] and delta
+// [B, Hv, Dv, Dk] in the cache dtype, replacing the old state whole, and the
+// number of tokens it has consumed since the last one.
+struct StateInput {
+  TensorBytes conv;
+  TensorBytes delta;
+  uint64_t advance = 0;
+};
+
+// Where a recurrent state is read to: conv and delta, shaped as in StateInput.
+struct StateOutput {
+  absl::Span<std::byte> conv;
+  absl::Span<std::byte> delta;
+};
+
+// Where a quantized layer's stored form is read to, per side (K and V), for a
+// range of L tokens: wq [B, H, L, D*bits/32] uint32 words, scales and biases
+// [B, H, L, D/group_size] in the cache dtype, exactly as mlx packs them.
+struct PackedOutput {
+  struct Side {
+    absl::Span<std::byte> wq;
+    absl::Span<std::byte> scales;
+    absl::Span<std::byte> biases;
+  };
+  Side keys;
+  Side values;
 };
 
 // Where a read lands: [B, H, L, Dk] keys and [B, H, L, Dv] values for a range of L.
@@ -38,6 +97,17 @@ struct KvOutput {
 };
 
 class LayerSnapshot;
+
+// One row of a layer being assembled by a batch operation (mlx-lm BatchKVCache
+// merge / extend / filter / extract): row `row` of `source`, with its token at
+// position p moved to p + shift. Positions no source token lands on are padding
+// (zeros). `source` may be null: the row is all padding.
+struct RowSource {
+  const LayerSnapshot* source = nullptr;
+  uint32_t row = 0;
+  int64_t shift = 0;
+};
+
 using LayerSnapshotPtr = std::shared_ptr<const LayerSnapshot>;
 
 // The immutable, page-referencing state of one layer over [from, to). Merge and
@@ -53,6 +123,10 @@ class LayerSnapshot : public std::enable_shared_from_this<LayerSnapshot> {
   // Copies `range` (inside one of Ranges()) out in [B, H, L, D] order.
   virtual absl::Status Read(TokenRange range, const KvOutput& out) const = 0;
   virtual uint64_t size_bytes() const = 0;
+  // Quantized layers: `range` in its stored, packed form. Others: INVALID_ARGUMENT.
+  virtual absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const;
+  // Recurrent layers: the state as of to(). Others: INVALID_ARGUMENT.
+  virtual absl::Status ReadState(const StateOutput& out) const;
   // This [a,b) followed by `child` [b,c) -> [a,c).
   virtual absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const = 0;
   // [a,c) at b -> ([a,b), [b,c)); null for a side that holds nothing. Kinds that
@@ -66,7 +140,11 @@ class Layer {
   virtual ~Layer() = default;
 
   virtual uint64_t offset() const = 0;
+  // Attention layers: appends kv's tokens. Recurrent layers: INVALID_ARGUMENT.
   virtual absl::Status Update(const KvInput& kv) = 0;
+  // Recurrent layers: replaces the state and advances the offset. Attention
+  // layers: INVALID_ARGUMENT (the default).
+  virtual absl::Status UpdateState(const StateInput& state);
   // The tokens held, in temporal order (rotating: sinks, then the window).
   virtual std::vector<TokenRange> Ranges() const = 0;
   virtual absl::Status Read(TokenRange range, const KvOutput& out) const = 0;
@@ -82,9 +160,28 @@ class Layer {
   // restore all layers or none. FAILED_PRECONDITION says why it is unreachable.
   virtual absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                           uint64_t target) const = 0;
+  // Fills this empty layer (batch = rows.size()) from other layers' rows, up to
+  // `offset`: the batch operations. The sources are of this layer's kind and dims.
+  // TODO(batch): pure virtual once every kind implements it.
+  virtual absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset);
   // Releases every page; offset returns to 0.
   virtual void Free() = 0;
   virtual uint64_t size_bytes() const = 0;
 };
+
+template <typename Visit>
+void TensorBytes::ForEachPart(uint64_t offset, uint64_t bytes, Visit&& visit) const {
+  for (const absl::Span<const std::byte>& piece : pieces_) {
+    if (bytes == 0) return;
+    if (offset >= piece.size()) {
+      offset -= piece.size();
+      continue;
+    }
+    const uint64_t take = std::min<uint64_t>(bytes, piece.size() - offset);
+    visit(piece.subspan(offset, take));
+    offset = 0;
+    bytes -= take;
+  }
+}
 
 }  // namespace kvcache::engine

@@ -60,6 +60,16 @@ absl::Status PlanTargets(const PageTable& table, const PageGeometry& g, uint64_t
   return absl::OkStatus();
 }
 
+// Appends runs writing `bytes` bytes of `source` from `src_offset` into `page`
+// at `dst_offset`: one run per piece of the source that the range touches.
+void AddRuns(PageId page, uint64_t dst_offset, const TensorBytes& source, uint64_t src_offset,
+             uint64_t bytes, std::vector<gpu::WriteRun>& runs) {
+  source.ForEachPart(src_offset, bytes, [&](absl::Span<const std::byte> part) {
+    runs.push_back({page, dst_offset, part.data(), part.size()});
+    dst_offset += part.size();
+  });
+}
+
 void PlanRuns(const PageGeometry& g, uint64_t offset, const KvInput& kv,
               const std::vector<PageId>& targets, WritePlan& plan) {
   const uint32_t row_heads = g.batch * g.heads;
@@ -71,10 +81,10 @@ void PlanRuns(const PageGeometry& g, uint64_t offset, const KvInput& kv,
     const uint64_t count = span.end - span.begin;
     for (uint32_t rh = 0; rh < row_heads; ++rh) {
       const uint64_t src = uint64_t{rh} * kv.tokens + token;
-      plan.runs.push_back({targets[t], g.KOffset(rh, span.begin), kv.keys.data() + src * k_token,
-                           count * k_token});
-      plan.runs.push_back({targets[t], g.VOffset(rh, span.begin),
-                           kv.values.data() + src * v_token, count * v_token});
+      AddRuns(targets[t], g.KOffset(rh, span.begin), kv.keys, src * k_token, count * k_token,
+              plan.runs);
+      AddRuns(targets[t], g.VOffset(rh, span.begin), kv.values, src * v_token, count * v_token,
+              plan.runs);
     }
     ++t;
   });
@@ -175,13 +185,12 @@ absl::StatusOr<PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry&
   std::vector<gpu::PageCopy> copies;
   const uint32_t tail = g.page_tokens - split_slot;
   for (uint32_t rh = 0; rh < g.batch * g.heads; ++rh) {
-    for (auto [dim, offset_of] : {std::pair{g.k_dim, &PageGeometry::KOffset},
-                                  std::pair{g.v_dim, &PageGeometry::VOffset}}) {
-      const uint64_t token_bytes = uint64_t{dim} * g.elem_bytes;
+    for (uint32_t plane = 0; plane < g.num_planes(); ++plane) {
+      const uint64_t row_bytes = g.PlaneRowBytes(plane);
       if (split_slot > 0) {
-        copies.push_back({lower, fresh[0], (g.*offset_of)(rh, 0), split_slot * token_bytes});
+        copies.push_back({lower, fresh[0], g.PlaneOffset(plane, rh, 0), split_slot * row_bytes});
       }
-      copies.push_back({upper, fresh[0], (g.*offset_of)(rh, split_slot), tail * token_bytes});
+      copies.push_back({upper, fresh[0], g.PlaneOffset(plane, rh, split_slot), tail * row_bytes});
     }
   }
   if (absl::Status status = pool.Copy(copies); !status.ok()) {

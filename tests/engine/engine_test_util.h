@@ -36,7 +36,9 @@ struct KvTensors {
   std::vector<std::byte> values;
   uint64_t tokens = 0;
 
-  engine::KvInput input() const { return {keys, values, tokens}; }
+  engine::KvInput input() const {
+    return {absl::MakeConstSpan(keys), absl::MakeConstSpan(values), tokens};
+  }
 };
 KvTensors RandomKv(const RefShape& shape, uint64_t tokens, std::mt19937_64& rng);
 KvTensors RandomKv(const engine::CacheSpec& spec, size_t layer, uint64_t tokens,
