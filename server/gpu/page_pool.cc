@@ -7,13 +7,20 @@
 #include "gpu/page_pool.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
 #include "gpu/page_allocator.h"
+#include "gpu/quantizer.h"
 #include "gpu/staged_transfer.h"
 
 namespace kvcache::gpu {
@@ -27,18 +34,73 @@ uint64_t StagingRingBytes(const PageGeometry& geometry) {
   return std::clamp(pool_bytes, kMinStagingRingBytes, StagedTransfer::kStagingRingBytes);
 }
 
+// Direct-path writes of runs this long use non-temporal (streaming) stores:
+// pages being filled are not read back soon, so streaming spares the read for
+// ownership of every line and keeps the writer's own buffers (the service's
+// receive slices) in cache. On lavapipe it is at par with memcpy for Update
+// traffic (bench/RESULTS.md). Shorter runs, such as a decode step's one token
+// per head, keep memcpy and stay in cache.
+constexpr uint64_t kStreamingRunBytes = 1024;
+
+// How far ahead of the loads StreamingCopy prefetches its source. Runs start
+// on a new 4 KiB page of the source each time, where the hardware prefetchers
+// lose the stream; without this the copy waited on its loads and was slower
+// than memcpy.
+constexpr uint64_t kPrefetchAhead = 2048;
+
+// memcpy whose 16-byte-aligned body goes around the caches. The stores are
+// weakly ordered: call StreamingStoresDone before the pages are published.
+void StreamingCopy(std::byte* dst, const std::byte* src, uint64_t bytes) {
+#if defined(__SSE2__)
+  const uint64_t misaligned = reinterpret_cast<uintptr_t>(dst) % 16;
+  const uint64_t head = std::min<uint64_t>(bytes, misaligned == 0 ? 0 : 16 - misaligned);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  const uint64_t body = bytes & ~uint64_t{63};
+  for (uint64_t i = 0; i < body; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + i) + kPrefetchAhead, _MM_HINT_T0);
+    const auto* in = reinterpret_cast<const __m128i*>(src + i);
+    auto* out = reinterpret_cast<__m128i*>(dst + i);
+    const __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1),
+                  c = _mm_loadu_si128(in + 2), d = _mm_loadu_si128(in + 3);
+    _mm_stream_si128(out, a);
+    _mm_stream_si128(out + 1, b);
+    _mm_stream_si128(out + 2, c);
+    _mm_stream_si128(out + 3, d);
+  }
+  std::memcpy(dst + body, src + body, bytes - body);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// Orders the streaming stores before whatever the caller does next (releasing
+// the cache's lock, which makes the pages readable by other threads).
+void StreamingStoresDone() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 }  // namespace
 
 class PagePool::Impl {
  public:
   Impl(const Device& device, const PageGeometry& geometry, std::unique_ptr<StagedTransfer> staged)
-      : pages(device, geometry, /*host_mapped=*/staged == nullptr), staged_(std::move(staged)) {}
+      : pages(device, geometry, /*host_mapped=*/staged == nullptr),
+        quantizer(device, pages),
+        staged_(std::move(staged)) {}
 
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
   absl::Status Copy(absl::Span<const PageCopy> copies);
+  absl::Status Move(absl::Span<const PageMove> moves);
 
   PageAllocator pages;
+  // Quantized pages; builds its pipelines and buffers on first use.
+  Quantizer quantizer;
 
  private:
   // INVALID_ARGUMENT unless bytes [offset, offset + bytes) lie in a backed page.
@@ -74,9 +136,18 @@ absl::Status PagePool::Impl::Write(absl::Span<const WriteRun> runs) {
     RETURN_IF_ERROR(CheckRange("Write", i, runs[i].page, runs[i].offset, runs[i].bytes));
   }
   if (staged_ == nullptr) {
+    bool streamed = false;
     for (const WriteRun& run : runs) {
-      if (run.bytes > 0) std::memcpy(pages.Locate(run.page).host + run.offset, run.src, run.bytes);
+      std::byte* dst = pages.Locate(run.page).host + run.offset;
+      const auto* src = static_cast<const std::byte*>(run.src);
+      if (run.bytes >= kStreamingRunBytes) {
+        StreamingCopy(dst, src, run.bytes);
+        streamed = true;
+      } else if (run.bytes > 0) {
+        std::memcpy(dst, src, run.bytes);
+      }
     }
+    if (streamed) StreamingStoresDone();
     return absl::OkStatus();
   }
   std::vector<HostToDevice> writes;
@@ -118,6 +189,30 @@ absl::Status PagePool::Impl::Copy(absl::Span<const PageCopy> copies) {
                 pages.Locate(copy.src).host + copy.offset, copy.bytes);
   }
   return absl::OkStatus();
+}
+
+absl::Status PagePool::Impl::Move(absl::Span<const PageMove> moves) {
+  for (size_t i = 0; i < moves.size(); ++i) {
+    RETURN_IF_ERROR(CheckRange("Move", i, moves[i].src, moves[i].src_offset, moves[i].bytes));
+    RETURN_IF_ERROR(CheckRange("Move", i, moves[i].dst, moves[i].dst_offset, moves[i].bytes));
+  }
+  if (staged_ == nullptr) {
+    for (const PageMove& move : moves) {
+      if (move.bytes == 0) continue;
+      std::memcpy(pages.Locate(move.dst).host + move.dst_offset,
+                  pages.Locate(move.src).host + move.src_offset, move.bytes);
+    }
+    return absl::OkStatus();
+  }
+  std::vector<BufferCopy> copies;
+  copies.reserve(moves.size());
+  for (const PageMove& move : moves) {
+    if (move.bytes == 0) continue;
+    const BufferSlice src = SliceOf(move.src, move.src_offset, move.bytes);
+    const BufferSlice dst = SliceOf(move.dst, move.dst_offset, move.bytes);
+    copies.push_back({src.buffer, src.offset, dst.buffer, dst.offset, move.bytes});
+  }
+  return staged_->Copy(copies);
 }
 
 namespace {
@@ -216,6 +311,15 @@ absl::Status PagePool::Read(absl::Span<const ReadRun> runs) {
 }
 absl::Status PagePool::Copy(absl::Span<const PageCopy> copies) {
   return impl_->Copy(copies);
+}
+absl::Status PagePool::Quantize(absl::Span<const QuantizeJob> jobs) {
+  return impl_->quantizer.Quantize(jobs);
+}
+absl::Status PagePool::Dequantize(absl::Span<const DequantizeJob> jobs) {
+  return impl_->quantizer.Dequantize(jobs);
+}
+absl::Status PagePool::Move(absl::Span<const PageMove> moves) {
+  return impl_->Move(moves);
 }
 
 }  // namespace kvcache::gpu

@@ -59,6 +59,17 @@ struct PageCopy {
   uint64_t bytes;
 };
 
+// Copies `bytes` bytes of page `src` at `src_offset` to page `dst` at
+// `dst_offset`: moving tokens between pages whose layouts differ (a row of a
+// batch changing places, a position changing slots).
+struct PageMove {
+  PageId src;
+  uint64_t src_offset;
+  PageId dst;
+  uint64_t dst_offset;
+  uint64_t bytes;
+};
+
 struct PoolStats {
   uint64_t page_bytes;
   uint32_t max_pages;       // budget_bytes / page_bytes
@@ -66,6 +77,10 @@ struct PoolStats {
   uint32_t backed_pages;    // pages whose slab has been allocated
   uint32_t slabs;
 };
+
+// Quantized pages (gpu/quantizer.h).
+struct QuantizeJob;
+struct DequantizeJob;
 
 class PagePool {
  public:
@@ -96,6 +111,13 @@ class PagePool {
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
   absl::Status Copy(absl::Span<const PageCopy> copies);
+  // mlx affine quantization on the device: rows of the jobs' tensors into
+  // pages, and back (gpu/quantizer.h has the run layout and the checks).
+  absl::Status Quantize(absl::Span<const QuantizeJob> jobs);
+  absl::Status Dequantize(absl::Span<const DequantizeJob> jobs);
+  // The moves of one call may run in any order: no destination range may
+  // overlap another move's destination or any move's source.
+  absl::Status Move(absl::Span<const PageMove> moves);
 
  private:
   class Impl;
