@@ -70,6 +70,9 @@ class Cache {
   absl::StatusOr<CacheSnapshotPtr> View(const std::string& cache_id) const;
   // snapshot null: rewind live. All layers or none.
   absl::Status Restore(const CacheSnapshot* snapshot, uint64_t target);
+  // Batch operations (engine/batch_ops.h): fills empty layer `layer` from
+  // other caches' rows up to `offset` (Layer::AssembleRows).
+  absl::Status AssembleRows(size_t layer, absl::Span<const RowSource> rows, uint64_t offset);
   void Free();
 
 

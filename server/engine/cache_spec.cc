@@ -194,7 +194,8 @@ absl::StatusOr<PageGeometry> GeometryFor(const CacheSpec& spec, size_t layer, ui
                         .k_dim = l.k_head_dim,
                         .v_dim = l.v_head_dim == 0 ? l.k_head_dim : l.v_head_dim,
                         .elem_bytes = DTypeSize(spec.dtype),
-                        .page_tokens = 1};
+                        .page_tokens = 1,
+                        .dtype = spec.dtype};
   if (const auto* quantized = std::get_if<QuantizedKind>(&l.kind)) {
     geometry.group_size = quantized->group_size;
     geometry.bits = quantized->bits;

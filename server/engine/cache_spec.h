@@ -113,6 +113,8 @@ struct PageGeometry {
   // Quantized layers (mlx affine); bits == 0 means plain elements.
   uint32_t group_size = 0;
   uint32_t bits = 0;
+  // The element type (quantized layers convert values on the device).
+  DType dtype = DType::kFloat16;
 
   bool quantized() const { return bits != 0; }
   uint32_t num_planes() const { return quantized() ? 6 : 2; }

@@ -5,12 +5,22 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/batch_ops.h"
 
 namespace kvcache::engine {
 namespace {
 
 absl::Status UnknownCache(const std::string& cache_id) {
   return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
+}
+
+// A view of every layer of `cache`, which must be in step; refusals name `field`.
+absl::StatusOr<CacheSnapshotPtr> InStepView(const Cache& cache, const std::string& cache_id,
+                                            const std::string& field) {
+  if (absl::Status in_step = cache.CommonOffset().status(); !in_step.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": ", in_step.message()));
+  }
+  return cache.View(cache_id);
 }
 
 }  // namespace
@@ -24,12 +34,37 @@ class Engine::LockedCache {
     if (locked.entry_->deleted) return UnknownCache(cache_id);
     return locked;
   }
+  // Every distinct id of `ids` opened in id order, so that calls locking the same
+  // caches cannot deadlock; NOT_FOUND names the id's entry of `fields`.
+  static absl::StatusOr<std::vector<std::pair<std::string, LockedCache>>> OpenInOrder(
+      const Engine& engine, absl::Span<const std::string> ids,
+      absl::Span<const std::string> fields) {
+    std::vector<size_t> order(ids.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return ids[a] < ids[b]; });
+    std::vector<std::pair<std::string, LockedCache>> opened;
+    for (size_t i : order) {
+      if (!opened.empty() && opened.back().first == ids[i]) continue;
+      absl::StatusOr<LockedCache> cache = Open(engine, ids[i]);
+      if (!cache.ok()) {
+        return absl::NotFoundError(absl::StrCat(fields[i], ": no cache \"", ids[i], "\""));
+      }
+      opened.emplace_back(ids[i], *std::move(cache));
+    }
+    return opened;
+  }
   LockedCache(LockedCache&& other) noexcept : entry_(std::move(other.entry_)) {}
   ~LockedCache() {
     if (entry_) entry_->mutex.Unlock();
   }
   Cache& operator*() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return *entry_->cache; }
   Cache* operator->() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->cache.get(); }
+  // Puts `cache` in the old one's place and frees the old one's pages.
+  void Replace(std::unique_ptr<Cache> cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    entry_->cache.swap(cache);
+    cache->Free();
+  }
 
  private:
   explicit LockedCache(std::shared_ptr<Entry> entry) : entry_(std::move(entry)) {
@@ -66,6 +101,10 @@ absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec) {
   RETURN_IF_ERROR(ValidateSpec(spec, options_.limits));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
                    Cache::Create(NormalizeSpec(spec), pool_, options_.page_tokens));
+  return AddCache(std::move(cache));
+}
+
+CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache) {
   auto entry = std::make_shared<Entry>();
   const std::string id = NewRandomId();
   CacheInfo info = Describe(id, *cache);
@@ -210,6 +249,74 @@ absl::Status Engine::ReleaseSnapshot(const std::string& snapshot_id) {
 
 std::vector<SnapshotInfo> Engine::ListSnapshots(const std::string& cache_id) const {
   return snapshots_.List(cache_id);
+}
+
+absl::StatusOr<CacheInfo> Engine::ExtractRow(const std::string& cache_id, uint32_t row) {
+  CacheSnapshotPtr view;
+  {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    ASSIGN_OR_RETURN(view, InStepView(*cache, cache_id, "cache_id"));
+  }
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtractRow(*view, row));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+  return AddCache(std::move(built));
+}
+
+absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
+                                             absl::Span<const uint32_t> keep_rows) {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*view, keep_rows));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+  cache.Replace(std::move(built));
+  return Describe(cache_id, *cache);
+}
+
+// The sources are read under their locks and released before the copy: a
+// merge changes none of them.
+absl::StatusOr<CacheInfo> Engine::MergeCaches(absl::Span<const std::string> cache_ids) {
+  std::vector<std::string> fields;
+  for (size_t i = 0; i < cache_ids.size(); ++i) {
+    fields.push_back(absl::StrCat("cache_ids[", i, "]"));
+  }
+  std::vector<CacheSnapshotPtr> views;
+  {
+    ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, cache_ids, fields));
+    for (size_t i = 0; i < cache_ids.size(); ++i) {
+      const auto it = std::find_if(locked.begin(), locked.end(),
+                                   [&](const auto& entry) { return entry.first == cache_ids[i]; });
+      ASSIGN_OR_RETURN(CacheSnapshotPtr view, InStepView(*it->second, cache_ids[i], fields[i]));
+      views.push_back(std::move(view));
+    }
+  }
+  std::vector<const CacheSnapshot*> sources;
+  for (const CacheSnapshotPtr& view : views) sources.push_back(view.get());
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanMerge(sources));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+  return AddCache(std::move(built));
+}
+
+absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
+                                              const std::string& other_id) {
+  const std::string ids[] = {cache_id, other_id};
+  const std::string fields[] = {"cache_id", "other_id"};
+  ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, ids, fields));
+  const auto find = [&](const std::string& id) -> LockedCache& {
+    return std::find_if(locked.begin(), locked.end(),
+                        [&](const auto& entry) { return entry.first == id; })->second;
+  };
+  LockedCache& cache = find(cache_id);
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr other,
+                   InStepView(*find(other_id), other_id, "other_id"));
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*view, *other));
+  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+  cache.Replace(std::move(built));
+  return Describe(cache_id, *cache);
 }
 
 EngineStats Engine::Stats() const {

@@ -101,6 +101,27 @@ class Engine {
   // All snapshots, or those taken from `cache_id` when it is not empty.
   std::vector<SnapshotInfo> ListSnapshots(const std::string& cache_id = "") const;
 
+  // Batches (mlx-lm BatchKVCache / BatchRotatingKVCache; engine/batch_ops.h has
+  // the model). Every cache involved must have its layers in step
+  // (FAILED_PRECONDITION otherwise). Each builds the result completely before
+  // anything changes, so a failed call changes nothing; the sources are only
+  // read. Caches are locked in id order, so calls on the same caches from
+  // several threads cannot deadlock.
+  //
+  // A new one-row cache holding row `row` without its padding.
+  absl::StatusOr<CacheInfo> ExtractRow(const std::string& cache_id, uint32_t row);
+  // Keeps `keep_rows` (in that order; repeats copy a row) and drops the padding
+  // they all share. The cache keeps its id; its snapshots stay as they were.
+  absl::StatusOr<CacheInfo> FilterRows(const std::string& cache_id,
+                                       absl::Span<const uint32_t> keep_rows);
+  // A new cache of every row of `cache_ids` in order, each right-aligned to the
+  // longest and left-padded. They need the same layout apart from batch size
+  // (INVALID_ARGUMENT naming cache_ids[i]); an id may repeat (its rows repeat).
+  absl::StatusOr<CacheInfo> MergeCaches(absl::Span<const std::string> cache_ids);
+  // Appends `other_id`'s rows (unchanged; it may be cache_id itself), both
+  // right-aligned to the longer.
+  absl::StatusOr<CacheInfo> ExtendCache(const std::string& cache_id, const std::string& other_id);
+
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -121,6 +142,8 @@ class Engine {
                                        absl::FunctionRef<absl::Status(Cache&)> apply);
   absl::StatusOr<std::shared_ptr<Entry>> FindEntry(const std::string& cache_id) const;
   static CacheInfo Describe(const std::string& cache_id, const Cache& cache);
+  // Registers `cache` under a new id.
+  CacheInfo AddCache(std::unique_ptr<Cache> cache);
 
   gpu::PagePool& pool_;
   const EngineOptions options_;

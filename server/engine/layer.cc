@@ -23,10 +23,6 @@ absl::Status Layer::UpdateState(const StateInput&) {
       "state: this is an attention layer; send keys and values, not a recurrent state");
 }
 
-absl::Status Layer::AssembleRows(absl::Span<const RowSource>, uint64_t) {
-  return absl::FailedPreconditionError("this layer kind cannot be assembled from rows yet");
-}
-
 absl::Status LayerSnapshot::ReadPacked(TokenRange, const PackedOutput&) const {
   return absl::InvalidArgumentError("packed: only quantized layers have a packed form");
 }

@@ -1,6 +1,7 @@
 // The one small surface every layer kind implements (mlx-lm's cache.py has the
 // same for each kind): update, temporal-order reads, offset, trim, snapshot,
-// restore, free, size on the layer; merge and split on its snapshots. Layers are not thread-safe: their Cache
+// restore, row assembly (batch operations), free, size on the layer; merge and
+// split on its snapshots. Layers are not thread-safe: their Cache
 // serialises calls. Snapshots are immutable and may be read from any thread.
 #pragma once
 
@@ -106,6 +107,12 @@ struct RowSource {
   const LayerSnapshot* source = nullptr;
   uint32_t row = 0;
   int64_t shift = 0;
+  // The row's left padding in the source: its own tokens start there.
+  uint64_t padding = 0;
+  // Whether the padding positions' contents travel with the row (mlx filter
+  // slices the buffer, extend pads it) or land as zeros (merge builds a zero
+  // buffer and copies each row's own tokens into it).
+  bool copy_padding = true;
 };
 
 using LayerSnapshotPtr = std::shared_ptr<const LayerSnapshot>;
@@ -161,9 +168,9 @@ class Layer {
   virtual absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                           uint64_t target) const = 0;
   // Fills this empty layer (batch = rows.size()) from other layers' rows, up to
-  // `offset`: the batch operations. The sources are of this layer's kind and dims.
-  // TODO(batch): pure virtual once every kind implements it.
-  virtual absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset);
+  // `offset`: the batch operations (engine/batch_ops.h). The sources are of this
+  // layer's kind and dims. All or nothing: on error the layer stays empty.
+  virtual absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) = 0;
   // Releases every page; offset returns to 0.
   virtual void Free() = 0;
   virtual uint64_t size_bytes() const = 0;

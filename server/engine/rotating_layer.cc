@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/row_assembly.h"
 #include "engine/token_store.h"
 
 namespace kvcache::engine {
@@ -138,6 +139,72 @@ absl::StatusOr<LayerSnapshotPtr> RotatingSnapshot::MergedWith(const LayerSnapsho
 absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> RotatingSnapshot::SplitAt(
     uint64_t at) const {
   return std::make_pair(LayerSnapshotPtr(), shared_from_this());
+}
+
+absl::StatusOr<std::vector<const RotatingSnapshot*>> RotatingLayer::AssemblySources(
+    absl::Span<const RowSource> rows) const {
+  std::vector<const RotatingSnapshot*> sources;
+  for (const RowSource& row : rows) {
+    const auto* snap = dynamic_cast<const RotatingSnapshot*>(row.source);
+    if (row.source != nullptr && (snap == nullptr || !(snap->kind() == kind_))) {
+      return absl::FailedPreconditionError(
+          "a source row is not of a rotating layer with this max_size and keep");
+    }
+    if (kind_.keep > 0 && snap != nullptr && (row.shift != 0 || row.padding != 0)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the layer keeps %d attention sinks (rotating keep > 0), which left padding would "
+          "displace: its rows can only be batched at equal lengths, without padding",
+          kind_.keep));
+    }
+    sources.push_back(snap);
+  }
+  return sources;
+}
+
+// mlx-lm BatchRotatingKVCache right-aligns every row's window at the common
+// offset; SharedWindowStart picks where the shared window begins (a row that
+// lost tokens of its own to the ring bounds it: mlx-lm's merge keeps at most
+// max_size per row too).
+RotatingState RotatingLayer::AssembledState(absl::Span<const RowSource> rows,
+                                            const std::vector<const RotatingSnapshot*>& sources,
+                                            uint64_t offset) const {
+  const uint32_t keep = kind_.keep;
+  std::vector<RowWindow> windows(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (sources[i] == nullptr) continue;
+    const RotatingState& source = sources[i]->state();
+    windows[i] = {.present = true,
+                  .held = {source.window_begin(keep), source.offset},
+                  .own_start = std::max(rows[i].padding, source.sink_end(keep))};
+  }
+  const uint64_t sinks = std::min<uint64_t>(keep, offset);
+  const uint64_t start = SharedWindowStart(rows, windows, sinks, offset);
+  // A window that starts at the sinks is an unevicted one: window_start 0, as
+  // Update leaves it (Trim relies on that).
+  RotatingState state{.offset = offset, .window_start = start <= sinks ? 0 : start};
+  // In temporal order, as mlx-lm leaves a buffer it has rebuilt.
+  state.ring_idx = state.held(keep);
+  return state;
+}
+
+absl::Status RotatingLayer::AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) {
+  if (state_.offset != 0 || table_.CountPages() != 0) {
+    return absl::InternalError("rows can only be assembled into an empty layer");
+  }
+  ASSIGN_OR_RETURN(const std::vector<const RotatingSnapshot*> sources, AssemblySources(rows));
+  const RotatingState state = AssembledState(rows, sources, offset);
+  const std::vector<TokenRange> held = state.Ranges(kind_.keep);
+  std::vector<RowCopy> copies;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    RowCopy& copy = copies.emplace_back(RowCopy{.row = rows[i].row, .shift = rows[i].shift});
+    if (sources[i] == nullptr) continue;
+    copy.table = &sources[i]->table();
+    copy.geometry = &sources[i]->geometry();
+    copy.ranges = LandingRanges(sources[i]->Ranges(), FirstCopied(rows[i]), rows[i].shift, held);
+  }
+  RETURN_IF_ERROR(AssembleRowsInto(table_, geometry_, held, copies));
+  state_ = state;
+  return absl::OkStatus();
 }
 
 void RotatingLayer::Free() {

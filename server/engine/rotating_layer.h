@@ -50,6 +50,8 @@ class RotatingSnapshot final : public LayerSnapshot {
       uint64_t at) const override;
   const PageTable& table() const { return table_; }
   const RotatingState& state() const { return state_; }
+  const PageGeometry& geometry() const { return geometry_; }
+  const RotatingKind& kind() const { return kind_; }
 
  private:
   PageTable table_;
@@ -74,6 +76,8 @@ class RotatingLayer final : public Layer {
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                   uint64_t target) const override;
+  // Every row's window right-aligned at `offset` (see AssembledState).
+  absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
   void Free() override;
   uint64_t size_bytes() const override;
 
@@ -87,6 +91,12 @@ class RotatingLayer final : public Layer {
   void Evict(uint64_t count);
   std::unique_ptr<Layer> TrimmedCopy(const PageTable& table, RotatingState state,
                                      uint64_t target) const;
+  // The sources of AssembleRows (null for an all-padding row), checked.
+  absl::StatusOr<std::vector<const RotatingSnapshot*>> AssemblySources(
+      absl::Span<const RowSource> rows) const;
+  RotatingState AssembledState(absl::Span<const RowSource> rows,
+                               const std::vector<const RotatingSnapshot*>& sources,
+                               uint64_t offset) const;
 
   PageTable table_;
   PageGeometry geometry_;

@@ -4,32 +4,17 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/row_assembly.h"
 #include "engine/token_store.h"
 
 namespace kvcache::engine {
 
-namespace {
-
-// `lower` below position `split`, `upper` from it on; copies at most the one
-// page that straddles `split`.
-absl::StatusOr<PageTable> JoinAt(const PageGeometry& geometry, const PageTable& lower,
-                                 const PageTable& upper, uint64_t split) {
-  const uint32_t p = geometry.page_tokens;
-  const uint64_t index = split / p;
-  PageTable joined = PageTable::Join(lower, upper, index);
-  if (split % p != 0) {
-    ASSIGN_OR_RETURN(gpu::PageId page,
-                     JoinBoundaryPage(*lower.pool(), geometry, lower.Get(index), upper.Get(index),
-                                      static_cast<uint32_t>(split % p)));
-    joined.Set(index, page);
-  }
-  return joined;
-}
-
-}  // namespace
-
 absl::Status StandardSnapshot::Read(TokenRange range, const KvOutput& out) const {
   return ReadHeld(table_, geometry_, Ranges(), range, out);
+}
+
+absl::Status StandardSnapshot::ReadPacked(TokenRange range, const PackedOutput& out) const {
+  return ReadPackedHeld(table_, geometry_, Ranges(), range, out);
 }
 
 uint64_t StandardSnapshot::size_bytes() const { return PoolBytes(table_); }
@@ -117,6 +102,31 @@ absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> StandardSnapshot::
   auto child = std::make_shared<StandardSnapshot>(table_.Slice(at / p, PagesFor(to_, p)),
                                                   geometry_, at, to_);
   return std::make_pair(LayerSnapshotPtr(std::move(parent)), LayerSnapshotPtr(std::move(child)));
+}
+
+// mlx-lm BatchKVCache keeps every position [0, _idx) of every row; padding
+// is zeros unless a row's padding travels with it.
+absl::Status StandardLayer::AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) {
+  if (offset_ != 0 || table_.CountPages() != 0) {
+    return absl::InternalError("rows can only be assembled into an empty layer");
+  }
+  std::vector<TokenRange> held;
+  if (offset > 0) held.push_back({0, offset});
+  std::vector<RowCopy> copies;
+  for (const RowSource& row : rows) {
+    RowCopy& copy = copies.emplace_back(RowCopy{.row = row.row, .shift = row.shift});
+    if (row.source == nullptr) continue;
+    const auto* snap = dynamic_cast<const StandardSnapshot*>(row.source);
+    if (snap == nullptr) {
+      return absl::FailedPreconditionError("a source row is not of a standard layer");
+    }
+    copy.table = &snap->table();
+    copy.geometry = &snap->geometry();
+    copy.ranges = LandingRanges(snap->Ranges(), FirstCopied(row), row.shift, held);
+  }
+  RETURN_IF_ERROR(AssembleRowsInto(table_, geometry_, held, copies));
+  offset_ = offset;
+  return absl::OkStatus();
 }
 
 void StandardLayer::Free() {

@@ -1,5 +1,8 @@
 // StandardLayer: mlx-lm KVCache / ollama KVCache. Every token is kept; a
-// snapshot [from, to) shares the pages covering that range.
+// snapshot [from, to) shares the pages covering that range. With a quantized
+// geometry it is mlx-lm QuantizedKVCache: the same semantics (trim, snapshot,
+// restore, merge, split, copy-on-write) over pages of packed planes, written
+// and read through the device's quantize / dequantize shaders.
 #pragma once
 
 #include <memory>
@@ -21,6 +24,8 @@ class StandardSnapshot final : public LayerSnapshot {
   uint64_t to() const override { return to_; }
   std::vector<TokenRange> Ranges() const override { return {{from_, to_}}; }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  // Quantized geometry only: the range's planes as stored.
+  absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const override;
   uint64_t size_bytes() const override;
   const PageGeometry& geometry() const { return geometry_; }
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
@@ -49,6 +54,8 @@ class StandardLayer final : public Layer {
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                   uint64_t target) const override;
+  // Positions [0, offset): each row's source tokens shifted, zeros elsewhere.
+  absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
   void Free() override;
   uint64_t size_bytes() const override;
 

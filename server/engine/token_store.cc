@@ -5,28 +5,13 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/quantized_store.h"
 
 namespace kvcache::engine {
 namespace {
 
 using gpu::kNoPage;
 using gpu::PageId;
-
-// The slots [begin, end) of page `index` that positions [first, last) cover.
-struct PageSpan {
-  uint64_t index;
-  uint32_t begin;
-  uint32_t end;
-};
-
-template <typename Visit>
-void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& visit) {
-  for (uint64_t index = first / page_tokens; index * page_tokens < last; ++index) {
-    const uint64_t base = index * page_tokens;
-    visit(PageSpan{index, static_cast<uint32_t>(std::max(first, base) - base),
-                   static_cast<uint32_t>(std::min(last, base + page_tokens) - base)});
-  }
-}
 
 struct WritePlan {
   std::vector<std::pair<uint64_t, PageId>> fresh;  // (index, new page) to install
@@ -114,10 +99,14 @@ absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offse
   WritePlan plan;
   std::vector<PageId> targets;
   RETURN_IF_ERROR(PlanTargets(table, g, offset, kv.tokens, plan, targets));
-  PlanRuns(g, offset, kv, targets, plan);
   gpu::PagePool& pool = *table.pool();
   absl::Status status = pool.Copy(plan.cow_copies);
-  if (status.ok()) status = pool.Write(plan.runs);
+  if (status.ok() && g.quantized()) {
+    status = QuantizeTokens(pool, g, offset, kv, targets);
+  } else if (status.ok()) {
+    PlanRuns(g, offset, kv, targets, plan);
+    status = pool.Write(plan.runs);
+  }
   if (!status.ok()) {
     for (const auto& [index, page] : plan.fresh) pool.Release(page);
     return status;
@@ -132,6 +121,7 @@ absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRang
   if (out.keys.size() != g.KBytes(length) || out.values.size() != g.VBytes(length)) {
     return absl::InvalidArgumentError("read buffers do not match the range's [B, H, L, D] size");
   }
+  if (g.quantized()) return DequantizeTokens(table, g, range, out);
   const uint32_t row_heads = g.batch * g.heads;
   const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
   const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
@@ -157,15 +147,30 @@ absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRang
   return table.pool()->Read(runs);
 }
 
-absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
-                      const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out) {
+absl::Status CheckHeld(const std::vector<TokenRange>& held, TokenRange range) {
   for (const TokenRange& h : held) {
     if (range.begin >= h.begin && range.end <= h.end && range.begin < range.end) {
-      return ReadTokens(table, geometry, range, out);
+      return absl::OkStatus();
     }
   }
   return absl::InvalidArgumentError(
       absl::StrFormat("tokens [%d, %d) are not held", range.begin, range.end));
+}
+
+absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
+                      const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out) {
+  RETURN_IF_ERROR(CheckHeld(held, range));
+  return ReadTokens(table, geometry, range, out);
+}
+
+absl::Status ReadPackedHeld(const PageTable& table, const PageGeometry& geometry,
+                            const std::vector<TokenRange>& held, TokenRange range,
+                            const PackedOutput& out) {
+  if (!geometry.quantized()) {
+    return absl::InvalidArgumentError("packed: only quantized layers have a packed form");
+  }
+  RETURN_IF_ERROR(CheckHeld(held, range));
+  return ReadPackedTokens(table, geometry, range, out);
 }
 
 uint64_t PoolBytes(const PageTable& table) {
@@ -198,6 +203,20 @@ absl::StatusOr<PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry&
     return status;
   }
   return fresh[0];
+}
+
+absl::StatusOr<PageTable> JoinAt(const PageGeometry& geometry, const PageTable& lower,
+                                 const PageTable& upper, uint64_t split) {
+  const uint32_t p = geometry.page_tokens;
+  const uint64_t index = split / p;
+  PageTable joined = PageTable::Join(lower, upper, index);
+  if (split % p != 0) {
+    ASSIGN_OR_RETURN(PageId page,
+                     JoinBoundaryPage(*lower.pool(), geometry, lower.Get(index), upper.Get(index),
+                                      static_cast<uint32_t>(split % p)));
+    joined.Set(index, page);
+  }
+  return joined;
 }
 
 }  // namespace kvcache::engine

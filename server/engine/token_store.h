@@ -3,6 +3,7 @@
 // slot t % P (PageGeometry has the byte layout inside a page).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -14,12 +15,30 @@
 
 namespace kvcache::engine {
 
+// The slots [begin, end) of page `index` that positions [first, last) cover.
+struct PageSpan {
+  uint64_t index;
+  uint32_t begin;
+  uint32_t end;
+};
+
+// Calls visit(PageSpan) for each page that positions [first, last) touch, in order.
+template <typename Visit>
+void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& visit) {
+  for (uint64_t index = first / page_tokens; index * page_tokens < last; ++index) {
+    const uint64_t base = index * page_tokens;
+    visit(PageSpan{index, static_cast<uint32_t>(std::max(first, base) - base),
+                   static_cast<uint32_t>(std::min(last, base + page_tokens) - base)});
+  }
+}
+
 // INVALID_ARGUMENT naming keys / values / tokens unless `kv` holds L >= 1
 // tokens of exactly this geometry.
 absl::Status CheckInput(const PageGeometry& geometry, const KvInput& kv);
 
-// Writes kv's tokens at positions [offset, offset + L). Pages are allocated as
-// needed and shared pages copied first (copy-on-write). All or nothing: on
+// Writes kv's tokens at positions [offset, offset + L) (quantized layers:
+// quantized on the device). Pages are allocated as needed and shared pages
+// copied first (copy-on-write). All or nothing: on
 // error `table` is unchanged and no page is leaked.
 absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_t offset,
                          const KvInput& kv);
@@ -28,10 +47,19 @@ absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_
 absl::Status ReadTokens(const PageTable& table, const PageGeometry& geometry, TokenRange range,
                         const KvOutput& out);
 
-// ReadTokens for a layer or snapshot that holds `held`: INVALID_ARGUMENT
-// unless `range` is non-empty and lies inside one of them.
+// INVALID_ARGUMENT unless `range` is non-empty and lies inside one of `held`.
+absl::Status CheckHeld(const std::vector<TokenRange>& held, TokenRange range);
+
+// ReadTokens for a layer or snapshot that holds `held` (CheckHeld first).
+// Quantized layers dequantize on the device.
 absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
                       const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out);
+
+// A quantized layer's `range` as stored (quantized_store.h); INVALID_ARGUMENT
+// for other layers, or unless CheckHeld passes.
+absl::Status ReadPackedHeld(const PageTable& table, const PageGeometry& geometry,
+                            const std::vector<TokenRange>& held, TokenRange range,
+                            const PackedOutput& out);
 
 // Pool bytes the table's pages take.
 uint64_t PoolBytes(const PageTable& table);
@@ -42,6 +70,11 @@ uint64_t PoolBytes(const PageTable& table);
 absl::StatusOr<gpu::PageId> JoinBoundaryPage(gpu::PagePool& pool, const PageGeometry& geometry,
                                              gpu::PageId lower, gpu::PageId upper,
                                              uint32_t split_slot);
+
+// `lower` below position `split`, `upper` from it on; copies at most the one
+// page that straddles `split` (what restore and merge cost).
+absl::StatusOr<PageTable> JoinAt(const PageGeometry& geometry, const PageTable& lower,
+                                 const PageTable& upper, uint64_t split);
 
 // Pages needed to hold positions [0, end).
 inline uint64_t PagesFor(uint64_t end, uint32_t page_tokens) {

@@ -4,8 +4,11 @@
 #include <variant>
 
 #include "absl/strings/str_cat.h"
+#include "chunked_recurrent_test_util.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
+#include "reference_chunked.h"
+#include "reference_quantized.h"
 
 namespace kvcache::testing {
 namespace {
@@ -18,7 +21,8 @@ constexpr uint64_t kStandardOffsetCap = 150;
 const char* OpName(int op) {
   static const char* const kNames[] = {"Update", "Fetch",   "Trim",    "Snapshot",
                                        "Restore", "Rewind", "Merge",   "Split",
-                                       "Release", "FetchSnapshot", "Recreate"};
+                                       "Release", "FetchSnapshot", "Recreate",
+                                       "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache"};
   return kNames[op];
 }
 
@@ -27,7 +31,9 @@ const char* OpName(int op) {
 RandomDriver::RandomDriver(engine::Engine& engine, const RandomConfig& config)
     : engine_(engine), config_(config), rng_(config.seed) {
   for (const engine::LayerSpec& layer : config_.spec.layers) {
-    has_standard_layer_ |= std::holds_alternative<engine::StandardKind>(layer.kind);
+    has_standard_layer_ |= std::holds_alternative<engine::StandardKind>(layer.kind) ||
+                           std::holds_alternative<engine::QuantizedKind>(layer.kind);
+    all_recurrent_ &= engine::IsRecurrent(layer);
   }
   CreateCache();
 }
@@ -52,7 +58,16 @@ engine::TokenRange RandomDriver::RandomWindow(uint64_t end) {
   return {begin, Uniform(begin, end + 1)};
 }
 
-uint64_t RandomDriver::MaxUpdateTokens() const { return LongestUsefulUpdate(config_.spec); }
+// Chunked layers: long enough for one update to overfill the chunk twice.
+uint64_t RandomDriver::MaxUpdateTokens() const {
+  uint64_t longest = LongestUsefulUpdate(config_.spec);
+  for (const engine::LayerSpec& layer : config_.spec.layers) {
+    if (const auto* chunked = std::get_if<engine::ChunkedKind>(&layer.kind)) {
+      longest = std::max<uint64_t>(longest, 2 * chunked->chunk_size + 3);
+    }
+  }
+  return longest;
+}
 
 size_t RandomDriver::RandomSnapshotIndex() { return Uniform(0, snapshots_.size() - 1); }
 
@@ -63,7 +78,11 @@ void RandomDriver::Forget(const std::string& id) {
 RandomDriver::Op RandomDriver::PickOp() {
   // Weights in Op order; Recreate is rare because it resets the history.
   static const std::vector<double> kWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3};
-  std::discrete_distribution<int> pick(kWeights.begin(), kWeights.end());
+  // Batch operations (extract, filter, merge, extend) when configured.
+  static const std::vector<double> kBatchWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3,
+                                                    3, 4, 3, 4};
+  const std::vector<double>& weights = config_.batch_ops ? kBatchWeights : kWeights;
+  std::discrete_distribution<int> pick(weights.begin(), weights.end());
   return static_cast<Op>(pick(rng_));
 }
 
@@ -92,6 +111,10 @@ void RandomDriver::Step(Op op) {
     case Op::kRelease: return Release();
     case Op::kFetchSnapshot: return FetchSnapshot();
     case Op::kRecreate: return Recreate();
+    case Op::kExtractRow: return ExtractRow();
+    case Op::kFilterRows: return FilterRows();
+    case Op::kMergeCaches: return MergeCaches();
+    case Op::kExtendCache: return ExtendCache();
   }
 }
 
@@ -106,24 +129,37 @@ void RandomDriver::Recreate() {
   if (!snapshots_.empty()) FetchSnapshot();
 }
 
+// Bounds memory: shrinks by trimming where every layer allows it, else (or
+// when a chunked layer's start stopped the trim short) starts over.
+void RandomDriver::ShrinkOrRecreate(uint64_t tokens) {
+  if (reference_->Trim(0).has_value()) {
+    const uint64_t n = Uniform(Offset() / 2, Offset());
+    const std::optional<uint64_t> expected = reference_->Trim(n);
+    absl::StatusOr<uint64_t> trimmed = engine_.Trim(cache_id_, n);
+    ASSERT_TRUE(trimmed.ok()) << trimmed.status();
+    ASSERT_EQ(*trimmed, expected.value());
+    if (Offset() + tokens <= kStandardOffsetCap) return;
+  }
+  Recreate();
+}
+
 void RandomDriver::Update() {
-  const uint64_t tokens = Chance(0.45) ? 1 : Uniform(2, MaxUpdateTokens());
+  // A cache of recurrent layers only may step by 0 tokens (a state that
+  // consumed none); attention layers need at least one.
+  const uint64_t tokens = all_recurrent_ ? Uniform(0, 4)
+                          : Chance(0.45) ? 1
+                                         : Uniform(2, MaxUpdateTokens());
   if (has_standard_layer_ && Offset() + tokens > kStandardOffsetCap) {
-    // Bound memory: shrink by trimming where every layer allows it, else start over.
-    if (reference_->Trim(0).has_value()) {
-      const uint64_t n = Uniform(Offset() / 2, Offset());
-      const std::optional<uint64_t> expected = reference_->Trim(n);
-      absl::StatusOr<uint64_t> trimmed = engine_.Trim(cache_id_, n);
-      ASSERT_TRUE(trimmed.ok()) << trimmed.status();
-      ASSERT_EQ(*trimmed, expected.value());
-      return;
-    }
-    return Recreate();
+    return ShrinkOrRecreate(tokens);
   }
   for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
-    UpdateLayer(layer, tokens);
+    if (IsRecurrentLayer(layer)) {
+      UpdateStateLayer(layer, tokens);
+    } else {
+      UpdateLayer(layer, tokens);
+    }
     if (::testing::Test::HasFailure()) return;
-    if (layer == 0 && reference_->num_layers() > 1 && Chance(0.05)) {
+    if (layer == 0 && tokens > 0 && reference_->num_layers() > 1 && Chance(0.05)) {
       // Mid-step the layers are out of step: whole-cache operations are refused.
       absl::StatusOr<engine::CacheInfo> info = engine_.GetCache(cache_id_);
       ASSERT_TRUE(info.ok());
@@ -137,19 +173,24 @@ void RandomDriver::Update() {
 }
 
 void RandomDriver::UpdateLayer(uint32_t layer, uint64_t tokens) {
-  const KvTensors kv = RandomKv(config_.spec, layer, tokens, rng_);
+  const KvTensors kv = RandomLayerKv(reference_->spec(), layer, tokens, rng_);
   const uint64_t before = reference_->layer(layer).offset();
   if (Chance(0.03)) {
     const uint64_t wrong = before > 0 && Chance(0.5) ? before - 1 : before + 1;
     EXPECT_EQ(engine_.Update(cache_id_, layer, kv.input(), wrong).status().code(),
               absl::StatusCode::kFailedPrecondition);
   }
+  if (Chance(0.02)) {  // a recurrent state for an attention layer
+    const RefState state{.conv = kv.keys, .delta = kv.values};
+    EXPECT_EQ(engine_.UpdateState(cache_id_, layer, StateInputOf(state, tokens)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
   std::optional<uint64_t> expected_offset;
   if (Chance(0.2)) expected_offset = before;
   absl::StatusOr<uint64_t> result = engine_.Update(cache_id_, layer, kv.input(), expected_offset);
   ASSERT_TRUE(result.ok()) << result.status();
-  reference_->Update(layer, TokensFromTensors(ShapeOf(config_.spec, layer), kv.keys, kv.values,
-                                              tokens));
+  reference_->Update(layer, TokensFromTensors(ShapeOf(reference_->spec(), layer), kv.keys,
+                                              kv.values, tokens));
   ASSERT_EQ(*result, reference_->layer(layer).offset());
 }
 
@@ -157,6 +198,11 @@ void RandomDriver::Fetch() {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View(cache_id_, "");
   ASSERT_TRUE(view.ok()) << view.status();
+  if (IsRecurrentLayer(layer)) {
+    CheckState(**view, layer, LiveState(layer));
+    ++stats_.fetches;
+    return;
+  }
   const std::vector<RefToken> expected = reference_->layer(layer).Fetch();
   CheckReferenceShape(layer, expected);
   CheckLayer(**view, layer, expected);
@@ -172,7 +218,7 @@ void RandomDriver::CheckLayer(const engine::CacheSnapshot& view, uint32_t layer,
   const std::vector<engine::TokenRange> ranges = view.Ranges(layer, window);
   ASSERT_EQ(RangesString(ranges), RangesString(RangesOf(expected)));
   if (ranges.empty() || Chance(0.6)) {
-    absl::StatusOr<std::vector<RefToken>> actual = FetchLayer(view, layer, window);
+    absl::StatusOr<std::vector<RefToken>> actual = FetchStoredLayer(view, layer, window);
     ASSERT_TRUE(actual.ok()) << actual.status();
     ASSERT_TRUE(SameTokens(expected, *actual));
     return;
@@ -181,7 +227,7 @@ void RandomDriver::CheckLayer(const engine::CacheSnapshot& view, uint32_t layer,
   const engine::TokenRange& range = ranges[Uniform(0, ranges.size() - 1)];
   const uint64_t begin = Uniform(range.begin, range.end - 1);
   const engine::TokenRange sub{begin, Uniform(begin + 1, range.end)};
-  absl::StatusOr<std::vector<RefToken>> actual = ReadRange(view, layer, sub);
+  absl::StatusOr<std::vector<RefToken>> actual = ReadStoredRange(view, layer, sub);
   ASSERT_TRUE(actual.ok()) << actual.status();
   ASSERT_TRUE(SameTokens(Clip(expected, sub), *actual));
 }
@@ -192,6 +238,16 @@ void RandomDriver::CheckLayer(const engine::CacheSnapshot& view, uint32_t layer,
 void RandomDriver::CheckReferenceShape(uint32_t layer, const std::vector<RefToken>& tokens) {
   const std::vector<engine::TokenRange> ranges = RangesOf(tokens);
   const uint64_t offset = reference_->layer(layer).offset();
+  if (const auto* chunked = dynamic_cast<const RefChunkedLayer*>(&reference_->layer(layer))) {
+    // [start_position, offset), empty when a trim reached the start.
+    const uint64_t start = chunked->start_position();
+    if (start == offset) {
+      EXPECT_TRUE(ranges.empty()) << "reference model shape";
+    } else {
+      EXPECT_EQ(RangesString(ranges), RangesString({{start, offset}})) << "reference model shape";
+    }
+    return;
+  }
   if (offset == 0) {
     EXPECT_TRUE(ranges.empty()) << "reference model shape";
     return;
@@ -374,7 +430,11 @@ void RandomDriver::FetchSnapshot() {
   ASSERT_TRUE(view.ok()) << view.status();
   EXPECT_EQ((*view)->from, snapshot.reference->from);
   EXPECT_EQ((*view)->to, snapshot.reference->to);
-  CheckLayer(**view, layer, RefCache::FetchSnapshot(*snapshot.reference, layer));
+  if (IsRecurrentLayer(layer)) {
+    CheckState(**view, layer, SnapshotState(*snapshot.reference, layer));
+  } else {
+    CheckLayer(**view, layer, RefCache::FetchSnapshot(*snapshot.reference, layer));
+  }
   ++stats_.fetches;
 }
 
@@ -392,10 +452,13 @@ void RandomDriver::CheckAllSnapshots() {
     auto view = engine_.View("", snapshot.id);
     ASSERT_TRUE(view.ok()) << view.status();
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
-      auto actual = FetchLayer(**view, layer, kEverything);
+      auto actual = FetchStoredLayer(**view, layer, kEverything);
       ASSERT_TRUE(actual.ok()) << actual.status();
       ASSERT_TRUE(SameTokens(RefCache::FetchSnapshot(*snapshot.reference, layer), *actual))
           << "snapshot " << snapshot.id << " layer " << layer;
+      if (IsRecurrentLayer(layer)) {
+        CheckState(**view, layer, SnapshotState(*snapshot.reference, layer));
+      }
     }
   }
 }
@@ -406,9 +469,10 @@ void RandomDriver::Finish() {
     auto view = engine_.View(cache_id_, "");
     ASSERT_TRUE(view.ok()) << view.status();
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
-      auto actual = FetchLayer(**view, layer, kEverything);
+      auto actual = FetchStoredLayer(**view, layer, kEverything);
       ASSERT_TRUE(actual.ok()) << actual.status();
       EXPECT_TRUE(SameTokens(reference_->layer(layer).Fetch(), *actual)) << "layer " << layer;
+      if (IsRecurrentLayer(layer)) CheckState(**view, layer, LiveState(layer));
     }
     CheckAllSnapshots();
   }

@@ -1,11 +1,13 @@
 // Drives an Engine and the CPU reference (reference_model.h) in lock step
 // through a seeded random sequence of operations, asserting after each that
 // both agree: success or refusal (and the status code), offsets, snapshot
-// ranges, and byte-identical fetches of the live cache and of snapshots.
+// ranges, and byte-identical fetches of the live cache and of snapshots
+// (recurrent layers: their states, read through CacheSnapshot::ReadState).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,18 +23,24 @@ struct RandomConfig {
   uint32_t page_tokens = 16;
   uint64_t operations = 10000;
   uint64_t seed = 1;
+  // Also extract, filter, merge and extend rows (random_driver_batch.cc), with
+  // partner caches of random batch sizes and left padding.
+  bool batch_ops = false;
 };
 
 // Counts of what a run did, so a test can check that it exercised each path.
 struct RandomRunStats {
   uint64_t operations = 0;
   uint64_t updates = 0;
+  uint64_t state_updates = 0;  // recurrent layers
   uint64_t fetches = 0;
   uint64_t restores_ok = 0;
   uint64_t restores_refused = 0;
   uint64_t merges_ok = 0;
   uint64_t splits_ok = 0;
   uint64_t refusals = 0;
+  uint64_t batch_ops_ok = 0;       // extract, filter, merge, extend
+  uint64_t batch_ops_refused = 0;
 };
 
 class RandomDriver {
@@ -53,6 +61,7 @@ class RandomDriver {
   enum class Op {
     kUpdate, kFetch, kTrim, kSnapshot, kRestore, kRewind,
     kMerge, kSplit, kRelease, kFetchSnapshot, kRecreate,
+    kExtractRow, kFilterRows, kMergeCaches, kExtendCache,
   };
 
   Op PickOp();
@@ -61,6 +70,11 @@ class RandomDriver {
   void Recreate();
   void Update();
   void UpdateLayer(uint32_t layer, uint64_t tokens);
+  // A recurrent layer's step: a new state advancing by `advance`, sometimes
+  // after an advance-0 one, with wrong-kind and wrong-size attempts refused.
+  void UpdateStateLayer(uint32_t layer, uint64_t advance);
+  void ApplyState(uint32_t layer, uint64_t advance);
+  void ShrinkOrRecreate(uint64_t tokens);
   void Fetch();
   void Trim();
   void TakeSnapshot();
@@ -73,9 +87,42 @@ class RandomDriver {
   void Release();
   void FetchSnapshot();
 
+  // Batch operations (random_driver_batch.cc).
+  void ExtractRow();
+  void FilterRows();
+  void MergeCaches();
+  void ExtendCache();
+  // Mid-step (layer 0 ahead), every batch operation is refused.
+  void ProbeBatchOpsOutOfStep();
+  // A new cache like the current one but with `batch` rows, random left
+  // padding and history (`same_offset`: at the current offset), mirrored.
+  std::pair<std::string, std::unique_ptr<RefCache>> MakePartner(uint32_t batch, bool same_offset);
+  // The driven cache, up to two partners (kept in `partners`), sometimes the
+  // driven cache again, in random order; empty if a partner failed.
+  std::vector<std::pair<std::string, const RefCache*>> MergeInputs(
+      std::vector<std::pair<std::string, std::unique_ptr<RefCache>>>& partners);
+  // Appends `tokens` to every layer of cache `id`, mirrored in `reference`.
+  void AppendTo(const std::string& id, RefCache& reference, uint64_t tokens);
+  // Same code as the reference; counts the outcome. True when it succeeded.
+  bool SameOutcome(absl::StatusCode expected, const absl::Status& actual);
+  // Cache `id` equals `reference`: spec rows, padding, offsets, every layer's tokens.
+  void CheckCache(const std::string& id, const RefCache& reference);
+  // Makes `id` (mirrored by `reference`) the driven cache, deleting the old one.
+  void Adopt(const std::string& id, std::unique_ptr<RefCache> reference);
+  uint32_t Batch() const { return reference_->spec().batch_size; }
+
   void CheckOffsets();
   void CheckLayer(const engine::CacheSnapshot& view, uint32_t layer,
                   const std::vector<RefToken>& expected);
+  // A recurrent layer of `view`: no tokens, and the state `expected` (nullopt:
+  // the view holds nothing for the layer).
+  void CheckState(const engine::CacheSnapshot& view, uint32_t layer,
+                  const std::optional<RefState>& expected);
+  // The state a live recurrent layer reads as (zeros before the first update).
+  RefState LiveState(uint32_t layer) const;
+  // What snapshot `reference` holds for recurrent layer `layer`.
+  static std::optional<RefState> SnapshotState(const RefCacheSnapshot& reference, uint32_t layer);
+  bool IsRecurrentLayer(uint32_t layer) const;
   void CheckReferenceShape(uint32_t layer, const std::vector<RefToken>& tokens);
   void CheckSnapshotInfo(const engine::SnapshotInfo& info, const RefCacheSnapshot& reference);
   void CheckAllSnapshots();
@@ -96,6 +143,7 @@ class RandomDriver {
   std::vector<TrackedSnapshot> snapshots_;
   RandomRunStats stats_;
   bool has_standard_layer_ = false;
+  bool all_recurrent_ = true;
 };
 
 }  // namespace kvcache::testing

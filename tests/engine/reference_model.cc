@@ -6,6 +6,10 @@
 #include <iostream>
 #include <variant>
 
+#include "reference_chunked.h"
+#include "reference_quantized.h"
+#include "reference_recurrent.h"
+
 namespace kvcache::testing {
 namespace {
 
@@ -58,9 +62,7 @@ bool SameLayerLayout(const engine::LayerSpec& a, const engine::LayerSpec& b) {
   const uint32_t bv = b.v_head_dim == 0 ? b.k_head_dim : b.v_head_dim;
   if (a.num_kv_heads != b.num_kv_heads || a.k_head_dim != b.k_head_dim || av != bv) return false;
   if (a.kind.index() != b.kind.index()) return false;
-  const auto* ra = std::get_if<engine::RotatingKind>(&a.kind);
-  const auto* rb = std::get_if<engine::RotatingKind>(&b.kind);
-  return ra == nullptr || (ra->max_size == rb->max_size && ra->keep == rb->keep);
+  return a.kind == b.kind;  // kind and its parameters (window, chunk, state dims)
 }
 
 bool SameCacheLayout(const engine::CacheSpec& a, const engine::CacheSpec& b) {
@@ -112,6 +114,21 @@ std::vector<engine::TokenRange> RangesOf(absl::Span<const RefToken> tokens) {
     }
   }
   return ranges;
+}
+
+// ---------------------------------------------------------------- any layer
+
+bool RefLayer::CanMerge(const RefLayerSnapshotPtr& parent, const RefLayerSnapshotPtr& child) const {
+  return parent != nullptr && child != nullptr;
+}
+
+void RefLayer::UpdateState(RefState, uint64_t) {
+  RefCheck(false, "UpdateState on a layer that is not recurrent");
+}
+
+std::optional<RefState> RefLayer::FetchState() const {
+  RefCheck(false, "FetchState on a layer that is not recurrent");
+  return std::nullopt;
 }
 
 // ---------------------------------------------------------------- standard
@@ -337,16 +354,32 @@ std::pair<RefLayerSnapshotPtr, RefLayerSnapshotPtr> RefRotatingLayer::Split(
 }
 
 std::unique_ptr<RefLayer> MakeRefLayer(const engine::LayerSpec& spec) {
+  RefCheck(!std::holds_alternative<engine::QuantizedKind>(spec.kind),
+           "a quantized layer needs MakeRefLayer(cache spec, layer)");
+  if (const auto* chunked = std::get_if<engine::ChunkedKind>(&spec.kind)) {
+    return std::make_unique<RefChunkedLayer>(chunked->chunk_size);
+  }
+  if (std::holds_alternative<engine::RecurrentKind>(spec.kind)) {
+    return std::make_unique<RefRecurrentLayer>();
+  }
   if (const auto* rotating = std::get_if<engine::RotatingKind>(&spec.kind)) {
     return std::make_unique<RefRotatingLayer>(rotating->max_size, rotating->keep);
   }
   return std::make_unique<RefStandardLayer>();
 }
 
+std::unique_ptr<RefLayer> MakeRefLayer(const engine::CacheSpec& spec, size_t layer) {
+  RefQuantFormat format;
+  if (QuantFormatOf(spec, layer, format)) {
+    return std::make_unique<RefQuantizedLayer>(ShapeOf(spec, layer), format);
+  }
+  return MakeRefLayer(spec.layers[layer]);
+}
+
 // ---------------------------------------------------------------- cache
 
 RefCache::RefCache(const engine::CacheSpec& spec) : spec_(spec) {
-  for (const engine::LayerSpec& layer : spec.layers) layers_.push_back(MakeRefLayer(layer));
+  for (size_t i = 0; i < spec.layers.size(); ++i) layers_.push_back(MakeRefLayer(spec, i));
 }
 
 std::vector<uint64_t> RefCache::layer_offsets() const {
@@ -367,14 +400,20 @@ void RefCache::Update(size_t layer, std::vector<RefToken> tokens) {
   layers_[layer]->Update(std::move(tokens));
 }
 
+void RefCache::UpdateState(size_t layer, RefState state, uint64_t advance) {
+  layers_[layer]->UpdateState(std::move(state), advance);
+}
+
 std::optional<uint64_t> RefCache::Trim(uint64_t n) {
   if (!CommonOffset().has_value()) return std::nullopt;
   for (const auto& layer : layers_) {
     if (!layer->IsTrimmable()) return std::nullopt;
   }
-  uint64_t trimmed = 0;
-  for (const auto& layer : layers_) trimmed = layer->Trim(n);
-  return trimmed;
+  // What each layer's own trim would drop, tried on a copy; the least is what
+  // all of them can drop and stay in step.
+  for (const auto& layer : layers_) n = std::min(n, layer->Clone()->Trim(n));
+  for (const auto& layer : layers_) RefCheck(layer->Trim(n) == n, "trim in step");
+  return n;
 }
 
 RefCacheSnapshotPtr RefCache::Snapshot(uint64_t from) const {
@@ -400,6 +439,9 @@ bool RefCache::Restore(const RefCacheSnapshot* snapshot, uint64_t target) {
     if (!copy->Restore(layer_snapshot, target)) return false;
     restored.push_back(std::move(copy));
   }
+  for (const auto& layer : restored) {
+    if (layer->offset() != restored.front()->offset()) return false;
+  }
   layers_ = std::move(restored);
   return true;
 }
@@ -413,7 +455,8 @@ RefCacheSnapshotPtr RefCache::Merge(const RefCacheSnapshotPtr& parent,
   merged->from = parent->from;
   merged->to = child->to;
   for (size_t i = 0; i < parent->layers.size(); ++i) {
-    std::unique_ptr<RefLayer> kind = MakeRefLayer(parent->spec.layers[i]);
+    std::unique_ptr<RefLayer> kind = MakeRefLayer(parent->spec, i);
+    if (!kind->CanMerge(parent->layers[i], child->layers[i])) return nullptr;
     merged->layers.push_back(kind->Merge(parent->layers[i], child->layers[i]));
   }
   return merged;
@@ -429,7 +472,7 @@ std::optional<std::pair<RefCacheSnapshotPtr, RefCacheSnapshotPtr>> RefCache::Spl
   parent->to = child->from = at;
   child->to = snapshot->to;
   for (size_t i = 0; i < snapshot->layers.size(); ++i) {
-    std::unique_ptr<RefLayer> kind = MakeRefLayer(snapshot->spec.layers[i]);
+    std::unique_ptr<RefLayer> kind = MakeRefLayer(snapshot->spec, i);
     auto [lower, upper] = kind->Split(snapshot->layers[i], at);
     parent->layers.push_back(lower);
     child->layers.push_back(upper);
@@ -439,7 +482,7 @@ std::optional<std::pair<RefCacheSnapshotPtr, RefCacheSnapshotPtr>> RefCache::Spl
 
 std::vector<RefToken> RefCache::FetchSnapshot(const RefCacheSnapshot& snapshot, size_t layer) {
   if (snapshot.layers[layer] == nullptr) return {};
-  return MakeRefLayer(snapshot.spec.layers[layer])->FetchSnapshot(*snapshot.layers[layer]);
+  return MakeRefLayer(snapshot.spec, layer)->FetchSnapshot(*snapshot.layers[layer]);
 }
 
 }  // namespace kvcache::testing

@@ -57,14 +57,25 @@ void TensorsFromTokens(const RefShape& shape, absl::Span<const RefToken> tokens,
 // Consecutive absolute positions merged into ranges, in the tokens' order.
 std::vector<engine::TokenRange> RangesOf(absl::Span<const RefToken> tokens);
 
+// A recurrent layer's state: conv [B, conv_tail, conv_dim] and delta
+// [B, Hv, Dv, Dk] as the bytes UpdateState was given.
+struct RefState {
+  std::vector<std::byte> conv;
+  std::vector<std::byte> delta;
+  bool operator==(const RefState&) const = default;
+};
+
 // The state one layer snapshot holds. Standard: the tokens [from, to). Rotating
 // (ollama rotatingSnapshot): the whole ring state in physical order, its `_idx`,
-// and `to` as the offset it was taken at.
+// and `to` as the offset it was taken at. Chunked: the tokens it holds and the
+// start position. Recurrent: the state as of `to`.
 struct RefLayerSnapshot {
   uint64_t from = 0;
   uint64_t to = 0;
   uint64_t idx = 0;
+  uint64_t start = 0;  // chunked: mlx-lm start_position
   std::vector<RefToken> tokens;
+  std::optional<RefState> state;  // recurrent
 };
 using RefLayerSnapshotPtr = std::shared_ptr<const RefLayerSnapshot>;
 
@@ -90,6 +101,14 @@ class RefLayer {
                                     const RefLayerSnapshotPtr& child) const = 0;
   virtual std::pair<RefLayerSnapshotPtr, RefLayerSnapshotPtr> Split(
       const RefLayerSnapshotPtr& snapshot, uint64_t at) const = 0;
+  // Whether Merge(parent, child) of adjacent snapshots is allowed. By default
+  // both must hold something (a null part is refused, as the engine does).
+  virtual bool CanMerge(const RefLayerSnapshotPtr& parent, const RefLayerSnapshotPtr& child) const;
+
+  // Recurrent layers only (others abort: a driver bug): replace the state and
+  // advance the offset; the state held (nullopt before the first update).
+  virtual void UpdateState(RefState state, uint64_t advance);
+  virtual std::optional<RefState> FetchState() const;
 };
 
 // mlx-lm KVCache / ollama KVCache.
@@ -136,6 +155,9 @@ class RefRotatingLayer final : public RefLayer {
                             const RefLayerSnapshotPtr& child) const override;
   std::pair<RefLayerSnapshotPtr, RefLayerSnapshotPtr> Split(const RefLayerSnapshotPtr& snapshot,
                                                             uint64_t at) const override;
+  bool CanMerge(const RefLayerSnapshotPtr&, const RefLayerSnapshotPtr&) const override {
+    return true;  // the child (or its absence) supersedes the parent
+  }
 
  private:
   static constexpr uint64_t kStep = 256;
@@ -158,7 +180,10 @@ class RefRotatingLayer final : public RefLayer {
   uint64_t idx_ = 0;
 };
 
+// Every kind but quantized (which needs the cache's dtype and batch).
 std::unique_ptr<RefLayer> MakeRefLayer(const engine::LayerSpec& spec);
+// Any kind: layer `layer` of `spec` (quantized: reference_quantized.h).
+std::unique_ptr<RefLayer> MakeRefLayer(const engine::CacheSpec& spec, size_t layer);
 
 // A whole-cache snapshot: one (possibly null) layer snapshot per layer.
 struct RefCacheSnapshot {
@@ -184,14 +209,19 @@ class RefCache {
   std::optional<uint64_t> CommonOffset() const;
 
   void Update(size_t layer, std::vector<RefToken> tokens);
-  // nullopt when refused (a layer not trimmable, or out of step).
+  void UpdateState(size_t layer, RefState state, uint64_t advance);
+  // nullopt when refused (a layer not trimmable, or out of step). All layers
+  // trim the least any of them can (a chunked layer stops at its start).
   std::optional<uint64_t> Trim(uint64_t n);
   // nullptr when refused (from >= offset, or out of step).
   RefCacheSnapshotPtr Snapshot(uint64_t from) const;
-  // snapshot null: live rewind. False (and no change) when any layer refuses.
+  // snapshot null: live rewind. False (and no change) when any layer refuses,
+  // or when the layers would land out of step (a recurrent layer lands at its
+  // snapshot's offset).
   bool Restore(const RefCacheSnapshot* snapshot, uint64_t target);
 
-  // nullptr when refused: same snapshot, layouts differ, or not adjacent.
+  // nullptr when refused: same snapshot, layouts differ, not adjacent, or a
+  // layer refuses (RefLayer::CanMerge).
   static RefCacheSnapshotPtr Merge(const RefCacheSnapshotPtr& parent,
                                    const RefCacheSnapshotPtr& child);
   // nullopt when `at` is outside (from, to).
