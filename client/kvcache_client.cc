@@ -196,6 +196,35 @@ absl::StatusOr<v1::Stats> Client::GetStats() {
   return Unary<v1::Stats>(*this, KV_UNARY(GetStats, v1::GetStatsRequest()));
 }
 
+absl::StatusOr<v1::CacheInfo> Client::ExtractRow(const std::string& cache_id, uint32_t row) {
+  v1::ExtractRowRequest request;
+  request.set_cache_id(cache_id);
+  request.set_row(row);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(ExtractRow, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::FilterRows(const std::string& cache_id,
+                                                 absl::Span<const uint32_t> keep_rows) {
+  v1::FilterRowsRequest request;
+  request.set_cache_id(cache_id);
+  for (uint32_t row : keep_rows) request.add_keep_rows(row);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(FilterRows, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::MergeCaches(absl::Span<const std::string> cache_ids) {
+  v1::MergeCachesRequest request;
+  for (const std::string& id : cache_ids) request.add_cache_ids(id);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(MergeCaches, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::ExtendCache(const std::string& cache_id,
+                                                  const std::string& other_id) {
+  v1::ExtendCacheRequest request;
+  request.set_cache_id(cache_id);
+  request.set_other_id(other_id);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(ExtendCache, request));
+}
+
 #undef KV_UNARY
 
 void Client::Prepare(grpc::ClientContext& context) const {
@@ -220,12 +249,7 @@ absl::Status Client::Fetch(const v1::FetchRequest& request,
   return sink_status.ok() ? FromGrpc(status) : sink_status;
 }
 
-absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
-                                                const std::string& snapshot_id, uint32_t layer) {
-  v1::FetchRequest request;
-  request.set_cache_id(cache_id);
-  request.set_snapshot_id(snapshot_id);
-  request.add_layers(layer);
+absl::StatusOr<std::vector<v1::FetchResponse>> Client::FetchAll(const v1::FetchRequest& request) {
   // Read straight into the list (not through Fetch's callback, which would
   // copy every chunk once more).
   grpc::ClientContext context;
@@ -235,7 +259,47 @@ absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
   while (reader->Read(&chunks.back())) chunks.emplace_back();
   chunks.pop_back();
   if (const grpc::Status status = reader->Finish(); !status.ok()) return FromGrpc(status);
-  return AssembleHistory(chunks);
+  return chunks;
+}
+
+namespace {
+
+v1::FetchRequest LayerRequest(const std::string& cache_id, const std::string& snapshot_id,
+                              uint32_t layer) {
+  v1::FetchRequest request;
+  request.set_cache_id(cache_id);
+  request.set_snapshot_id(snapshot_id);
+  request.add_layers(layer);
+  return request;
+}
+
+}  // namespace
+
+absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
+                                                const std::string& snapshot_id, uint32_t layer) {
+  auto chunks = FetchAll(LayerRequest(cache_id, snapshot_id, layer));
+  if (!chunks.ok()) return chunks.status();
+  return AssembleHistory(*chunks);
+}
+
+absl::StatusOr<v1::RecurrentState> Client::FetchState(const std::string& cache_id,
+                                                      const std::string& snapshot_id,
+                                                      uint32_t layer) {
+  auto chunks = FetchAll(LayerRequest(cache_id, snapshot_id, layer));
+  if (!chunks.ok()) return chunks.status();
+  if (chunks->size() != 1 || !(*chunks)[0].has_state()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " returned no recurrent state (is it recurrent, and set?)"));
+  }
+  return std::move(*(*chunks)[0].mutable_state());
+}
+
+absl::StatusOr<std::vector<v1::FetchResponse>> Client::FetchPacked(const std::string& cache_id,
+                                                                   const std::string& snapshot_id,
+                                                                   uint32_t layer) {
+  v1::FetchRequest request = LayerRequest(cache_id, snapshot_id, layer);
+  request.set_packed(true);
+  return FetchAll(request);
 }
 
 std::unique_ptr<UpdateStream> Client::OpenUpdate(const std::string& cache_id) {

@@ -79,6 +79,8 @@ class Client {
   // One layer's whole history (of the live cache, or of snapshot_id if set).
   absl::StatusOr<LayerHistory> FetchLayer(const std::string& cache_id,
                                           const std::string& snapshot_id, uint32_t layer);
+  // Every chunk of `request`, in order.
+  absl::StatusOr<std::vector<v1::FetchResponse>> FetchAll(const v1::FetchRequest& request);
 
   absl::StatusOr<v1::TrimResponse> Trim(const std::string& cache_id, uint64_t n);
   absl::StatusOr<v1::SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
@@ -93,6 +95,23 @@ class Client {
   absl::Status ReleaseSnapshot(const std::string& snapshot_id);
   absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "");
   absl::StatusOr<v1::Stats> GetStats();
+
+  // A recurrent layer's state (of the live cache, or of snapshot_id if set).
+  absl::StatusOr<v1::RecurrentState> FetchState(const std::string& cache_id,
+                                                const std::string& snapshot_id, uint32_t layer);
+  // A quantized layer's chunks as stored (packed_keys / packed_values set).
+  absl::StatusOr<std::vector<v1::FetchResponse>> FetchPacked(const std::string& cache_id,
+                                                             const std::string& snapshot_id,
+                                                             uint32_t layer);
+
+  // Batches (mlx-lm BatchKVCache). ExtractRow and MergeCaches create caches;
+  // FilterRows and ExtendCache change `cache_id` in place.
+  absl::StatusOr<v1::CacheInfo> ExtractRow(const std::string& cache_id, uint32_t row);
+  absl::StatusOr<v1::CacheInfo> FilterRows(const std::string& cache_id,
+                                           absl::Span<const uint32_t> keep_rows);
+  absl::StatusOr<v1::CacheInfo> MergeCaches(absl::Span<const std::string> cache_ids);
+  absl::StatusOr<v1::CacheInfo> ExtendCache(const std::string& cache_id,
+                                            const std::string& other_id);
 
   v1::KvCacheService::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }

@@ -38,30 +38,38 @@ absl::Status Handlers::DeleteCache(const v1::DeleteCacheRequest& request,
   return engine_.DeleteCache(request.cache_id());
 }
 
-absl::Status Handlers::Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+absl::Status Handlers::Update(const UpdateView& request, const engine::CacheSpec* spec,
                               v1::UpdateResponse* response) {
-  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id));
   engine::CacheSpec looked_up;
   if (spec == nullptr) {
-    ASSIGN_OR_RETURN(looked_up, engine_.GetSpec(request.cache_id()));
+    ASSIGN_OR_RETURN(looked_up, engine_.GetSpec(request.cache_id));
     spec = &looked_up;
   }
-  ASSIGN_OR_RETURN(const uint64_t tokens,
-                   CheckKvTensors(*spec, request.layer(), request.keys(), request.values()));
-  const engine::KvInput kv{
-      .keys = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(request.keys().data().data()),
-                                  request.keys().data().size()),
-      .values = absl::MakeConstSpan(
-          reinterpret_cast<const std::byte*>(request.values().data().data()),
-          request.values().data().size()),
-      .tokens = tokens};
-  std::optional<uint64_t> expected;
-  if (request.has_expected_offset()) expected = request.expected_offset();
-  ASSIGN_OR_RETURN(const uint64_t offset,
-                   engine_.Update(request.cache_id(), request.layer(), kv, expected));
-  response->set_layer(request.layer());
+  RETURN_IF_ERROR(CheckLayerIndex(*spec, request.layer));
+  uint64_t offset = 0;
+  if (engine::IsRecurrent(spec->layers[request.layer])) {
+    RETURN_IF_ERROR(CheckStateUpdate(*spec, request));
+    const engine::StateInput state{.conv = request.state->conv_state.data,
+                                   .delta = request.state->delta_state.data,
+                                   .advance = request.state->advance};
+    ASSIGN_OR_RETURN(offset, engine_.UpdateState(request.cache_id, request.layer, state,
+                                                 request.expected_offset));
+  } else {
+    ASSIGN_OR_RETURN(const uint64_t tokens, CheckKvUpdate(*spec, request));
+    const engine::KvInput kv{
+        .keys = request.keys->data, .values = request.values->data, .tokens = tokens};
+    ASSIGN_OR_RETURN(offset, engine_.Update(request.cache_id, request.layer, kv,
+                                            request.expected_offset));
+  }
+  response->set_layer(request.layer);
   response->set_offset(offset);
   return absl::OkStatus();
+}
+
+absl::Status Handlers::Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+                              v1::UpdateResponse* response) {
+  return Update(ViewOf(request), spec, response);
 }
 
 uint64_t Handlers::ChunkTokens(const engine::CacheSpec& spec, uint32_t layer,
@@ -106,14 +114,7 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
   ASSIGN_OR_RETURN(plan.view, engine_.View(request.cache_id(), request.snapshot_id()));
   std::vector<uint32_t> layers;
   RETURN_IF_ERROR(CheckFetchLayers(request, plan.view->spec, layers));
-  for (uint32_t layer : layers) {
-    const uint64_t step = ChunkTokens(plan.view->spec, layer, request.max_chunk_tokens());
-    for (const engine::TokenRange& range : plan.view->Ranges(layer, {request.start(), end})) {
-      for (uint64_t begin = range.begin; begin < range.end; begin += step) {
-        plan.chunks.push_back({layer, {begin, std::min(range.end, begin + step)}});
-      }
-    }
-  }
+  for (uint32_t layer : layers) PlanLayer(request, layer, end, plan);
   return plan;
 }
 
@@ -145,6 +146,14 @@ absl::Status Handlers::ReadFetchChunk(const FetchPlan& plan, size_t index,
 
 absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
                                       v1::FetchResponse* response) {
+  switch (plan.chunks[index].form) {
+    case FetchPlan::Form::kPacked:
+      return FillPackedChunk(plan, index, response);
+    case FetchPlan::Form::kState:
+      return FillStateChunk(plan, index, response);
+    case FetchPlan::Form::kTokens:
+      break;
+  }
   uint64_t key_bytes = 0, value_bytes = 0;
   FetchChunkHeader(plan, index, response, &key_bytes, &value_bytes);
   std::string* keys = response->mutable_keys()->mutable_data();

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "service/update_view.h"
 
 namespace kvcache::service {
 
@@ -28,9 +29,13 @@ struct ServiceOptions {
 
 // What a Fetch sends: a consistent view and the chunks to cut from it.
 struct FetchPlan {
+  // What a chunk carries: keys and values, a quantized layer's stored form
+  // (FetchRequest.packed), or a recurrent layer's state.
+  enum class Form { kTokens, kPacked, kState };
   struct Chunk {
     uint32_t layer;
     engine::TokenRange range;
+    Form form = Form::kTokens;
   };
   std::shared_ptr<const engine::CacheSnapshot> view;
   std::vector<Chunk> chunks;
@@ -47,8 +52,11 @@ class Handlers {
   absl::Status ListCaches(const v1::ListCachesRequest& request, v1::ListCachesResponse* response);
   absl::Status DeleteCache(const v1::DeleteCacheRequest& request,
                            v1::DeleteCacheResponse* response);
-  // One message of an Update stream. `spec` is the cache's spec when the
-  // caller has it at hand (streams look it up once per cache), else null.
+  // One message of an Update stream: keys and values for an attention layer,
+  // a state for a recurrent one. `spec` is the cache's spec when the caller
+  // has it at hand (streams look it up once per cache), else null.
+  absl::Status Update(const UpdateView& request, const engine::CacheSpec* spec,
+                      v1::UpdateResponse* response);
   absl::Status Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
                       v1::UpdateResponse* response);
   absl::StatusOr<FetchPlan> PlanFetch(const v1::FetchRequest& request);
@@ -72,11 +80,23 @@ class Handlers {
   absl::Status ListSnapshots(const v1::ListSnapshotsRequest& request,
                              v1::ListSnapshotsResponse* response);
   absl::Status GetStats(const v1::GetStatsRequest& request, v1::Stats* response);
+  // Batches (batch_handlers.cc).
+  absl::Status ExtractRow(const v1::ExtractRowRequest& request, v1::CacheInfo* response);
+  absl::Status FilterRows(const v1::FilterRowsRequest& request, v1::CacheInfo* response);
+  absl::Status MergeCaches(const v1::MergeCachesRequest& request, v1::CacheInfo* response);
+  absl::Status ExtendCache(const v1::ExtendCacheRequest& request, v1::CacheInfo* response);
 
   engine::Engine& engine() { return engine_; }
 
  private:
   uint64_t ChunkTokens(const engine::CacheSpec& spec, uint32_t layer, uint32_t requested) const;
+  // The chunks of one layer (fetch_forms.cc).
+  void PlanLayer(const v1::FetchRequest& request, uint32_t layer, uint64_t end,
+                 FetchPlan& plan) const;
+  absl::Status FillPackedChunk(const FetchPlan& plan, size_t index,
+                               v1::FetchResponse* response) const;
+  absl::Status FillStateChunk(const FetchPlan& plan, size_t index,
+                              v1::FetchResponse* response) const;
   absl::Status CheckFetchLayers(const v1::FetchRequest& request, const engine::CacheSpec& spec,
                                 std::vector<uint32_t>& layers) const;
 

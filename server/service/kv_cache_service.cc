@@ -39,11 +39,15 @@ KV_UNARY_RPC(MergeSnapshots, MergeSnapshotsRequest, SnapshotInfo)
 KV_UNARY_RPC(SplitSnapshot, SplitSnapshotRequest, SplitSnapshotResponse)
 KV_UNARY_RPC(ReleaseSnapshot, ReleaseSnapshotRequest, ReleaseSnapshotResponse)
 KV_UNARY_RPC(ListSnapshots, ListSnapshotsRequest, ListSnapshotsResponse)
+KV_UNARY_RPC(ExtractRow, ExtractRowRequest, CacheInfo)
+KV_UNARY_RPC(FilterRows, FilterRowsRequest, CacheInfo)
+KV_UNARY_RPC(MergeCaches, MergeCachesRequest, CacheInfo)
+KV_UNARY_RPC(ExtendCache, ExtendCacheRequest, CacheInfo)
 KV_UNARY_RPC(GetStats, GetStatsRequest, Stats)
 
 #undef KV_UNARY_RPC
 
-grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse>* KvCacheService::Update(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Update(
     grpc::CallbackServerContext* context) {
   return new UpdateReactor(handlers_);
 }

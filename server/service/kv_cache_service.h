@@ -7,8 +7,8 @@
 
 namespace kvcache::service {
 
-// v1::KvCacheService::CallbackService with Fetch registered raw
-// (grpc::ByteBuffer), so its chunks skip protobuf's copies (stream_reactors.h).
+// v1::KvCacheService::CallbackService with Update and Fetch registered raw
+// (grpc::ByteBuffer), so their tensors skip protobuf's copies (wire_format.h).
 // A new RPC must be added here too, or the synchronous base answers it with an
 // "unimplemented" status; e2e_validation_test calls every RPC of the proto to
 // catch that.
@@ -16,7 +16,7 @@ using KvCacheServiceBase = v1::KvCacheService::WithCallbackMethod_CreateCache<
     v1::KvCacheService::WithCallbackMethod_GetCache<
     v1::KvCacheService::WithCallbackMethod_ListCaches<
     v1::KvCacheService::WithCallbackMethod_DeleteCache<
-    v1::KvCacheService::WithCallbackMethod_Update<
+    v1::KvCacheService::WithRawCallbackMethod_Update<
     v1::KvCacheService::WithRawCallbackMethod_Fetch<
     v1::KvCacheService::WithCallbackMethod_Trim<
     v1::KvCacheService::WithCallbackMethod_Snapshot<
@@ -25,8 +25,12 @@ using KvCacheServiceBase = v1::KvCacheService::WithCallbackMethod_CreateCache<
     v1::KvCacheService::WithCallbackMethod_SplitSnapshot<
     v1::KvCacheService::WithCallbackMethod_ReleaseSnapshot<
     v1::KvCacheService::WithCallbackMethod_ListSnapshots<
+    v1::KvCacheService::WithCallbackMethod_ExtractRow<
+    v1::KvCacheService::WithCallbackMethod_FilterRows<
+    v1::KvCacheService::WithCallbackMethod_MergeCaches<
+    v1::KvCacheService::WithCallbackMethod_ExtendCache<
     v1::KvCacheService::WithCallbackMethod_GetStats<
-    v1::KvCacheService::Service>>>>>>>>>>>>>>;
+    v1::KvCacheService::Service>>>>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
@@ -44,7 +48,7 @@ class KvCacheService final : public KvCacheServiceBase {
   grpc::ServerUnaryReactor* DeleteCache(grpc::CallbackServerContext* context,
                                         const v1::DeleteCacheRequest* request,
                                         v1::DeleteCacheResponse* response) override;
-  grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse>* Update(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Update(
       grpc::CallbackServerContext* context) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request) override;
@@ -69,6 +73,18 @@ class KvCacheService final : public KvCacheServiceBase {
   grpc::ServerUnaryReactor* ListSnapshots(grpc::CallbackServerContext* context,
                                           const v1::ListSnapshotsRequest* request,
                                           v1::ListSnapshotsResponse* response) override;
+  grpc::ServerUnaryReactor* ExtractRow(grpc::CallbackServerContext* context,
+                                       const v1::ExtractRowRequest* request,
+                                       v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* FilterRows(grpc::CallbackServerContext* context,
+                                       const v1::FilterRowsRequest* request,
+                                       v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* MergeCaches(grpc::CallbackServerContext* context,
+                                        const v1::MergeCachesRequest* request,
+                                        v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* ExtendCache(grpc::CallbackServerContext* context,
+                                        const v1::ExtendCacheRequest* request,
+                                        v1::CacheInfo* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;

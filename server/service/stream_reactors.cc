@@ -10,18 +10,23 @@ UpdateReactor::UpdateReactor(Handlers& handlers) : handlers_(handlers) { StartRe
 
 // A stream usually feeds one cache; its spec is looked up once, not per message.
 absl::Status UpdateReactor::Apply(v1::UpdateResponse* response) {
-  if (request_.cache_id() != spec_cache_id_ || spec_cache_id_.empty()) {
-    if (request_.cache_id().empty()) return absl::InvalidArgumentError("cache_id: required");
-    ASSIGN_OR_RETURN(spec_, handlers_.engine().GetSpec(request_.cache_id()));
-    spec_cache_id_ = request_.cache_id();
+  RETURN_IF_ERROR(received_.Parse(request_));
+  const UpdateView& request = received_.view();
+  if (request.cache_id != spec_cache_id_ || spec_cache_id_.empty()) {
+    if (request.cache_id.empty()) return absl::InvalidArgumentError("cache_id: required");
+    ASSIGN_OR_RETURN(spec_, handlers_.engine().GetSpec(request.cache_id));
+    spec_cache_id_ = request.cache_id;
   }
-  return handlers_.Update(request_, &spec_, response);
+  return handlers_.Update(request, &spec_, response);
 }
 
 void UpdateReactor::OnReadDone(bool ok) {
   absl::Status status = absl::OkStatus();
   v1::UpdateResponse ack;
-  if (ok) status = Apply(&ack);
+  if (ok) {
+    status = Apply(&ack);
+    received_.Clear();  // the engine has copied the tensors; free the slices
+  }
   Next next;
   {
     absl::MutexLock lock(&mutex_);
@@ -54,7 +59,8 @@ void UpdateReactor::OnWriteDone(bool ok) {
 UpdateReactor::Next UpdateReactor::PickNext() {
   if (writing_ || finished_) return Next::kNothing;
   if (!acks_.empty() && !write_failed_) {
-    writing_ack_ = std::move(acks_.front());
+    grpc::ByteBuffer encoded = EncodeUpdateResponse(acks_.front());
+    writing_ack_.Swap(&encoded);
     acks_.pop_front();
     // More to come: let gRPC hold this one back and send them together; the
     // last one, written without the hint, flushes them all.
@@ -99,6 +105,10 @@ void FetchReactor::WriteNext() {
     Finish(grpc::Status::OK);
     return;
   }
+  if (plan_.chunks[next_].form != FetchPlan::Form::kTokens) {
+    WriteEncoded();
+    return;
+  }
   v1::FetchResponse header;
   uint64_t key_bytes = 0, value_bytes = 0;
   handlers_.FetchChunkHeader(plan_, next_, &header, &key_bytes, &value_bytes);
@@ -110,6 +120,23 @@ void FetchReactor::WriteNext() {
     return;
   }
   response_ = chunk.Finish();
+  StartWrite(&response_);
+}
+
+void FetchReactor::WriteEncoded() {
+  v1::FetchResponse chunk;
+  const absl::Status status = handlers_.FillFetchChunk(plan_, next_++, &chunk);
+  if (!status.ok()) {
+    Finish(ToGrpcStatus(status));
+    return;
+  }
+  bool own_buffer = false;
+  const grpc::Status encoded =
+      grpc::SerializationTraits<v1::FetchResponse>::Serialize(chunk, &response_, &own_buffer);
+  if (!encoded.ok()) {
+    Finish(encoded);
+    return;
+  }
   StartWrite(&response_);
 }
 

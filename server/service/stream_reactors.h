@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
+#include "service/wire_format.h"
 
 namespace kvcache::service {
 
@@ -17,7 +18,9 @@ namespace kvcache::service {
 // started as soon as a request is applied, so acknowledgements are written
 // while the worker's next messages arrive. The first failing request ends the
 // stream with its status, after the acknowledgements of those before it.
-class UpdateReactor final : public grpc::ServerBidiReactor<v1::UpdateRequest, v1::UpdateResponse> {
+// Registered raw (grpc::ByteBuffer): requests are parsed from the received
+// slices and the engine copies the tensors from them (wire_format.h).
+class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   explicit UpdateReactor(Handlers& handlers);
   void OnReadDone(bool ok) override;
@@ -34,12 +37,14 @@ class UpdateReactor final : public grpc::ServerBidiReactor<v1::UpdateRequest, v1
   void Start(Next next);
 
   Handlers& handlers_;
-  v1::UpdateRequest request_;          // touched only by the read path
+  // Touched only by the read path.
+  grpc::ByteBuffer request_;
+  ReceivedUpdate received_;
   std::string spec_cache_id_;          // the cache `spec_` belongs to
   engine::CacheSpec spec_;
   absl::Mutex mutex_;
   std::deque<v1::UpdateResponse> acks_ ABSL_GUARDED_BY(mutex_);
-  v1::UpdateResponse writing_ack_ ABSL_GUARDED_BY(mutex_);
+  grpc::ByteBuffer writing_ack_ ABSL_GUARDED_BY(mutex_);
   grpc::WriteOptions write_options_ ABSL_GUARDED_BY(mutex_);
   bool writing_ ABSL_GUARDED_BY(mutex_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mutex_) = false;
@@ -59,6 +64,8 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   void WriteNext();
+  // A packed or state chunk, encoded by protobuf.
+  void WriteEncoded();
 
   Handlers& handlers_;
   FetchPlan plan_;

@@ -3,20 +3,29 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "engine/cache_spec.h"
-#include "kvcache/v1/kvcache.pb.h"
+#include "service/update_view.h"
 
 namespace kvcache::service {
 
 absl::Status RequireId(absl::string_view field, const std::string& id);
 
-// Checks keys [B, H, L, Dk] and values [B, H, L, Dv] of `layer` against `spec`
-// (dtype, every dimension, and the data length) and returns L.
-absl::StatusOr<uint64_t> CheckKvTensors(const engine::CacheSpec& spec, uint32_t layer,
-                                        const v1::Tensor& keys, const v1::Tensor& values);
+// `layer` is one of the spec's.
+absl::Status CheckLayerIndex(const engine::CacheSpec& spec, uint32_t layer);
+
+// An update of attention layer request.layer (in range): keys [B, H, L, Dk]
+// and values [B, H, L, Dv] (dtype, every dimension, and the data length), and
+// no state. Returns L.
+absl::StatusOr<uint64_t> CheckKvUpdate(const engine::CacheSpec& spec, const UpdateView& request);
+
+// An update of recurrent layer request.layer (in range): a state whose
+// conv_state is [B, conv_tail, conv_dim] and delta_state [B, num_v_heads,
+// head_v_dim, head_k_dim], in the cache dtype; no keys or values.
+absl::Status CheckStateUpdate(const engine::CacheSpec& spec, const UpdateView& request);
 
 }  // namespace kvcache::service

@@ -2,9 +2,12 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 
 #include <algorithm>
 #include <string>
+
+#include "service/update_parser.h"
 
 namespace kvcache::service {
 namespace {
@@ -68,5 +71,44 @@ absl::Span<std::byte> FetchChunkBuffer::At(size_t offset, uint64_t bytes) {
 }
 
 grpc::ByteBuffer FetchChunkBuffer::Finish() { return grpc::ByteBuffer(&slice_, 1); }
+
+absl::Status ReceivedUpdate::Parse(grpc::ByteBuffer& buffer) {
+  Clear();
+  // An empty message may come as a buffer with nothing in it.
+  if (buffer.Valid() && !buffer.Dump(&slices_).ok()) {
+    return absl::InvalidArgumentError("UpdateRequest: the message cannot be read");
+  }
+  buffer.Clear();
+  for (const grpc::Slice& slice : slices_) {
+    pieces_.emplace_back(reinterpret_cast<const std::byte*>(slice.begin()), slice.size());
+  }
+  if (ParseUpdateRequest(pieces_, view_)) return absl::OkStatus();
+  view_ = UpdateView();
+  parsed_by_protobuf_ = true;
+  grpc::ByteBuffer message(slices_.data(), slices_.size());  // shares the slices
+  if (!grpc::SerializationTraits<v1::UpdateRequest>::Deserialize(&message, &parsed_).ok()) {
+    return absl::InvalidArgumentError(
+        "UpdateRequest: malformed (not the wire format of kvcache.v1.UpdateRequest)");
+  }
+  view_ = ViewOf(parsed_);
+  return absl::OkStatus();
+}
+
+void ReceivedUpdate::Clear() {
+  view_ = UpdateView();
+  if (parsed_by_protobuf_) parsed_.Clear();
+  parsed_by_protobuf_ = false;
+  pieces_.clear();
+  slices_.clear();
+}
+
+grpc::ByteBuffer EncodeUpdateResponse(const v1::UpdateResponse& response) {
+  uint8_t bytes[2 * (1 + 10)];  // two tags and varints
+  uint8_t* out = bytes;
+  if (response.layer() != 0) out = WireFormatLite::WriteUInt32ToArray(1, response.layer(), out);
+  if (response.offset() != 0) out = WireFormatLite::WriteUInt64ToArray(2, response.offset(), out);
+  grpc::Slice slice(bytes, out - bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
 
 }  // namespace kvcache::service

@@ -1,8 +1,15 @@
-// Fetch chunks encoded by hand: protobuf would have the engine read into a
-// zero-filled string, then copy it once more while serialising. Here a chunk
-// is one gRPC slice, the engine reads pages straight into its data fields, and
-// gRPC sends the slice as it is. The bytes on the wire are protobuf's
-// encoding of kvcache.v1.FetchResponse.
+// kvcached's two streaming RPCs on the wire, encoded and parsed by hand
+// rather than through generated messages, so K/V bytes are copied as little as
+// possible. The bytes on the wire are protobuf's encoding of the messages.
+//
+// Fetch: protobuf would have the engine read into a zero-filled string, then
+// copy it once more while serialising. Here a chunk is one gRPC slice, the
+// engine reads pages straight into its data fields, and gRPC sends the slice
+// as it is.
+//
+// Update: protobuf would gather each tensor's data into one string (a 1 MiB
+// message arrives in about 17 slices). Here the request is parsed from the
+// slices (update_parser.h) and the engine copies from them into pages.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -10,9 +17,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "service/update_view.h"
 
 namespace kvcache::service {
 
@@ -37,5 +47,31 @@ class FetchChunkBuffer {
   size_t values_offset_ = 0;
   grpc::Slice slice_;
 };
+
+// An UpdateRequest as received: the slices it arrived in, and a view of it
+// whose tensors point into them. Reused from message to message.
+class ReceivedUpdate {
+ public:
+  // Takes the message out of `buffer` (leaving it empty) and parses it: from
+  // the slices, or, for what update_parser.h leaves to protobuf, with
+  // protobuf's parser. INVALID_ARGUMENT unless it is a well-formed UpdateRequest.
+  absl::Status Parse(grpc::ByteBuffer& buffer);
+  // Valid after a successful Parse, until Clear.
+  const UpdateView& view() const { return view_; }
+  // Whether the last Parse went through protobuf (for tests).
+  bool parsed_by_protobuf() const { return parsed_by_protobuf_; }
+  // Lets go of the message's slices.
+  void Clear();
+
+ private:
+  std::vector<grpc::Slice> slices_;
+  std::vector<absl::Span<const std::byte>> pieces_;
+  v1::UpdateRequest parsed_;  // protobuf's parse, when it was needed
+  UpdateView view_;
+  bool parsed_by_protobuf_ = false;
+};
+
+// An UpdateResponse as protobuf would encode it, in one inlined slice.
+grpc::ByteBuffer EncodeUpdateResponse(const v1::UpdateResponse& response);
 
 }  // namespace kvcache::service

@@ -8,8 +8,10 @@
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "service/update_parser.h"
 #include "service_test_util.h"
 #include "support/gpu_test_base.h"
+#include "update_wire_util.h"
 
 namespace kvcache::testing {
 namespace {
@@ -134,6 +136,7 @@ TEST_P(HandlersTest, UpdateRefusesEachMalformedField) {
   refuse(Code::kInvalidArgument, "keys.data", [](auto& r) { r.mutable_keys()->mutable_data()->pop_back(); });
   refuse(Code::kInvalidArgument, "values.data", [](auto& r) { r.mutable_values()->mutable_data()->append("xy"); });
   refuse(Code::kFailedPrecondition, "expected_offset", [](auto& r) { r.set_expected_offset(4); });
+  refuse(Code::kInvalidArgument, "state", [](auto& r) { r.mutable_state()->set_advance(1); });
   const v1::UpdateRequest too_long = RandomUpdate(cache_id_, spec_, 0, 65, rng_);
   ExpectRefused(Code::kInvalidArgument, "tokens", [&] { return Update(too_long); });
 }
@@ -152,6 +155,91 @@ TEST_P(HandlersTest, UpdateAppliesAndAcknowledges) {
   EXPECT_FALSE(info.in_step());
   EXPECT_EQ(info.offset(), 5u);
   EXPECT_EQ(info.layer_offsets(1), 8u);
+}
+
+// Updates parsed from messages cut anywhere (tensors in many pieces, as gRPC
+// delivers large ones) land byte for byte, on every layer kind.
+TEST_P(HandlersTest, TensorsInPiecesAreWrittenWhole) {
+  for (int round = 0; round < 30; ++round) {
+    const uint32_t layer = round % 3;
+    const v1::UpdateRequest request = RandomUpdate(cache_id_, spec_, layer, 1 + round % 7, rng_);
+    const std::vector<std::string> pieces =
+        RandomPieces(request.SerializeAsString(), rng_, /*max_cuts=*/60);
+    service::UpdateView view;
+    ASSERT_TRUE(service::ParseUpdateRequest(Spans(pieces), view));
+    v1::UpdateResponse ack;
+    ASSERT_TRUE(handlers_->Update(view, nullptr, &ack).ok());
+    const uint64_t tokens = request.keys().shape(2);
+    auto live = engine_->View(cache_id_, "");
+    ASSERT_TRUE(live.ok()) << live.status();
+    std::string keys(request.keys().data().size(), '\0');
+    std::string values(request.values().data().size(), '\0');
+    const engine::KvOutput out{
+        .keys = absl::MakeSpan(reinterpret_cast<std::byte*>(keys.data()), keys.size()),
+        .values = absl::MakeSpan(reinterpret_cast<std::byte*>(values.data()), values.size())};
+    ASSERT_TRUE((*live)->Read(layer, {ack.offset() - tokens, ack.offset()}, out).ok());
+    EXPECT_EQ(keys, request.keys().data()) << "round " << round;
+    EXPECT_EQ(values, request.values().data()) << "round " << round;
+  }
+}
+
+// A cache of one standard and one recurrent layer, batch 2: the recurrent
+// layer takes a state (conv [2, 3, 16], delta [2, 2, 4, 8]) and nothing else.
+TEST_P(HandlersTest, UpdateChecksRecurrentStates) {
+  using Code = absl::StatusCode;
+  v1::CreateCacheRequest create;
+  *create.mutable_spec() = ProtoSpec(1, 2, 8, 0, v1::DTYPE_FLOAT16, /*batch=*/2);
+  v1::RecurrentLayer* kind = create.mutable_spec()->add_layers()->mutable_recurrent();
+  kind->set_conv_tail(3);
+  kind->set_conv_dim(16);
+  kind->set_num_v_heads(2);
+  kind->set_head_v_dim(4);
+  kind->set_head_k_dim(8);
+  v1::CacheInfo info;
+  ASSERT_TRUE(handlers_->CreateCache(create, &info).ok());
+  v1::UpdateRequest good;
+  good.set_cache_id(info.cache_id());
+  good.set_layer(1);
+  *good.mutable_state()->mutable_conv_state() = RandomTensor(v1::DTYPE_FLOAT16, {2, 3, 16}, rng_);
+  *good.mutable_state()->mutable_delta_state() =
+      RandomTensor(v1::DTYPE_FLOAT16, {2, 2, 4, 8}, rng_);
+  good.mutable_state()->set_advance(5);
+  const auto refuse = [&](Code code, const std::string& field, auto mutate) {
+    v1::UpdateRequest request = good;
+    mutate(request);
+    ExpectRefused(code, field, [&] { return Update(request); });
+  };
+  const v1::UpdateRequest kv = RandomUpdate(info.cache_id(), create.spec(), 0, 2, rng_);
+  refuse(Code::kInvalidArgument, "keys", [&](auto& r) { *r.mutable_keys() = kv.keys(); });
+  refuse(Code::kInvalidArgument, "values", [&](auto& r) { *r.mutable_values() = kv.values(); });
+  refuse(Code::kInvalidArgument, "state", [](auto& r) { r.clear_state(); });
+  refuse(Code::kInvalidArgument, "state.conv_state.dtype",
+         [](auto& r) { r.mutable_state()->mutable_conv_state()->set_dtype(v1::DTYPE_FLOAT32); });
+  refuse(Code::kInvalidArgument, "state.conv_state.shape",
+         [](auto& r) { r.mutable_state()->mutable_conv_state()->mutable_shape()->RemoveLast(); });
+  refuse(Code::kInvalidArgument, "state.conv_state.shape[0]",
+         [](auto& r) { r.mutable_state()->mutable_conv_state()->set_shape(0, 1); });
+  refuse(Code::kInvalidArgument, "state.conv_state.shape[1]",
+         [](auto& r) { r.mutable_state()->mutable_conv_state()->set_shape(1, 4); });
+  refuse(Code::kInvalidArgument, "state.delta_state.shape[3]",
+         [](auto& r) { r.mutable_state()->mutable_delta_state()->set_shape(3, 4); });
+  refuse(Code::kInvalidArgument, "state.delta_state.data",
+         [](auto& r) { r.mutable_state()->mutable_delta_state()->mutable_data()->pop_back(); });
+  refuse(Code::kInvalidArgument, "state.delta_state.dtype",
+         [](auto& r) { r.mutable_state()->clear_delta_state(); });
+  refuse(Code::kFailedPrecondition, "expected_offset", [](auto& r) { r.set_expected_offset(2); });
+  v1::UpdateResponse ack;
+  ASSERT_TRUE(handlers_->Update(good, nullptr, &ack).ok());
+  EXPECT_EQ(ack.layer(), 1u);
+  EXPECT_EQ(ack.offset(), 5u);
+  good.set_expected_offset(5);
+  good.mutable_state()->set_advance(0);  // replaces the state in place
+  ASSERT_TRUE(handlers_->Update(good, nullptr, &ack).ok());
+  EXPECT_EQ(ack.offset(), 5u);
+  // An attention layer of the same cache refuses a state.
+  v1::UpdateRequest state_on_kv = kv;
+  *state_on_kv.mutable_state() = good.state();
+  ExpectRefused(Code::kInvalidArgument, "state", [&] { return Update(state_on_kv); });
 }
 
 TEST_P(HandlersTest, IdsAreRequiredAndLookedUp) {
