@@ -3,6 +3,7 @@
 //                              >= 50x faster than BM_MemcpyContext (same bytes)
 //   BM_Update / BM_MemcpyUpdate  update throughput into the pool; goal >= 0.5x
 //   BM_RotatingDecode           per-token cost at windows 512..32k; goal flat
+//   BM_QuantizedMemory          pool bytes of a 32k quantized layer / the f16 one
 // The model shape is 16 layers, 8 KV heads, head dim 128, f16, batch 1.
 // KVCACHED_BENCH_STAGING=1 runs the pool through the staging path instead.
 #include <benchmark/benchmark.h>
@@ -173,6 +174,31 @@ void BM_RotatingDecode(benchmark::State& state) {
   (void)engine.DeleteCache(id);
 }
 
+// Issue 4's memory bound: a 32k-token quantized layer (group 64, bits 4 or 8)
+// holds at most bits/16 + 2/64 of the pool bytes the f16 layer of the same
+// shape holds, plus page slack. Its own engine, with the default page_tokens
+// (256): pages then fill up to their bytes, not to the 16 tokens of Shared().
+void BM_QuantizedMemory(benchmark::State& state) {
+  const uint32_t bits = static_cast<uint32_t>(state.range(0));
+  Engine engine(*Shared().pool, EngineOptions{});
+  constexpr uint64_t kTokens = 32768;
+  double bytes[2] = {0, 0};  // f16, quantized
+  for (auto _ : state) {
+    for (int quantized = 0; quantized < 2; ++quantized) {
+      decltype(LayerSpec::kind) kind = StandardKind{};
+      if (quantized) kind = QuantizedKind{.group_size = 64, .bits = bits};
+      const std::string id = engine.CreateCache(ModelSpec(kind, 1))->cache_id;
+      Fill(engine, id, 1, kTokens);
+      bytes[quantized] = static_cast<double>(engine.GetCache(id)->size_bytes);
+      (void)engine.DeleteCache(id);
+    }
+  }
+  state.counters["f16_bytes"] = bytes[0];
+  state.counters["quantized_bytes"] = bytes[1];
+  state.counters["ratio"] = bytes[1] / bytes[0];
+  state.counters["bound"] = bits / 16.0 + 2.0 / 64;
+}
+
 BENCHMARK(BM_Snapshot)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Restore)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 // Real time throughout: on the staging path the copying happens in the driver's
@@ -180,6 +206,7 @@ BENCHMARK(BM_Restore)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseManualTi
 BENCHMARK(BM_MemcpyContext)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Update)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_MemcpyUpdate)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QuantizedMemory)->Arg(4)->Arg(8)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RotatingDecode)->Arg(512)->Arg(4096)->Arg(32768)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
