@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "engine/chunked_layer.h"
 #include "engine/recurrent_layer.h"
@@ -211,6 +212,13 @@ absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
         "the snapshot's layout (layers, kinds, heads, dims, dtype, batch) differs from this "
         "cache's");
   }
+  // After a FilterRows the same positions hold other tokens: refuse, as mlx-lm
+  // would hand back rows at the wrong offsets.
+  if (snapshot != nullptr && snapshot->spec.left_padding != spec_.left_padding) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the snapshot's left_padding [%s] differs from this cache's [%s]",
+        absl::StrJoin(snapshot->spec.left_padding, ","), absl::StrJoin(spec_.left_padding, ",")));
+  }
   std::vector<std::unique_ptr<Layer>> restored;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerSnapshot* part = snapshot ? snapshot->layers[i].get() : nullptr;
@@ -243,6 +251,9 @@ absl::StatusOr<CacheSnapshotPtr> MergeSnapshots(const CacheSnapshot& parent,
                                                 const CacheSnapshot& child) {
   if (!SameLayout(parent.spec, child.spec)) {
     return absl::FailedPreconditionError("the snapshots' layouts differ");
+  }
+  if (parent.spec.left_padding != child.spec.left_padding) {
+    return absl::FailedPreconditionError("the snapshots' left_padding differs");
   }
   if (parent.to != child.from) {
     return absl::FailedPreconditionError(absl::StrFormat(

@@ -115,7 +115,9 @@ absl::Status ValidateSpec(const CacheSpec& spec, const SpecLimits& limits) {
     return s;
   }
   RETURN_IF_ERROR(ValidateLeftPadding(spec, limits));
-  const bool padded = !spec.left_padding.empty();
+  // All-zero padding is no padding (NormalizeSpec drops it), so sinks stay allowed.
+  const bool padded = std::any_of(spec.left_padding.begin(), spec.left_padding.end(),
+                                  [](uint32_t pad) { return pad != 0; });
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     RETURN_IF_ERROR(ValidateLayer(spec.layers[i], i, padded, limits));
   }

@@ -109,6 +109,32 @@ TEST_P(BatchMisuseTest, ResultsBeyondTheLimitsAreInvalidArguments) {
                 [&] { return engine_->MergeCaches(padded); });
 }
 
+// A filter that keeps every row still strips the common padding: the same
+// positions now hold other tokens, so an older snapshot must not come back.
+TEST_P(BatchMisuseTest, RestoreAcrossAPaddingChangeIsAFailedPrecondition) {
+  const std::string id = NewCache(TinySpec({TinyStandard(), TinyRotating(4, 0)}, {2, 1, 3}));
+  Append(id, 6, 1, 2);
+  auto before = engine_->Snapshot(id, 0);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto filtered = engine_->FilterRows(id, {0, 1, 2});
+  ASSERT_TRUE(filtered.ok()) << filtered.status();
+  EXPECT_EQ(filtered->spec.left_padding, (std::vector<uint32_t>{1, 0, 2}));
+  ExpectRefused(StatusCode::kFailedPrecondition, "left_padding",
+                [&] { return engine_->Restore(id, before->snapshot_id, 6); });
+}
+
+// All-zero padding is no padding: attention sinks stay allowed and the
+// padding is dropped from the spec.
+TEST_P(BatchMisuseTest, AllZeroPaddingIsNoPadding) {
+  auto info = engine_->CreateCache(TinySpec({TinyStandard(), TinyRotating(4, 1)}, {0, 0}));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->spec.left_padding.empty());
+  const absl::Status padded =
+      engine_->CreateCache(TinySpec({TinyStandard(), TinyRotating(4, 1)}, {0, 1})).status();
+  EXPECT_EQ(padded.code(), StatusCode::kInvalidArgument) << padded;
+  EXPECT_TRUE(engine_->DeleteCache(info->cache_id).ok());
+}
+
 // 8 heads x (64 + 64) x 4 bytes: one row of a token fills a 4 KiB page; two do not fit.
 TEST_P(BatchMisuseTest, ABatchWhoseTokenOverflowsAPageIsRefused) {
   const engine::CacheSpec wide = MakeSpec({StandardLayerSpec(8, 64, 64)}, DType::kFloat32, 1);

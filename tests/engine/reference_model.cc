@@ -67,6 +67,8 @@ bool SameLayerLayout(const engine::LayerSpec& a, const engine::LayerSpec& b) {
 
 bool SameCacheLayout(const engine::CacheSpec& a, const engine::CacheSpec& b) {
   if (a.dtype != b.dtype || a.batch_size != b.batch_size) return false;
+  // Positions mean different tokens under different padding (after a filter).
+  if (a.left_padding != b.left_padding) return false;
   if (a.layers.size() != b.layers.size()) return false;
   for (size_t i = 0; i < a.layers.size(); ++i) {
     if (!SameLayerLayout(a.layers[i], b.layers[i])) return false;
