@@ -50,6 +50,17 @@ absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
 absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse> chunks) {
   LayerHistory history;
   if (chunks.empty()) return history;
+  // States and packed chunks have no [B, H, L, D] tensors to join (reading
+  // their shapes here would index past the end): they have calls of their own.
+  for (const v1::FetchResponse& chunk : chunks) {
+    if (chunk.keys().shape_size() != 4 || chunk.values().shape_size() != 4 ||
+        chunk.values().shape(2) != chunk.keys().shape(2)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a chunk of layer ", chunk.layer(), " at ", chunk.start(),
+          " holds no [B, H, L, D] keys and values (recurrent states: FetchState; packed "
+          "quantized chunks: FetchPacked)"));
+    }
+  }
   for (const v1::FetchResponse& chunk : chunks) {
     const uint64_t begin = chunk.start();
     const uint64_t end = begin + chunk.keys().shape(2);

@@ -31,7 +31,22 @@ struct ClientOptions {
   bool dedicated_connection = false;
 };
 
-// One layer's new tokens: keys [B, H, L, Dk] and values [B, H, L, Dv].
+// A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):
+// conv [B, conv_tail, conv_dim] and delta [B, num_v_heads, head_v_dim,
+// head_k_dim], in the LayerUpdate's dtype. The layer's offset moves up by
+// `advance` (0 replaces the state in place).
+struct RecurrentStateUpdate {
+  std::vector<uint64_t> conv_shape;
+  absl::Span<const std::byte> conv;
+  std::vector<uint64_t> delta_shape;
+  absl::Span<const std::byte> delta;
+  uint64_t advance = 0;
+};
+
+// One layer's step: new tokens for an attention layer, keys [B, H, L, Dk] and
+// values [B, H, L, Dv]; or, for a recurrent layer, a new `state`. With a state,
+// keys and values are sent only if given (a shape or bytes), so the server
+// sees exactly what was meant (K/V for a recurrent layer is refused).
 struct LayerUpdate {
   uint32_t layer = 0;
   v1::DType dtype = v1::DTYPE_FLOAT16;
@@ -39,6 +54,7 @@ struct LayerUpdate {
   absl::Span<const std::byte> keys;
   std::vector<uint64_t> values_shape;
   absl::Span<const std::byte> values;
+  std::optional<RecurrentStateUpdate> state;
   std::optional<uint64_t> expected_offset;
 };
 
@@ -143,8 +159,8 @@ class UpdateStream {
   // and holds a copy of `owner` until it is done with them, which can be after
   // this returns (once the bytes are in the kernel's socket buffer, at the
   // latest when the stream ends). Whatever `owner` keeps alive must hold
-  // update.keys and update.values, unchanged, until gRPC drops it: typically a
-  // shared_ptr to the buffers themselves.
+  // update.keys and update.values (and the state's conv and delta), unchanged,
+  // until gRPC drops it: typically a shared_ptr to the buffers themselves.
   bool WriteShared(const LayerUpdate& update, std::shared_ptr<const void> owner);
   // Acknowledgements received so far; safe to call while writing.
   uint64_t acknowledged_count() const { return ack_count_.load(std::memory_order_relaxed); }

@@ -12,8 +12,11 @@ namespace {
 using google::protobuf::io::CodedOutputStream;
 using google::protobuf::internal::WireFormatLite;
 
-// Field numbers of kvcache.v1.UpdateRequest and kvcache.v1.Tensor.
-constexpr int kUpdateKeys = 3, kUpdateValues = 4, kTensorData = 3;
+// Field numbers of kvcache.v1.UpdateRequest, kvcache.v1.RecurrentState and
+// kvcache.v1.Tensor.
+constexpr int kUpdateKeys = 3, kUpdateValues = 4, kUpdateState = 5;
+constexpr int kStateConv = 1, kStateDelta = 2;
+constexpr int kTensorData = 3;
 
 // A length-delimited field's tag and length, appended to `out`.
 void AppendPrefix(int field, uint64_t length, std::string& out) {
@@ -38,22 +41,54 @@ std::string TensorPrefix(int field, v1::DType dtype, const std::vector<uint64_t>
   return out + tensor;
 }
 
-// The message around the two data runs: [head][keys][middle][values].
-struct Framing {
-  std::string head;
-  std::string middle;
+// The message as runs of [framing][data] pairs: the framing bytes are built
+// here, the data are the caller's tensors (copied or referenced by the
+// encoders below). Protobuf parsers accept fields in any order, so the
+// scalars go first and each tensor's data ends its run.
+struct Run {
+  std::string framing;
+  absl::Span<const std::byte> data;
 };
 
-Framing FrameUpdate(const std::string& cache_id, const LayerUpdate& update) {
-  v1::UpdateRequest scalars;  // protobuf parsers accept fields in any order
+// Keys and values go on the wire unless the update carries a state and left
+// them empty: a recurrent layer's update then holds the state alone.
+bool SendsTokens(const LayerUpdate& update) {
+  return !update.state.has_value() || !update.keys_shape.empty() || !update.keys.empty() ||
+         !update.values_shape.empty() || !update.values.empty();
+}
+
+// Field 5 (RecurrentState): its advance, then conv_state and delta_state. The
+// outer length covers both tensors' data, which follow their prefixes.
+void AppendStateRuns(v1::DType dtype, const RecurrentStateUpdate& state, std::vector<Run>& runs) {
+  v1::RecurrentState scalars;
+  scalars.set_advance(state.advance);
+  const std::string advance = scalars.SerializeAsString();
+  std::string conv = TensorPrefix(kStateConv, dtype, state.conv_shape, state.conv.size());
+  std::string delta = TensorPrefix(kStateDelta, dtype, state.delta_shape, state.delta.size());
+  std::string head;
+  AppendPrefix(kUpdateState,
+               advance.size() + conv.size() + state.conv.size() + delta.size() + state.delta.size(),
+               head);
+  runs.push_back({head + advance + conv, state.conv});
+  runs.push_back({std::move(delta), state.delta});
+}
+
+std::vector<Run> FrameUpdate(const std::string& cache_id, const LayerUpdate& update) {
+  v1::UpdateRequest scalars;
   scalars.set_cache_id(cache_id);
   scalars.set_layer(update.layer);
   if (update.expected_offset.has_value()) scalars.set_expected_offset(*update.expected_offset);
-  return Framing{
-      .head = scalars.SerializeAsString() +
-              TensorPrefix(kUpdateKeys, update.dtype, update.keys_shape, update.keys.size()),
-      .middle = TensorPrefix(kUpdateValues, update.dtype, update.values_shape,
-                             update.values.size())};
+  std::vector<Run> runs = {{scalars.SerializeAsString(), {}}};
+  if (SendsTokens(update)) {
+    runs.back().framing +=
+        TensorPrefix(kUpdateKeys, update.dtype, update.keys_shape, update.keys.size());
+    runs.back().data = update.keys;
+    runs.push_back({TensorPrefix(kUpdateValues, update.dtype, update.values_shape,
+                                 update.values.size()),
+                    update.values});
+  }
+  if (update.state.has_value()) AppendStateRuns(update.dtype, *update.state, runs);
+  return runs;
 }
 
 void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
@@ -66,30 +101,28 @@ grpc::Slice SharedSlice(absl::Span<const std::byte> data, const std::shared_ptr<
 }  // namespace
 
 grpc::ByteBuffer EncodeUpdateCopy(const std::string& cache_id, const LayerUpdate& update) {
-  const Framing framing = FrameUpdate(cache_id, update);
-  grpc::Slice slice(framing.head.size() + update.keys.size() + framing.middle.size() +
-                    update.values.size());
+  const std::vector<Run> runs = FrameUpdate(cache_id, update);
+  uint64_t bytes = 0;
+  for (const Run& run : runs) bytes += run.framing.size() + run.data.size();
+  grpc::Slice slice(bytes);
   auto* out = const_cast<uint8_t*>(slice.begin());
-  for (auto [data, bytes] : {std::pair{framing.head.data(), framing.head.size()},
-                             std::pair{reinterpret_cast<const char*>(update.keys.data()),
-                                       update.keys.size()},
-                             std::pair{framing.middle.data(), framing.middle.size()},
-                             std::pair{reinterpret_cast<const char*>(update.values.data()),
-                                       update.values.size()}}) {
-    if (bytes > 0) std::memcpy(out, data, bytes);
-    out += bytes;
+  for (const Run& run : runs) {
+    std::memcpy(out, run.framing.data(), run.framing.size());
+    out += run.framing.size();
+    if (!run.data.empty()) std::memcpy(out, run.data.data(), run.data.size());
+    out += run.data.size();
   }
   return grpc::ByteBuffer(&slice, 1);
 }
 
 grpc::ByteBuffer EncodeUpdateShared(const std::string& cache_id, const LayerUpdate& update,
                                     std::shared_ptr<const void> owner) {
-  const Framing framing = FrameUpdate(cache_id, update);
+  const std::vector<Run> runs = FrameUpdate(cache_id, update);
   std::vector<grpc::Slice> slices;
-  slices.emplace_back(framing.head);
-  if (!update.keys.empty()) slices.push_back(SharedSlice(update.keys, owner));
-  slices.emplace_back(framing.middle);
-  if (!update.values.empty()) slices.push_back(SharedSlice(update.values, owner));
+  for (const Run& run : runs) {
+    slices.emplace_back(run.framing);
+    if (!run.data.empty()) slices.push_back(SharedSlice(run.data, owner));
+  }
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 

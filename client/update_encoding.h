@@ -18,7 +18,8 @@ grpc::ByteBuffer EncodeUpdateCopy(const std::string& cache_id, const LayerUpdate
 
 // The tensors are referenced, not copied: gRPC holds `owner` until it has
 // written them to the socket, so whatever `owner` keeps alive must hold
-// update.keys and update.values unchanged until then.
+// update.keys and update.values (and the state's conv and delta) unchanged
+// until then.
 grpc::ByteBuffer EncodeUpdateShared(const std::string& cache_id, const LayerUpdate& update,
                                     std::shared_ptr<const void> owner);
 

@@ -131,6 +131,9 @@ void FetchReactor::WriteEncoded() {
     return;
   }
   bool own_buffer = false;
+  // The serializer writes only into an empty buffer (gRPC asserts it), and
+  // response_ still holds the previous chunk once that write is done.
+  response_.Clear();
   const grpc::Status encoded =
       grpc::SerializationTraits<v1::FetchResponse>::Serialize(chunk, &response_, &own_buffer);
   if (!encoded.ok()) {

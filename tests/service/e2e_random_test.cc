@@ -1,18 +1,29 @@
 // Random operation sequences through the client library, over a real
-// loopback port, against the CPU reference (wire_driver.h): standard,
-// rotating (keep 0 and 4, windows that page tokens do not divide) and mixed
-// caches, on the direct and a staging transfer path; then two clients at once,
-// each on its own cache with its own sequence and reference.
+// loopback port, against the CPU reference (wire_driver.h): every cache kind
+// of issue 4 end to end. Standard, rotating (keep 0 and 4, windows that page
+// tokens do not divide) and standard+rotating caches; quantized (bits 4 and
+// 8, groups 32 and 64, Dk != Dv), chunked and recurrent layers; batched
+// caches with left padding and the batch RPCs (standard + rotating, and
+// recurrent + quantized + chunked); and two hybrid layouts: Qwen3-Next-like
+// (three recurrent layers, one global) and Gemma 3-like (a sliding window with
+// sinks, a global layer, a quantized one). Each runs on the direct transfer
+// path; the first four also on a staging path. Then two clients at once, each
+// on its own cache with its own sequence and reference.
 //
-// KVCACHED_TEST_SEED=<n> in the environment changes every seed (to explore);
-// a failure prints the configuration, the seed and the operation index.
+// KVCACHED_E2E_OPS=<n> sets the operations per configuration (default 10,000,
+// the issue's bar: about 3 to 6 s per configuration on 2 cores).
+// KVCACHED_TEST_SEED=<n> changes every seed (to explore); a failure prints the
+// configuration, the seed and the operation index.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <variant>
 #include <vector>
 
+#include "chunked_recurrent_test_util.h"
 #include "e2e_test_util.h"
 #include "gtest/gtest.h"
 #include "wire_driver.h"
@@ -20,32 +31,84 @@
 namespace kvcache::testing {
 namespace {
 
-constexpr uint64_t kOperations = 4000;
+constexpr uint64_t kDefaultOperations = 10000;
 constexpr uint64_t kConcurrentOperations = 1500;
+
+// Operations per configuration: KVCACHED_E2E_OPS, else kDefaultOperations.
+uint64_t Operations() {
+  const char* env = std::getenv("KVCACHED_E2E_OPS");
+  const uint64_t ops = env != nullptr ? std::strtoull(env, nullptr, 10) : 0;
+  return ops > 0 ? ops : kDefaultOperations;
+}
 
 struct E2eConfig {
   std::string name;
   engine::CacheSpec spec;
   uint32_t page_tokens;
+  bool batch_ops = false;
+  bool staging_too = false;  // also run on the staging transfer path
 };
+
+engine::LayerSpec Quantized(uint32_t heads, uint32_t k_dim, uint32_t v_dim, uint32_t group,
+                            uint32_t bits) {
+  return engine::LayerSpec{.num_kv_heads = heads, .k_head_dim = k_dim, .v_head_dim = v_dim,
+                           .kind = engine::QuantizedKind{.group_size = group, .bits = bits}};
+}
+
+engine::CacheSpec Padded(engine::CacheSpec spec, std::vector<uint32_t> padding) {
+  spec.batch_size = static_cast<uint32_t>(padding.size());
+  spec.left_padding = std::move(padding);
+  return spec;
+}
+
+// A small recurrent state (one page), and one spanning several 8 KiB pages.
+engine::LayerSpec SmallState() { return RecurrentLayerSpec(3, 8, 2, 4, 4); }
+engine::LayerSpec LargeState() { return RecurrentLayerSpec(3, 20, 4, 16, 32); }
 
 // Two layers at least, so that steps can tear; the second layer's geometry
 // differs from the first's.
 const std::vector<E2eConfig>& Configs() {
   static const auto* configs = new std::vector<E2eConfig>{
-      {"Standard", MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(1, 8, 4)}), 3},
+      {"Standard", MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(1, 8, 4)}), 3, false,
+       true},
       {"RotatingNoSinks",
        MakeSpec({RotatingLayerSpec(1, 8, 0, 7, 0), RotatingLayerSpec(2, 4, 8, 7, 0)},
                 DType::kFloat32, 3),
-       5},
+       5, false, true},
       {"RotatingWithSinks",
        MakeSpec({RotatingLayerSpec(2, 4, 0, 13, 4), RotatingLayerSpec(1, 8, 4, 13, 4)},
                 DType::kBFloat16, 2),
-       5},
+       5, false, true},
       {"Mixed",
        MakeSpec({StandardLayerSpec(1, 8), RotatingLayerSpec(2, 4, 0, 10, 4),
                  RotatingLayerSpec(1, 4, 8, 7, 0)}),
+       4, false, true},
+      {"Quantized",
+       MakeSpec({Quantized(2, 64, 32, 32, 4), Quantized(1, 64, 64, 64, 8)}, DType::kFloat16, 2),
+       5},
+      {"Chunked",
+       MakeSpec({ChunkedLayerSpec(1, 8, 0, 7), ChunkedLayerSpec(2, 4, 8, 5)}, DType::kBFloat16),
+       3},
+      {"Recurrent", MakeSpec({LargeState(), SmallState()}, DType::kFloat32, 2), 16},
+      {"Batched",
+       Padded(MakeSpec({StandardLayerSpec(1, 4), RotatingLayerSpec(2, 4, 8, 7, 0)},
+                       DType::kFloat16),
+              {2, 0, 3}),
+       3, true},
+      {"BatchedHybrid",
+       Padded(MakeSpec({SmallState(), Quantized(1, 32, 32, 32, 4), ChunkedLayerSpec(2, 4, 8, 5)},
+                       DType::kBFloat16),
+              {0, 2, 1}),
+       3, true},
+      {"Qwen3NextLike",
+       MakeSpec({SmallState(), LargeState(), SmallState(), StandardLayerSpec(2, 8)},
+                DType::kBFloat16),
        4},
+      {"Gemma3Like",
+       MakeSpec({RotatingLayerSpec(1, 8, 0, 13, 4), StandardLayerSpec(2, 8, 4),
+                 Quantized(1, 32, 64, 32, 4)},
+                DType::kFloat16),
+       5},
   };
   return *configs;
 }
@@ -60,27 +123,53 @@ uint64_t Seed(const std::string& name) {
 void PrintStats(const WireConfig& config, const WireRunStats& s) {
   std::printf(
       "[ %-30s ] seed %llu: %llu ops (%llu steps, %llu failed streams, %llu torn, "
-      "%llu+%llu fetches, restores %llu ok / %llu refused, %llu merges, %llu splits, "
-      "%llu other refusals)\n",
+      "%llu+%llu fetches, %llu packed, %llu states, %llu wrong-kind streams, restores %llu ok / "
+      "%llu refused, %llu merges, %llu splits, batch ops %llu ok / %llu refused, %llu other "
+      "refusals)\n",
       config.name.c_str(), static_cast<unsigned long long>(config.seed),
       static_cast<unsigned long long>(s.operations), static_cast<unsigned long long>(s.steps),
       static_cast<unsigned long long>(s.failed_streams),
       static_cast<unsigned long long>(s.torn_steps), static_cast<unsigned long long>(s.fetches),
       static_cast<unsigned long long>(s.snapshot_fetches),
+      static_cast<unsigned long long>(s.packed_fetches),
+      static_cast<unsigned long long>(s.state_updates),
+      static_cast<unsigned long long>(s.wrong_kind_streams),
       static_cast<unsigned long long>(s.restores_ok),
       static_cast<unsigned long long>(s.restores_refused),
       static_cast<unsigned long long>(s.merges_ok), static_cast<unsigned long long>(s.splits_ok),
+      static_cast<unsigned long long>(s.batch_ops_ok),
+      static_cast<unsigned long long>(s.batch_ops_refused),
       static_cast<unsigned long long>(s.refusals));
 }
 
-void ExpectEveryPathTaken(const WireRunStats& s) {
+// Every run reaches each path its cache allows (long runs only: a short one
+// may miss a rare path by chance).
+void ExpectEveryPathTaken(const E2eConfig& config, const WireRunStats& s) {
+  if (s.operations < 1000) return;
   EXPECT_GT(s.failed_streams, 0u);
+  EXPECT_GT(s.wrong_kind_streams, 0u);
   EXPECT_GT(s.torn_steps, 0u);
   EXPECT_GT(s.restores_ok, 0u);
   EXPECT_GT(s.restores_refused, 0u);
   EXPECT_GT(s.merges_ok, 0u);
   EXPECT_GT(s.splits_ok, 0u);
   EXPECT_GT(s.snapshot_fetches, 0u);
+  const auto has = [&](auto kind) {
+    return std::any_of(config.spec.layers.begin(), config.spec.layers.end(),
+                       [&](const engine::LayerSpec& l) {
+                         return std::holds_alternative<decltype(kind)>(l.kind);
+                       });
+  };
+  if (has(engine::QuantizedKind{})) {
+    EXPECT_GT(s.packed_fetches, 0u);
+  }
+  if (has(engine::RecurrentKind{})) {
+    EXPECT_GT(s.state_updates, 0u);
+  }
+  if (config.batch_ops) {
+    EXPECT_GT(s.batch_ops_ok, s.operations / 40);
+    EXPECT_GT(s.batch_ops_refused, 0u);
+  }
 }
 
 class E2eRandomTest : public ::testing::TestWithParam<std::tuple<TransferPath, size_t>> {
@@ -100,20 +189,33 @@ class E2eRandomTest : public ::testing::TestWithParam<std::tuple<TransferPath, s
 
 TEST_P(E2eRandomTest, MatchesReference) {
   const std::string name = config().name + "_" + TransferPathName(std::get<0>(GetParam()));
-  const WireConfig wire{
-      .name = name, .spec = config().spec, .operations = kOperations, .seed = Seed(name)};
+  const WireConfig wire{.name = name,
+                        .spec = config().spec,
+                        .operations = Operations(),
+                        .seed = Seed(name),
+                        .batch_ops = config().batch_ops};
   WireDriver driver(server_->client(), wire);
   ASSERT_FALSE(HasFailure());
   driver.Run();
   driver.Finish();
   PrintStats(wire, driver.stats());
-  ASSERT_EQ(driver.stats().operations, kOperations);
-  ExpectEveryPathTaken(driver.stats());
+  ASSERT_EQ(driver.stats().operations, wire.operations);
+  ExpectEveryPathTaken(config(), driver.stats());
 }
 
-INSTANTIATE_TEST_SUITE_P(PathsAndCaches, E2eRandomTest,
-                         ::testing::Combine(::testing::ValuesIn(kE2ePaths),
-                                            ::testing::Values(0, 1, 2, 3)),
+// Every configuration on the direct path; those marked staging_too also on
+// the staging path (the new kinds' transfers are the same copies, which the
+// engine suites run on every path).
+std::vector<std::tuple<TransferPath, size_t>> Runs() {
+  std::vector<std::tuple<TransferPath, size_t>> runs;
+  for (size_t i = 0; i < Configs().size(); ++i) {
+    runs.emplace_back(TransferPath::kDirect, i);
+    if (Configs()[i].staging_too) runs.emplace_back(TransferPath::kStagingRegions, i);
+  }
+  return runs;
+}
+
+INSTANTIATE_TEST_SUITE_P(PathsAndCaches, E2eRandomTest, ::testing::ValuesIn(Runs()),
                          [](const auto& info) {
                            return Configs()[std::get<1>(info.param)].name + "_" +
                                   TransferPathName(std::get<0>(info.param));

@@ -5,6 +5,10 @@
 #include <variant>
 
 #include "absl/strings/str_join.h"
+#include "chunked_recurrent_test_util.h"
+#include "reference_quantized.h"
+#include "reference_recurrent.h"
+#include "wire_forms_util.h"
 
 namespace kvcache::testing {
 
@@ -94,28 +98,21 @@ void E2eTest::TearDown() {
   server_.reset();
 }
 
-std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info) {
-  return TransferPathName(info.param);
+void E2eTest::ExpectRefused(absl::StatusCode code, const std::string& field,
+                            const std::function<absl::Status()>& call) {
+  SCOPED_TRACE(field);
+  const EngineFingerprint before = WireFingerprint(client());
+  const absl::Status status = call();
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_NE(std::string(status.message()).find(field), std::string::npos)
+      << "\"" << status.message() << "\" should name " << field;
+  const EngineFingerprint after = WireFingerprint(client());
+  EXPECT_TRUE(after == before) << "a refused call changed state:\nbefore: " << Describe(before)
+                               << "\nafter: " << Describe(after);
 }
 
-v1::CacheSpec ToWireSpec(const engine::CacheSpec& spec) {
-  v1::CacheSpec wire;
-  wire.set_dtype(static_cast<v1::DType>(spec.dtype));
-  wire.set_batch_size(spec.batch_size);
-  wire.set_model(spec.model);
-  for (const engine::LayerSpec& layer : spec.layers) {
-    v1::LayerSpec* out = wire.add_layers();
-    out->set_num_kv_heads(layer.num_kv_heads);
-    out->set_k_head_dim(layer.k_head_dim);
-    out->set_v_head_dim(layer.v_head_dim);
-    if (const auto* rotating = std::get_if<engine::RotatingKind>(&layer.kind)) {
-      out->mutable_rotating()->set_max_size(rotating->max_size);
-      out->mutable_rotating()->set_keep(rotating->keep);
-    } else {
-      out->mutable_standard();
-    }
-  }
-  return wire;
+std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info) {
+  return TransferPathName(info.param);
 }
 
 LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv) {
@@ -126,6 +123,47 @@ LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const
                      .keys = kv.keys,
                      .values_shape = {shape.batch, shape.heads, kv.tokens, shape.v_dim},
                      .values = kv.values};
+}
+
+LayerUpdate MakeStateUpdate(const engine::CacheSpec& spec, uint32_t layer, const RefState& state,
+                            uint64_t advance) {
+  const auto& r = std::get<engine::RecurrentKind>(spec.layers[layer].kind);
+  const uint64_t b = spec.batch_size;
+  return LayerUpdate{.layer = layer,
+                     .dtype = static_cast<v1::DType>(spec.dtype),
+                     .state = RecurrentStateUpdate{
+                         .conv_shape = {b, r.conv_tail, r.conv_dim},
+                         .conv = state.conv,
+                         .delta_shape = {b, r.num_v_heads, r.head_v_dim, r.head_k_dim},
+                         .delta = state.delta,
+                         .advance = advance}};
+}
+
+absl::Status StepBoth(Client& client, const std::string& id, RefCache& reference, uint64_t tokens,
+                      std::mt19937_64& rng) {
+  const engine::CacheSpec& spec = reference.spec();
+  std::vector<KvTensors> kv(spec.layers.size());
+  std::vector<RefState> states(spec.layers.size());
+  std::vector<LayerUpdate> updates;
+  for (uint32_t l = 0; l < spec.layers.size(); ++l) {
+    if (engine::IsRecurrent(spec.layers[l])) {
+      states[l] = RandomState(spec, l, rng);
+      updates.push_back(MakeStateUpdate(spec, l, states[l], tokens));
+    } else {
+      kv[l] = RandomLayerKv(spec, l, tokens, rng);
+      updates.push_back(MakeLayerUpdate(spec, l, kv[l]));
+    }
+  }
+  absl::StatusOr<std::vector<v1::UpdateResponse>> acks = client.Update(id, updates);
+  if (!acks.ok()) return acks.status();
+  for (uint32_t l = 0; l < spec.layers.size(); ++l) {
+    if (engine::IsRecurrent(spec.layers[l])) {
+      reference.UpdateState(l, states[l], tokens);
+    } else {
+      reference.Update(l, TokensFromTensors(ShapeOf(spec, l), kv[l].keys, kv[l].values, tokens));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Span<const std::byte> BytesOf(const std::string& data) {
@@ -175,6 +213,73 @@ std::vector<RefToken> TokensOf(const LayerHistory& history, const RefShape& shap
   return SameTokens(expected, TokensOf(*history, shape));
 }
 
+::testing::AssertionResult LayerMatchesReference(Client& client, const std::string& cache_id,
+                                                 const std::string& snapshot_id,
+                                                 const engine::CacheSpec& spec, uint32_t layer,
+                                                 const std::vector<RefToken>& stored,
+                                                 const std::optional<RefState>& state) {
+  if (engine::IsRecurrent(spec.layers[layer])) {
+    absl::StatusOr<v1::RecurrentState> fetched = client.FetchState(cache_id, snapshot_id, layer);
+    if (!state.has_value()) {
+      if (fetched.status().code() == absl::StatusCode::kFailedPrecondition) {
+        return ::testing::AssertionSuccess();
+      }
+      return ::testing::AssertionFailure() << "no state expected, fetched " << fetched.status();
+    }
+    if (!fetched.ok()) return ::testing::AssertionFailure() << "FetchState: " << fetched.status();
+    absl::StatusOr<RefState> actual = StateOf(spec, layer, *fetched);
+    if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
+    if (!(*actual == *state)) return ::testing::AssertionFailure() << "state bytes differ";
+    return ::testing::AssertionSuccess();
+  }
+  ::testing::AssertionResult same =
+      HistoryMatches(AsFetched(spec, layer, stored),
+                     client.FetchLayer(cache_id, snapshot_id, layer), ShapeOf(spec, layer));
+  if (!same || !std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind)) {
+    return same;
+  }
+  absl::StatusOr<std::vector<v1::FetchResponse>> packed =
+      client.FetchPacked(cache_id, snapshot_id, layer);
+  if (!packed.ok()) return ::testing::AssertionFailure() << "FetchPacked: " << packed.status();
+  absl::StatusOr<std::vector<RefToken>> tokens = PackedTokensOf(spec, layer, *packed);
+  if (!tokens.ok()) return ::testing::AssertionFailure() << tokens.status();
+  return SameTokens(stored, *tokens) << " (packed)";
+}
+
+RefState LiveStateOf(const RefCache& reference, uint32_t layer) {
+  return reference.layer(layer).FetchState().value_or(ZeroState(reference.spec(), layer));
+}
+
+::testing::AssertionResult CacheMatchesReference(Client& client, const std::string& id,
+                                                 const RefCache& reference) {
+  absl::StatusOr<v1::CacheInfo> info = client.GetCache(id);
+  if (!info.ok()) return ::testing::AssertionFailure() << "GetCache: " << info.status();
+  const engine::CacheSpec& spec = reference.spec();
+  std::vector<uint32_t> padding = spec.left_padding;
+  if (std::all_of(padding.begin(), padding.end(), [](uint32_t p) { return p == 0; })) {
+    padding.clear();  // the server drops all-zero padding
+  }
+  const std::vector<uint32_t> wire_padding(info->spec().left_padding().begin(),
+                                           info->spec().left_padding().end());
+  const std::vector<uint64_t> offsets(info->layer_offsets().begin(), info->layer_offsets().end());
+  if (info->spec().batch_size() != spec.batch_size || wire_padding != padding ||
+      offsets != reference.layer_offsets()) {
+    return ::testing::AssertionFailure()
+           << "cache " << info->ShortDebugString() << " differs from the reference's rows ("
+           << spec.batch_size << "), padding {" << absl::StrJoin(padding, ",") << "} or offsets {"
+           << absl::StrJoin(reference.layer_offsets(), ",") << "}";
+  }
+  for (uint32_t layer = 0; layer < reference.num_layers(); ++layer) {
+    const bool recurrent = engine::IsRecurrent(spec.layers[layer]);
+    ::testing::AssertionResult same = LayerMatchesReference(
+        client, id, "", spec, layer,
+        recurrent ? std::vector<RefToken>{} : reference.layer(layer).Fetch(),
+        recurrent ? std::optional<RefState>(LiveStateOf(reference, layer)) : std::nullopt);
+    if (!same) return same << " (layer " << layer << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 namespace {
 
 // Every layer of a cache or snapshot, fetched in one stream.
@@ -191,6 +296,15 @@ std::vector<EngineFingerprint::Layer> FetchAllLayers(Client& client, const std::
   EXPECT_TRUE(status.ok()) << status;
   std::vector<EngineFingerprint::Layer> layers;
   for (const auto& [layer, parts] : chunks) {
+    if (parts.size() == 1 && parts[0].has_state()) {
+      const v1::RecurrentState& state = parts[0].state();
+      const absl::Span<const std::byte> conv = BytesOf(state.conv_state().data());
+      const absl::Span<const std::byte> delta = BytesOf(state.delta_state().data());
+      layers.push_back({.ranges = {{parts[0].start(), parts[0].start()}},
+                        .keys = {conv.begin(), conv.end()},
+                        .values = {delta.begin(), delta.end()}});
+      continue;
+    }
     absl::StatusOr<LayerHistory> history = AssembleHistory(parts);
     EXPECT_TRUE(history.ok()) << history.status();
     if (!history.ok()) continue;

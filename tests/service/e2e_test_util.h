@@ -1,11 +1,15 @@
 // End-to-end test support: a whole kvcached (KvCacheServer) started in-process
 // on a free loopback port with the Vulkan validation layer on, a
 // kvcache::Client talking to it over TCP, and comparisons of what the wire
-// returns against the CPU reference model (tests/engine/reference_model.h).
+// returns against the CPU reference model (tests/engine/reference_*.h): tokens,
+// quantized layers' packed forms, recurrent states.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -18,6 +22,7 @@
 #include "kvcache_client.h"
 #include "reference_model.h"
 #include "support/gpu_test_base.h"
+#include "wire_forms_util.h"
 
 namespace kvcache::testing {
 
@@ -61,6 +66,10 @@ class E2eTest : public ::testing::TestWithParam<TransferPath> {
   void SetUp() override;
   void TearDown() override;
   Client& client() { return server_->client(); }
+  // Runs `call`; expects `code`, `field` in the message, and no change a
+  // client can see (WireFingerprint).
+  void ExpectRefused(absl::StatusCode code, const std::string& field,
+                     const std::function<absl::Status()>& call);
 
   std::unique_ptr<TestServer> server_;
 };
@@ -69,12 +78,15 @@ class E2eTest : public ::testing::TestWithParam<TransferPath> {
 inline constexpr TransferPath kE2ePaths[] = {TransferPath::kDirect, TransferPath::kStagingRegions};
 std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info);
 
-// The wire form of an engine spec, built field by field (not by the service's
-// own converter, so a converter bug shows as a mismatch).
-v1::CacheSpec ToWireSpec(const engine::CacheSpec& spec);
-
 // One layer's update as the client sends it.
 LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv);
+// A recurrent layer's new state as the client sends it (`state` must outlive it).
+LayerUpdate MakeStateUpdate(const engine::CacheSpec& spec, uint32_t layer, const RefState& state,
+                            uint64_t advance);
+// One step of random data for every layer of cache `id` (tokens, or states
+// advancing by `tokens`) in one Update stream, mirrored in `reference`.
+absl::Status StepBoth(Client& client, const std::string& id, RefCache& reference, uint64_t tokens,
+                      std::mt19937_64& rng);
 // The client library's form of a raw request (its tensors stay in `request`).
 LayerUpdate ToLayerUpdate(const v1::UpdateRequest& request);
 absl::Span<const std::byte> BytesOf(const std::string& data);
@@ -86,8 +98,28 @@ std::vector<RefToken> TokensOf(const LayerHistory& history, const RefShape& shap
                                           const absl::StatusOr<LayerHistory>& history,
                                           const RefShape& shape);
 
+// Layer `layer` of cache `cache_id` (or of snapshot `snapshot_id`), read over
+// the wire, equals the reference: an attention layer's `stored` tokens (as the
+// reference stores them) by FetchLayer, a quantized one's also packed by
+// FetchPacked; a recurrent layer's `state` by FetchState (nullopt: the
+// snapshot holds none, and FetchState must say so).
+::testing::AssertionResult LayerMatchesReference(Client& client, const std::string& cache_id,
+                                                 const std::string& snapshot_id,
+                                                 const engine::CacheSpec& spec, uint32_t layer,
+                                                 const std::vector<RefToken>& stored,
+                                                 const std::optional<RefState>& state);
+// The state a live reference layer reads as: zeros before its first update
+// (ollama ensure()).
+RefState LiveStateOf(const RefCache& reference, uint32_t layer);
+// Cache `id` equals `reference`: rows, padding (all zeros reads as none),
+// offsets, and every layer as LayerMatchesReference reads it.
+::testing::AssertionResult CacheMatchesReference(Client& client, const std::string& id,
+                                                 const RefCache& reference);
+
 // Everything a client can see (caches with offsets and fetched bytes,
-// snapshots with ranges and bytes, pages in use), read over the wire.
+// snapshots with ranges and bytes, pages in use), read over the wire. A
+// recurrent layer's state reads as one layer entry: the range {offset,
+// offset}, keys the conv state's bytes, values the delta state's.
 EngineFingerprint WireFingerprint(Client& client);
 
 }  // namespace kvcache::testing

@@ -54,19 +54,6 @@ class E2eValidationTest : public E2eTest {
     return status;
   }
 
-  // Runs `call`; expects `code`, `field` in the message, and no visible change.
-  void ExpectRefused(Code code, const std::string& field,
-                     const std::function<absl::Status()>& call) {
-    SCOPED_TRACE(field);
-    const EngineFingerprint before = WireFingerprint(client());
-    const absl::Status status = call();
-    EXPECT_EQ(status.code(), code) << status;
-    EXPECT_THAT(std::string(status.message()), HasSubstr(field));
-    const EngineFingerprint after = WireFingerprint(client());
-    EXPECT_TRUE(after == before) << "a refused call changed state:\nbefore: " << Describe(before)
-                                 << "\nafter: " << Describe(after);
-  }
-
   // An update of `layer` (3 tokens) changed by `mutate`, sent alone.
   std::function<absl::Status()> BadUpdate(uint32_t layer,
                                           std::function<void(LayerUpdate&)> mutate) {

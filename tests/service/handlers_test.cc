@@ -8,6 +8,7 @@
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "handlers_test_base.h"
 #include "service/update_parser.h"
 #include "service_test_util.h"
 #include "support/gpu_test_base.h"
@@ -18,16 +19,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class HandlersTest : public GpuTestBase {
+// A cache of two standard layers and a rotating one (window 8, 4 sinks), 5
+// tokens each, and a snapshot of it.
+class HandlersTest : public HandlersTestBase {
  protected:
   void SetUp() override {
-    GpuTestBase::SetUp();
-    pool_ = MakePool(64 << 10, 64 << 20);
-    ASSERT_NE(pool_, nullptr);
-    engine_ = std::make_unique<engine::Engine>(
-        *pool_, engine::EngineOptions{.page_tokens = 16, .max_update_tokens = 64});
-    handlers_ = std::make_unique<service::Handlers>(
-        *engine_, service::ServiceOptions{.device_name = "test", .transfer_path = "direct"});
+    HandlersTestBase::SetUp();
+    if (HasFatalFailure()) return;
     spec_ = ProtoSpec(2, 2, 8, /*window=*/8);
     v1::CreateCacheRequest create;
     *create.mutable_spec() = spec_;
@@ -45,36 +43,11 @@ class HandlersTest : public GpuTestBase {
     snapshot_id_ = snapshot.snapshot_id();
   }
 
-  void TearDown() override {
-    if (engine_) {
-      ReleaseEverything(*engine_);
-      EXPECT_EQ(pool_->stats().used_pages, 0u) << "pages leaked";
-    }
-    handlers_.reset();
-    engine_.reset();
-    pool_.reset();
-    GpuTestBase::TearDown();
-  }
-
-  // Runs `call`, expects `code` with `field` in the message, and no change.
-  template <typename Call>
-  void ExpectRefused(absl::StatusCode code, const std::string& field, Call&& call) {
-    const EngineFingerprint before = Fingerprint(*engine_);
-    const absl::Status status = call();
-    EXPECT_EQ(status.code(), code) << status;
-    EXPECT_THAT(std::string(status.message()), HasSubstr(field));
-    EXPECT_TRUE(Fingerprint(*engine_) == before) << "a refused call changed state";
-  }
-
   absl::Status Update(const v1::UpdateRequest& request) {
     v1::UpdateResponse ack;
     return handlers_->Update(request, nullptr, &ack);
   }
 
-  std::mt19937_64 rng_{42};
-  std::unique_ptr<gpu::PagePool> pool_;
-  std::unique_ptr<engine::Engine> engine_;
-  std::unique_ptr<service::Handlers> handlers_;
   v1::CacheSpec spec_;
   std::string cache_id_;
   std::string snapshot_id_;

@@ -1,26 +1,39 @@
 // Drives a kvcached over the wire (kvcache::Client) and the CPU reference
-// (tests/engine/reference_model.h) in lock step through a seeded random
-// sequence, asserting after each operation that both agree: status codes (OK
-// or FAILED_PRECONDITION), acknowledgements, offsets, snapshot ranges, and
-// fetched ranges and bytes of the live cache and of snapshots.
+// (tests/engine/reference_*.h) in lock step through a seeded random sequence,
+// asserting after each operation that both agree: status codes (OK,
+// FAILED_PRECONDITION or INVALID_ARGUMENT), acknowledgements, offsets,
+// snapshot ranges, and fetched ranges and bytes of the live cache and of
+// snapshots. Every cache kind: quantized layers are fetched both dequantized
+// (equal to the CPU dequantization of the reference's packed tokens) and packed
+// (words, scales and biases equal to the reference quantizer's); recurrent
+// layers take states and are read with FetchState.
 //
 // Unlike the engine's RandomDriver it also exercises what only the wire has:
 // whole steps in one Update stream, streams that fail part way (a wrong
-// expected_offset) and leave the cache out of step, windowed and chunked
-// Fetch streams, and ListSnapshots. Several drivers may share one server (each
-// on its own cache), one per thread.
+// expected_offset, or K/V sent to a recurrent layer and a state to an
+// attention layer) and leave the cache out of step, windowed and chunked
+// Fetch streams, and ListSnapshots. With batch_ops, ExtractRow, FilterRows,
+// MergeCaches and ExtendCache too (wire_driver_batch.cc), against
+// reference_batch.h. Several drivers may share one server (each on its own
+// cache), one per thread.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "absl/status/status.h"
 
 #include "engine/cache_spec.h"
 #include "engine_test_util.h"
 #include "kvcache_client.h"
+#include "gtest/gtest.h"
 #include "reference_model.h"
 
 namespace kvcache::testing {
@@ -30,6 +43,9 @@ struct WireConfig {
   engine::CacheSpec spec;
   uint64_t operations = 2000;
   uint64_t seed = 1;
+  // Also extract, filter, merge and extend rows, with partner caches of random
+  // batch sizes, padding and history.
+  bool batch_ops = false;
 };
 
 // What a run did, so a test can check that each path was taken.
@@ -45,6 +61,11 @@ struct WireRunStats {
   uint64_t merges_ok = 0;
   uint64_t splits_ok = 0;
   uint64_t refusals = 0;
+  uint64_t state_updates = 0;      // recurrent layers
+  uint64_t wrong_kind_streams = 0;  // K/V to a recurrent layer, a state to an attention one
+  uint64_t packed_fetches = 0;     // quantized layers, FetchRequest.packed
+  uint64_t batch_ops_ok = 0;       // extract, filter, merge, extend
+  uint64_t batch_ops_refused = 0;
 };
 
 class WireDriver {
@@ -63,6 +84,19 @@ class WireDriver {
     RefCacheSnapshotPtr reference;
     bool pinned = false;
   };
+  // One layer's part of a step: tokens for an attention layer, a state
+  // advancing by `advance` for a recurrent one. With `wrong_kind` it is sent
+  // as the other kind (keys and values to a recurrent layer, a state alone
+  // to an attention layer), which the server refuses. Updates point into a
+  // StepPart, so it must not move once they are made (keep them in a deque).
+  struct StepPart {
+    uint32_t layer = 0;
+    bool recurrent = false;
+    bool wrong_kind = false;
+    KvTensors kv;
+    RefState state;
+    uint64_t advance = 0;
+  };
   enum class Op {
     kStep,
     kStreamSteps,
@@ -78,6 +112,10 @@ class WireDriver {
     kRelease,
     kFetchSnapshot,
     kRecreate,
+    kExtractRow,
+    kFilterRows,
+    kMergeCaches,
+    kExtendCache,
   };
 
   Op PickOp();
@@ -85,12 +123,30 @@ class WireDriver {
   void CreateCache();
   void Recreate();
   bool KeepStandardLayersSmall(uint64_t tokens);
+
+  // Update streams (wire_driver_steps.cc).
   void UpdateStep();
   void StreamSteps();
   void TornStep();
   void ProbeOutOfStep();
   void Repair();
   void FinishStep();
+  // Random data for one layer of cache `spec`: `tokens` tokens, or a state
+  // advancing by `tokens`.
+  StepPart RandomPart(const engine::CacheSpec& spec, uint32_t layer, uint64_t tokens);
+  // Turns `part` into a wrong-kind one, with random data of the wrong kind.
+  void MakeWrongKind(const engine::CacheSpec& spec, StepPart& part);
+  static LayerUpdate UpdateOf(const engine::CacheSpec& spec, const StepPart& part);
+  static std::vector<LayerUpdate> UpdatesOf(const engine::CacheSpec& spec,
+                                            const std::deque<StepPart>& parts);
+  // Sends `updates` (made from `parts`) in one stream. The reference applies
+  // the first `applied`; if that is not all, part `applied` must end the
+  // stream: INVALID_ARGUMENT if it is of the wrong kind, else
+  // FAILED_PRECONDITION (its expected_offset is wrong).
+  void SendStream(const std::vector<LayerUpdate>& updates, const std::deque<StepPart>& parts,
+                  size_t applied);
+  static void ApplyTo(RefCache& reference, const StepPart& part);
+
   void FetchLive();
   void FetchWindow();
   void Trim();
@@ -104,10 +160,23 @@ class WireDriver {
   void Release();
   void FetchSnapshot();
 
-  // Sends `updates` in one stream; the reference applies the first `applied`.
-  void SendStream(const std::vector<LayerUpdate>& updates, const std::vector<KvTensors>& data,
-                  size_t applied);
-  void ApplyToReference(uint32_t layer, const KvTensors& kv);
+  // Batch operations (wire_driver_batch.cc).
+  void ExtractRow();
+  void FilterRows();
+  void MergeCaches();
+  void ExtendCache();
+  void ProbeBatchOpsOutOfStep();
+  std::pair<std::string, std::unique_ptr<RefCache>> MakePartner(uint32_t batch, bool same_offset);
+  std::vector<std::pair<std::string, const RefCache*>> MergeInputs(
+      std::vector<std::pair<std::string, std::unique_ptr<RefCache>>>& partners);
+  // Appends `tokens` to every layer of cache `id` (one stream per step),
+  // mirrored in `reference`.
+  void AppendTo(const std::string& id, RefCache& reference, uint64_t tokens);
+  bool SameOutcome(absl::StatusCode expected, const absl::Status& actual);
+  void Adopt(const std::string& id, std::unique_ptr<RefCache> reference);
+  uint32_t Batch() const { return reference_->spec().batch_size; }
+
+  // Reads and comparisons (wire_driver_checks.cc).
   void CheckFetchedChunks(const v1::FetchRequest& request, const std::vector<uint32_t>& layers,
                           const std::vector<v1::FetchResponse>& chunks,
                           const RefCacheSnapshot* snapshot);
@@ -116,8 +185,23 @@ class WireDriver {
   void CheckOffsets();
   void CheckSnapshotList();
   void CheckEverything();
+  // Layer `layer` of cache `cache_id` or snapshot `snapshot_id`, read over
+  // the wire, equals `expected` (tokens of attention layers; quantized ones
+  // both dequantized and packed) or `state` (recurrent layers; nullopt: the
+  // snapshot holds none).
+  ::testing::AssertionResult LayerMatches(const std::string& cache_id,
+                                          const std::string& snapshot_id, uint32_t layer,
+                                          const engine::CacheSpec& spec,
+                                          const std::vector<RefToken>& expected,
+                                          const std::optional<RefState>& state);
+  // Cache `id` over the wire equals `reference`: rows, padding, offsets, layers.
+  void CheckCache(const std::string& id, const RefCache& reference);
 
+  // What the reference holds for a layer of the live cache (snapshot null) or
+  // of a snapshot: stored tokens (packed for quantized layers), or a state.
   std::vector<RefToken> Expected(uint32_t layer, const RefCacheSnapshot* snapshot) const;
+  std::optional<RefState> ExpectedState(uint32_t layer, const RefCacheSnapshot* snapshot) const;
+  bool IsRecurrent(uint32_t layer) const { return engine::IsRecurrent(config_.spec.layers[layer]); }
   uint64_t Offset() const;
   uint64_t Uniform(uint64_t low, uint64_t high);  // inclusive
   bool Chance(double p);
@@ -133,7 +217,8 @@ class WireDriver {
   std::unique_ptr<RefCache> reference_;
   std::vector<TrackedSnapshot> snapshots_;
   WireRunStats stats_;
-  bool has_standard_layer_ = false;
+  bool has_standard_layer_ = false;  // standard or quantized: grows without bound
+  bool all_recurrent_ = true;
 };
 
 }  // namespace kvcache::testing

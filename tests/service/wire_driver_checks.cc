@@ -1,14 +1,18 @@
 // WireDriver's reads and comparisons: fetches of the live cache and of
-// snapshots (whole layers, and windows cut into small chunks), offsets, and
-// the snapshot list.
+// snapshots (whole layers, windows cut into small chunks, quantized layers
+// dequantized and packed, recurrent states), whole caches after batch
+// operations, offsets, and the snapshot list.
 #include <algorithm>
 #include <map>
 #include <tuple>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "e2e_test_util.h"
 #include "gtest/gtest.h"
+#include "reference_recurrent.h"
 #include "wire_driver.h"
+#include "wire_forms_util.h"
 
 namespace kvcache::testing {
 
@@ -17,11 +21,28 @@ std::vector<RefToken> WireDriver::Expected(uint32_t layer, const RefCacheSnapsho
   return reference_->layer(layer).Fetch();
 }
 
+std::optional<RefState> WireDriver::ExpectedState(uint32_t layer,
+                                                  const RefCacheSnapshot* snapshot) const {
+  if (!IsRecurrent(layer)) return std::nullopt;
+  if (snapshot == nullptr) return LiveStateOf(*reference_, layer);
+  const RefLayerSnapshotPtr& part = snapshot->layers[layer];
+  return part == nullptr ? std::nullopt : part->state;
+}
+
+::testing::AssertionResult WireDriver::LayerMatches(const std::string& cache_id,
+                                                    const std::string& snapshot_id,
+                                                    uint32_t layer, const engine::CacheSpec& spec,
+                                                    const std::vector<RefToken>& expected,
+                                                    const std::optional<RefState>& state) {
+  stats_.packed_fetches += std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind);
+  return LayerMatchesReference(client_, cache_id, snapshot_id, spec, layer, expected, state);
+}
+
 void WireDriver::FetchLive() {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   SCOPED_TRACE(absl::StrCat("fetch live layer ", layer));
-  ASSERT_TRUE(HistoryMatches(Expected(layer, nullptr), client_.FetchLayer(cache_id_, "", layer),
-                             ShapeOf(config_.spec, layer)));
+  ASSERT_TRUE(LayerMatches(cache_id_, "", layer, reference_->spec(), Expected(layer, nullptr),
+                           ExpectedState(layer, nullptr)));
   ++stats_.fetches;
 }
 
@@ -33,14 +54,14 @@ void WireDriver::FetchSnapshot() {
                             snapshot.reference->to, ") layer ", layer));
   // A snapshot is found by its id alone; a cache id beside it is ignored.
   const std::string cache_id = Chance(0.5) ? cache_id_ : "";
-  ASSERT_TRUE(HistoryMatches(Expected(layer, snapshot.reference.get()),
-                             client_.FetchLayer(cache_id, snapshot.id, layer),
-                             ShapeOf(config_.spec, layer)));
+  const RefCacheSnapshot* reference = snapshot.reference.get();
+  ASSERT_TRUE(LayerMatches(cache_id, snapshot.id, layer, reference->spec,
+                           Expected(layer, reference), ExpectedState(layer, reference)));
   ++stats_.snapshot_fetches;
 }
 
 // A Fetch of the live cache or a snapshot with a random window, a random
-// subset of layers in random order, and small chunks.
+// subset of layers in random order, small chunks, and sometimes `packed`.
 void WireDriver::FetchWindow() {
   const TrackedSnapshot* snapshot =
       !snapshots_.empty() && Chance(0.4) ? &snapshots_[RandomSnapshotIndex()] : nullptr;
@@ -58,6 +79,7 @@ void WireDriver::FetchWindow() {
   request.set_start(Uniform(0, bound));
   if (Chance(0.7)) request.set_end(Uniform(request.start(), bound + 1));
   request.set_max_chunk_tokens(Chance(0.3) ? 0 : Uniform(1, 9));
+  request.set_packed(Chance(0.3));  // only quantized layers have another form
   SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
   std::vector<v1::FetchResponse> chunks;
   const absl::Status status = client_.Fetch(request, [&](const v1::FetchResponse& chunk) {
@@ -69,38 +91,82 @@ void WireDriver::FetchWindow() {
   ++(snapshot ? stats_.snapshot_fetches : stats_.fetches);
 }
 
+namespace {
+
+// A token chunk is shaped [B, H, L, D] in the cache dtype, L at least 1 and
+// at most max_chunk_tokens (when set).
+::testing::AssertionResult TokenChunkShaped(const v1::FetchResponse& chunk, const RefShape& shape,
+                                            DType dtype, uint32_t max_chunk_tokens) {
+  if (chunk.keys().shape_size() != 4) {
+    return ::testing::AssertionFailure() << "keys of rank " << chunk.keys().shape_size();
+  }
+  const uint64_t length = chunk.keys().shape(2);
+  const std::vector<uint64_t> keys(chunk.keys().shape().begin(), chunk.keys().shape().end());
+  const std::vector<uint64_t> values(chunk.values().shape().begin(), chunk.values().shape().end());
+  if (keys != std::vector<uint64_t>{shape.batch, shape.heads, length, shape.k_dim} ||
+      values != std::vector<uint64_t>{shape.batch, shape.heads, length, shape.v_dim} ||
+      chunk.keys().dtype() != static_cast<int>(dtype) || length == 0 ||
+      (max_chunk_tokens > 0 && length > max_chunk_tokens)) {
+    return ::testing::AssertionFailure() << "chunk " << chunk.ShortDebugString().substr(0, 200);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+uint64_t PackedLength(const v1::FetchResponse& chunk) {
+  return chunk.packed_keys().wq().shape_size() == 4 ? chunk.packed_keys().wq().shape(2) : 0;
+}
+
+}  // namespace
+
 // Chunks come layer by layer in the requested order, each one layer and one
-// contiguous range of at most max_chunk_tokens, shaped [B, H, L, D].
+// contiguous range of at most max_chunk_tokens: [B, H, L, D] keys and values,
+// a quantized layer's stored form when `packed`, or one chunk with a
+// recurrent layer's state at its offset (whatever the window).
 void WireDriver::CheckFetchedChunks(const v1::FetchRequest& request,
                                     const std::vector<uint32_t>& layers,
                                     const std::vector<v1::FetchResponse>& chunks,
                                     const RefCacheSnapshot* snapshot) {
+  const engine::CacheSpec& spec = snapshot ? snapshot->spec : reference_->spec();
   const engine::TokenRange window{request.start(), request.has_end() ? request.end() : UINT64_MAX};
   size_t next = 0;
   for (uint32_t layer : layers) {
-    const RefShape shape = ShapeOf(config_.spec, layer);
+    SCOPED_TRACE(absl::StrCat("layer ", layer));
     std::vector<v1::FetchResponse> mine;
     for (; next < chunks.size() && chunks[next].layer() == layer; ++next) {
-      const v1::FetchResponse& chunk = chunks[next];
-      ASSERT_EQ(chunk.keys().shape_size(), 4) << "chunk " << next;
-      const uint64_t length = chunk.keys().shape(2);
-      const std::vector<uint64_t> keys_shape(chunk.keys().shape().begin(),
-                                             chunk.keys().shape().end());
-      const std::vector<uint64_t> values_shape(chunk.values().shape().begin(),
-                                               chunk.values().shape().end());
-      ASSERT_EQ(keys_shape, (std::vector<uint64_t>{shape.batch, shape.heads, length, shape.k_dim}));
-      ASSERT_EQ(values_shape,
-                (std::vector<uint64_t>{shape.batch, shape.heads, length, shape.v_dim}));
-      ASSERT_EQ(chunk.keys().dtype(), static_cast<int>(config_.spec.dtype));
-      ASSERT_GE(length, 1u) << "an empty chunk";
-      if (request.max_chunk_tokens() > 0) {
-        ASSERT_LE(length, request.max_chunk_tokens());
-      }
-      mine.push_back(chunk);
+      mine.push_back(chunks[next]);
     }
-    SCOPED_TRACE(absl::StrCat("layer ", layer));
-    ASSERT_TRUE(
-        HistoryMatches(Clip(Expected(layer, snapshot), window), AssembleHistory(mine), shape));
+    if (engine::IsRecurrent(spec.layers[layer])) {
+      const std::optional<RefState> state = ExpectedState(layer, snapshot);
+      ASSERT_EQ(mine.size(), state.has_value() ? 1u : 0u);
+      if (!state.has_value()) continue;
+      ASSERT_EQ(mine[0].start(), snapshot ? snapshot->layers[layer]->to
+                                          : reference_->layer(layer).offset());
+      absl::StatusOr<RefState> actual = StateOf(spec, layer, mine[0].state());
+      ASSERT_TRUE(actual.ok()) << actual.status();
+      ASSERT_TRUE(*actual == *state) << "state bytes differ";
+      continue;
+    }
+    const std::vector<RefToken> expected = Clip(Expected(layer, snapshot), window);
+    const bool quantized = std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind);
+    if (request.packed() && quantized) {
+      for (const v1::FetchResponse& chunk : mine) {
+        ASSERT_GE(PackedLength(chunk), 1u);
+        if (request.max_chunk_tokens() > 0) {
+          ASSERT_LE(PackedLength(chunk), request.max_chunk_tokens());
+        }
+      }
+      absl::StatusOr<std::vector<RefToken>> tokens = PackedTokensOf(spec, layer, mine);
+      ASSERT_TRUE(tokens.ok()) << tokens.status();
+      ASSERT_TRUE(SameTokens(expected, *tokens)) << "packed";
+      ++stats_.packed_fetches;
+      continue;
+    }
+    for (const v1::FetchResponse& chunk : mine) {
+      ASSERT_TRUE(TokenChunkShaped(chunk, ShapeOf(spec, layer), spec.dtype,
+                                   request.max_chunk_tokens()));
+    }
+    ASSERT_TRUE(HistoryMatches(AsFetched(spec, layer, expected), AssembleHistory(mine),
+                               ShapeOf(spec, layer)));
   }
   ASSERT_EQ(next, chunks.size()) << "a chunk of layer " << chunks[next].layer()
                                  << " out of the requested layer order";
@@ -151,16 +217,21 @@ void WireDriver::CheckSnapshotList() {
 
 void WireDriver::CheckEverything() {
   for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
-    EXPECT_TRUE(HistoryMatches(Expected(layer, nullptr), client_.FetchLayer(cache_id_, "", layer),
-                               ShapeOf(config_.spec, layer)))
+    EXPECT_TRUE(LayerMatches(cache_id_, "", layer, reference_->spec(), Expected(layer, nullptr),
+                             ExpectedState(layer, nullptr)))
         << "live layer " << layer;
     for (const TrackedSnapshot& s : snapshots_) {
-      EXPECT_TRUE(HistoryMatches(Expected(layer, s.reference.get()),
-                                 client_.FetchLayer("", s.id, layer), ShapeOf(config_.spec, layer)))
+      const RefCacheSnapshot* reference = s.reference.get();
+      EXPECT_TRUE(LayerMatches("", s.id, layer, reference->spec, Expected(layer, reference),
+                               ExpectedState(layer, reference)))
           << "snapshot " << s.id << " layer " << layer;
     }
   }
   CheckSnapshotList();
+}
+
+void WireDriver::CheckCache(const std::string& id, const RefCache& reference) {
+  ASSERT_TRUE(CacheMatchesReference(client_, id, reference)) << "cache " << id;
 }
 
 void WireDriver::Finish() {
