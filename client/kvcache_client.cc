@@ -236,6 +236,28 @@ absl::StatusOr<v1::CacheInfo> Client::ExtendCache(const std::string& cache_id,
   return Unary<v1::CacheInfo>(*this, KV_UNARY(ExtendCache, request));
 }
 
+absl::StatusOr<v1::BeginSpeculationResponse> Client::BeginSpeculation(const std::string& cache_id,
+                                                                      bool isolated) {
+  v1::BeginSpeculationRequest request;
+  request.set_cache_id(cache_id);
+  request.set_isolated(isolated);
+  return Unary<v1::BeginSpeculationResponse>(*this, KV_UNARY(BeginSpeculation, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::CommitSpeculation(const std::string& speculation_id,
+                                                        uint64_t accepted) {
+  v1::CommitSpeculationRequest request;
+  request.set_speculation_id(speculation_id);
+  request.set_accepted(accepted);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(CommitSpeculation, request));
+}
+
+absl::StatusOr<v1::CacheInfo> Client::AbortSpeculation(const std::string& speculation_id) {
+  v1::AbortSpeculationRequest request;
+  request.set_speculation_id(speculation_id);
+  return Unary<v1::CacheInfo>(*this, KV_UNARY(AbortSpeculation, request));
+}
+
 #undef KV_UNARY
 
 void Client::Prepare(grpc::ClientContext& context) const {
@@ -289,6 +311,16 @@ v1::FetchRequest LayerRequest(const std::string& cache_id, const std::string& sn
 absl::StatusOr<LayerHistory> Client::FetchLayer(const std::string& cache_id,
                                                 const std::string& snapshot_id, uint32_t layer) {
   auto chunks = FetchAll(LayerRequest(cache_id, snapshot_id, layer));
+  if (!chunks.ok()) return chunks.status();
+  return AssembleHistory(*chunks);
+}
+
+absl::StatusOr<LayerHistory> Client::FetchSpeculation(const std::string& speculation_id,
+                                                      uint32_t layer) {
+  v1::FetchRequest request;
+  request.set_speculation_id(speculation_id);
+  request.add_layers(layer);
+  auto chunks = FetchAll(request);
   if (!chunks.ok()) return chunks.status();
   return AssembleHistory(*chunks);
 }

@@ -56,6 +56,8 @@ struct LayerUpdate {
   absl::Span<const std::byte> values;
   std::optional<RecurrentStateUpdate> state;
   std::optional<uint64_t> expected_offset;
+  // Set: drafts the update in this open speculation (BeginSpeculation).
+  std::string speculation_id;
 };
 
 // A layer's history as Fetch returns it: the position ranges in temporal order
@@ -95,6 +97,9 @@ class Client {
   // One layer's whole history (of the live cache, or of snapshot_id if set).
   absl::StatusOr<LayerHistory> FetchLayer(const std::string& cache_id,
                                           const std::string& snapshot_id, uint32_t layer);
+  // One layer's speculative view: committed + drafted history.
+  absl::StatusOr<LayerHistory> FetchSpeculation(const std::string& speculation_id,
+                                                uint32_t layer);
   // Every chunk of `request`, in order.
   absl::StatusOr<std::vector<v1::FetchResponse>> FetchAll(const v1::FetchRequest& request);
 
@@ -128,6 +133,13 @@ class Client {
   absl::StatusOr<v1::CacheInfo> MergeCaches(absl::Span<const std::string> cache_ids);
   absl::StatusOr<v1::CacheInfo> ExtendCache(const std::string& cache_id,
                                             const std::string& other_id);
+
+  // Speculative decoding: drafted updates carry LayerUpdate::speculation_id.
+  absl::StatusOr<v1::BeginSpeculationResponse> BeginSpeculation(const std::string& cache_id,
+                                                                bool isolated);
+  absl::StatusOr<v1::CacheInfo> CommitSpeculation(const std::string& speculation_id,
+                                                  uint64_t accepted);
+  absl::StatusOr<v1::CacheInfo> AbortSpeculation(const std::string& speculation_id);
 
   v1::KvCacheService::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }

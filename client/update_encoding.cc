@@ -78,6 +78,7 @@ std::vector<Run> FrameUpdate(const std::string& cache_id, const LayerUpdate& upd
   scalars.set_cache_id(cache_id);
   scalars.set_layer(update.layer);
   if (update.expected_offset.has_value()) scalars.set_expected_offset(*update.expected_offset);
+  scalars.set_speculation_id(update.speculation_id);
   std::vector<Run> runs = {{scalars.SerializeAsString(), {}}};
   if (SendsTokens(update)) {
     runs.back().framing +=

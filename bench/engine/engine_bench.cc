@@ -4,11 +4,18 @@
 //   BM_Update / BM_MemcpyUpdate  update throughput into the pool; goal >= 0.5x
 //   BM_RotatingDecode           per-token cost at windows 512..32k; goal flat
 //   BM_QuantizedMemory          pool bytes of a 32k quantized layer / the f16 one
+//   BM_SpeculativeRound         issue 5: begin, draft k tokens on every layer,
+//                               commit k/2 or k, beside the same updates
+//                               without a speculation; goal ratio <= 1.2
+//   BM_SnapshotPerToken         issue 5: k single-token steps with a snapshot
+//                               after each, then a restore to the k/2-th or
+//                               k-th, beside the k steps alone; goal <= 1.3
 // The model shape is 16 layers, 8 KV heads, head dim 128, f16, batch 1.
 // KVCACHED_BENCH_STAGING=1 runs the pool through the staging path instead.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -199,6 +206,213 @@ void BM_QuantizedMemory(benchmark::State& state) {
   state.counters["bound"] = bits / 16.0 + 2.0 / 64;
 }
 
+// ---------------------------------------------------------------- issue 5
+
+// Layout 0: 16 standard layers. Layout 1: a hybrid of the kinds that speculate
+// differently, four times over: a sliding window (512, 4 sinks), a global
+// layer, a recurrent layer (conv 3 x 1024, delta 8 x 64 x 64: 70 KiB a state)
+// and a chunked layer (1024).
+CacheSpec LayoutSpec(int64_t layout) {
+  if (layout == 0) return ModelSpec(StandardKind{});
+  CacheSpec spec = ModelSpec(StandardKind{});
+  for (uint32_t i = 0; i < kLayers; ++i) {
+    switch (i % 4) {
+      case 0: spec.layers[i].kind = RotatingKind{.max_size = 512, .keep = 4}; break;
+      case 2:
+        spec.layers[i] = LayerSpec{.kind = RecurrentKind{.conv_tail = 3, .conv_dim = 1024,
+                                                         .num_v_heads = 8, .head_v_dim = 64,
+                                                         .head_k_dim = 64}};
+        break;
+      case 3: spec.layers[i].kind = ChunkedKind{.chunk_size = 1024}; break;
+      default: break;
+    }
+  }
+  return spec;
+}
+
+void Must(const absl::Status& status) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "bench: %s\n", status.ToString().c_str());
+  std::abort();
+}
+template <typename T>
+T Must(absl::StatusOr<T> result) {
+  Must(result.status());
+  return *std::move(result);
+}
+
+// One cache of a layout driven the ways a decoder would, all of them writing
+// the same bytes: attention layers take one Update of the step's tokens,
+// recurrent layers one state per token (the speculative way needs one per
+// drafted token to cut back to; the plain steps send as many, so the two
+// differ only in the speculation's own cost).
+class Decoder {
+ public:
+  static constexpr uint64_t kContext = 1029;  // ends mid-page
+  static constexpr uint64_t kFillChunk = 256;
+
+  Decoder(Engine& engine, int64_t layout) : engine_(engine), spec_(LayoutSpec(layout)) {
+    tokens_.assign(kFillChunk * kTokenBytes, std::byte{3});
+    conv_.assign(3 * 1024 * 2, std::byte{5});
+    delta_.assign(8 * 64 * 64 * 2, std::byte{7});
+    Reset();
+  }
+  ~Decoder() {
+    for (const SnapshotInfo& snapshot : snapshots_) {
+      (void)engine_.ReleaseSnapshot(snapshot.snapshot_id);
+    }
+    (void)engine_.DeleteCache(id_);
+  }
+
+  // The k tokens as plain updates.
+  void Plain(uint64_t k) {
+    Write(k, 1, [&](uint32_t layer, const KvInput& kv) { return engine_.Update(id_, layer, kv); },
+          [&](uint32_t layer, const StateInput& state) {
+            return engine_.UpdateState(id_, layer, state);
+          });
+  }
+  // Begin, the k tokens drafted, commit `accepted`.
+  void SpeculativeRound(uint64_t k, uint64_t accepted) {
+    const std::string id = Must(engine_.BeginSpeculation(id_, false)).speculation_id;
+    Write(k, 1,
+          [&](uint32_t layer, const KvInput& kv) {
+            return engine_.UpdateSpeculation(id, id_, layer, kv);
+          },
+          [&](uint32_t layer, const StateInput& state) {
+            return engine_.UpdateSpeculationState(id, id_, layer, state);
+          });
+    Must(engine_.CommitSpeculation(id, accepted).status());
+    offset_ -= k - accepted;
+  }
+  // k single-token steps, each followed by a snapshot (from 0: a chunked
+  // layer restores only from one holding its whole chunk); a restore to the
+  // one after `accepted` tokens, the previous round's last snapshot standing
+  // for none; every snapshot but the one now current released.
+  void SnapshotPerToken(uint64_t k, uint64_t accepted) {
+    if (snapshots_.empty()) snapshots_.push_back(Must(engine_.Snapshot(id_, 0)));
+    for (uint64_t i = 0; i < k; ++i) {
+      Plain(1);
+      snapshots_.push_back(Must(engine_.Snapshot(id_, 0)));
+    }
+    const SnapshotInfo& target = snapshots_[accepted];
+    Must(engine_.Restore(id_, target.snapshot_id, target.to_offset).status());
+    const SnapshotInfo current = target;
+    for (const SnapshotInfo& snapshot : snapshots_) {
+      if (snapshot.snapshot_id != current.snapshot_id) {
+        Must(engine_.ReleaseSnapshot(snapshot.snapshot_id));
+      }
+    }
+    snapshots_ = {current};
+    offset_ -= k - accepted;
+  }
+  // Starts over (untimed) once the history has grown by 2048 tokens.
+  void Bound() {
+    if (offset_ > kContext + 2048) Reset();
+  }
+
+ private:
+  // `k` tokens on every layer: `states_per_step` recurrent states for each
+  // token, or one for all of them when 0 (a prefill).
+  template <typename Kv, typename State>
+  void Write(uint64_t k, uint64_t states_per_token, Kv&& kv_update, State&& state_update) {
+    const KvInput kv{.keys = absl::MakeSpan(tokens_.data(), k * kTokenBytes),
+                     .values = absl::MakeSpan(tokens_.data(), k * kTokenBytes),
+                     .tokens = k};
+    const uint64_t states = states_per_token == 0 ? 1 : k * states_per_token;
+    const StateInput state{.conv = conv_, .delta = delta_, .advance = k / states};
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      if (!IsRecurrent(spec_.layers[layer])) {
+        Must(kv_update(layer, kv).status());
+        continue;
+      }
+      for (uint64_t i = 0; i < states; ++i) Must(state_update(layer, state).status());
+    }
+    offset_ += k;
+  }
+  void Reset() {
+    for (const SnapshotInfo& snapshot : snapshots_) {
+      Must(engine_.ReleaseSnapshot(snapshot.snapshot_id));
+    }
+    snapshots_.clear();
+    if (!id_.empty()) Must(engine_.DeleteCache(id_));
+    id_ = Must(engine_.CreateCache(spec_)).cache_id;
+    offset_ = 0;
+    for (uint64_t done = 0; done < kContext; done += kFillChunk) {
+      Write(std::min(kFillChunk, kContext - done), 0,
+            [&](uint32_t layer, const KvInput& kv) { return engine_.Update(id_, layer, kv); },
+            [&](uint32_t layer, const StateInput& state) {
+              return engine_.UpdateState(id_, layer, state);
+            });
+    }
+  }
+
+  Engine& engine_;
+  const CacheSpec spec_;
+  std::string id_;
+  uint64_t offset_ = 0;
+  std::vector<std::byte> tokens_, conv_, delta_;
+  std::vector<SnapshotInfo> snapshots_;
+};
+
+template <typename Body>
+double Seconds(Body&& body) {
+  const auto start = std::chrono::steady_clock::now();
+  body();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Args: k (drafted tokens), layout (0 standard, 1 mixed), accepted (0: k/2,
+// 1: all k). Accepting all keeps both caches writing fresh positions alike;
+// accepting half makes the speculative way write over positions it wrote a
+// round earlier, still in the CPU caches, which flatters it a little.
+uint64_t Accepted(const benchmark::State& state) {
+  return state.range(2) == 0 ? state.range(0) / 2 : state.range(0);
+}
+
+// Each iteration times both ways back to back on two caches (which goes
+// first alternates), so the load of this shared machine weighs on both alike;
+// the iteration's time is the speculative way's, `plain_us` the plain way's
+// mean, `ratio` theirs.
+template <typename Plain, typename Way>
+void CompareWithPlain(benchmark::State& state, Plain&& plain_way, Way&& way) {
+  const uint64_t k = state.range(0);
+  Decoder plain(*Shared().engine, state.range(1));
+  Decoder other(*Shared().engine, state.range(1));
+  double plain_seconds = 0, way_seconds = 0;
+  bool plain_first = true;
+  for (auto _ : state) {
+    if (plain_first) plain_seconds += Seconds([&] { plain_way(plain, k); });
+    const double seconds = Seconds([&] { way(other, k); });
+    if (!plain_first) plain_seconds += Seconds([&] { plain_way(plain, k); });
+    plain_first = !plain_first;
+    way_seconds += seconds;
+    state.SetIterationTime(seconds);
+    plain.Bound();
+    other.Bound();
+  }
+  state.counters["plain_us"] = plain_seconds / state.iterations() * 1e6;
+  state.counters["ratio"] = way_seconds / plain_seconds;
+}
+
+// Beside the same updates: one of k tokens per attention layer, k states per
+// recurrent layer.
+void BM_SpeculativeRound(benchmark::State& state) {
+  CompareWithPlain(
+      state, [](Decoder& d, uint64_t k) { d.Plain(k); },
+      [&](Decoder& d, uint64_t k) { d.SpeculativeRound(k, Accepted(state)); });
+}
+
+// Beside the same k single-token steps without the snapshots and the restore
+// (a snapshot between tokens needs the tokens one step at a time).
+void BM_SnapshotPerToken(benchmark::State& state) {
+  CompareWithPlain(
+      state,
+      [](Decoder& d, uint64_t k) {
+        for (uint64_t i = 0; i < k; ++i) d.Plain(1);
+      },
+      [&](Decoder& d, uint64_t k) { d.SnapshotPerToken(k, Accepted(state)); });
+}
+
 BENCHMARK(BM_Snapshot)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Restore)->Arg(1024)->Arg(4096)->Arg(16384)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 // Real time throughout: on the staging path the copying happens in the driver's
@@ -208,6 +422,9 @@ BENCHMARK(BM_Update)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_MemcpyUpdate)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_QuantizedMemory)->Arg(4)->Arg(8)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RotatingDecode)->Arg(512)->Arg(4096)->Arg(32768)->UseRealTime()->Unit(benchmark::kMicrosecond);
+// Args: k, layout, accepted (see Accepted).
+BENCHMARK(BM_SpeculativeRound)->ArgsProduct({{1, 4, 8}, {0, 1}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SnapshotPerToken)->ArgsProduct({{1, 4, 8}, {0, 1}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvcache::engine

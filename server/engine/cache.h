@@ -56,6 +56,9 @@ class Cache {
   const CacheSpec& spec() const { return spec_; }
   size_t num_layers() const { return layers_.size(); }
   const Layer& layer(size_t index) const { return *layers_[index]; }
+  // For a speculation's drafts (engine/layer_draft.h), which stage tokens in
+  // the live layers; the engine keeps every other change away while one is open.
+  Layer& mutable_layer(size_t index) { return *layers_[index]; }
   std::vector<uint64_t> layer_offsets() const;
   // FAILED_PRECONDITION naming the first layer out of step, else the offset.
   absl::StatusOr<uint64_t> CommonOffset() const;
@@ -74,7 +77,6 @@ class Cache {
   // other caches' rows up to `offset` (Layer::AssembleRows).
   absl::Status AssembleRows(size_t layer, absl::Span<const RowSource> rows, uint64_t offset);
   void Free();
-
 
  private:
   Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers);

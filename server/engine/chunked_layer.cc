@@ -69,11 +69,15 @@ absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> ChunkedSnapshot::S
   return std::make_pair(std::move(parent), std::move(child));
 }
 
+uint64_t ChunkedLayer::TrimmedStart() const {
+  if (state_.held() < kind_.chunk_size) return state_.start;
+  return state_.offset - kind_.chunk_size;
+}
+
 void ChunkedLayer::TrimFront() {
-  if (state_.held() < kind_.chunk_size) return;
   const uint32_t p = geometry_.page_tokens;
   const uint64_t old_start = state_.start;
-  state_.start = state_.offset - kind_.chunk_size;
+  state_.start = TrimmedStart();
   for (uint64_t index = old_start / p; index < state_.start / p; ++index) {
     table_.Set(index, gpu::kNoPage);
   }
@@ -82,10 +86,38 @@ void ChunkedLayer::TrimFront() {
 // The write lands at offset, above every page TrimFront releases, so writing
 // first keeps a failed update from changing anything.
 absl::Status ChunkedLayer::Update(const KvInput& kv) {
-  RETURN_IF_ERROR(WriteTokens(table_, geometry_, state_.offset, kv));
-  TrimFront();
-  state_.offset += kv.tokens;
+  RETURN_IF_ERROR(Stage(0, kv));
+  Adopt(kv.tokens);
   return absl::OkStatus();
+}
+
+absl::Status ChunkedLayer::Stage(uint64_t staged, const KvInput& kv) {
+  ClaimBeforeWrite(state_.offset + staged);
+  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &right_);
+}
+
+void ChunkedLayer::ClaimBeforeWrite(uint64_t position) {
+  if (restored_from_.snapshot.expired()) return;
+  ClaimRight(table_, geometry_, position, right_, &restored_from_);
+  restored_from_ = {};
+}
+
+LayerSnapshotPtr ChunkedLayer::StagedView(uint64_t staged) const {
+  ChunkedState next = state_;
+  if (staged > 0) next = {.offset = state_.offset + staged, .start = TrimmedStart()};
+  if (next.offset == 0) return nullptr;
+  const uint32_t p = geometry_.page_tokens;
+  return std::make_shared<ChunkedSnapshot>(table_.Slice(next.start / p, PagesFor(next.offset, p)),
+                                           geometry_, next, 0);
+}
+
+void ChunkedLayer::Adopt(uint64_t tokens) {
+  TrimFront();
+  state_.offset += tokens;
+}
+
+void ChunkedLayer::DropStaged() {
+  table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
 }
 
 std::vector<TokenRange> ChunkedLayer::Ranges() const {
@@ -101,11 +133,13 @@ uint64_t ChunkedLayer::Trim(uint64_t n) {
   n = std::min(n, state_.held());
   state_.offset -= n;
   table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
+  right_ = {};
   return n;
 }
 
 absl::StatusOr<LayerSnapshotPtr> ChunkedLayer::Snapshot(uint64_t from_offset) const {
   if (state_.offset <= from_offset) return nullptr;
+  ClaimRight(table_, geometry_, state_.offset, right_, &restored_from_);  // before readers share it
   const uint32_t p = geometry_.page_tokens;
   const uint64_t begin = std::max(from_offset, state_.start);
   return std::make_shared<ChunkedSnapshot>(table_.Slice(begin / p, PagesFor(state_.offset, p)),
@@ -146,7 +180,7 @@ absl::StatusOr<std::unique_ptr<Layer>> ChunkedLayer::RestoredFrom(const ChunkedS
         absl::StrFormat("target %d is beyond the snapshot's end %d", target, snap.to()));
   }
   if (target < state.start) return BelowStart(target, state.start);
-  if (state.start >= snap.from()) return Make(snap.table(), state, target);
+  if (state.start >= snap.from()) return RestoredLayer(snap, Make(snap.table(), state, target));
   if (state_.start > state.start) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "the snapshot needs the cache's tokens from its start position %d, but the cache's "
@@ -162,12 +196,19 @@ absl::StatusOr<std::unique_ptr<Layer>> ChunkedLayer::RestoredFrom(const ChunkedS
   const uint32_t p = geometry_.page_tokens;
   ASSIGN_OR_RETURN(PageTable joined, JoinAt(geometry_, table_.Slice(0, PagesFor(snap.from(), p)),
                                             snap.table(), snap.from()));
-  return Make(joined, state, target);
+  return RestoredLayer(snap, Make(joined, state, target));
+}
+
+std::unique_ptr<Layer> ChunkedLayer::RestoredLayer(const ChunkedSnapshot& snap,
+                                                   std::unique_ptr<Layer> layer) {
+  static_cast<ChunkedLayer&>(*layer).restored_from_ = SourceOf(snap);
+  return layer;
 }
 
 void ChunkedLayer::Free() {
   table_.Clear();
   state_ = ChunkedState{};
+  right_ = {};
 }
 
 uint64_t ChunkedLayer::size_bytes() const { return PoolBytes(table_); }

@@ -42,6 +42,8 @@
 #include "engine/cache_spec.h"
 #include "engine/layer.h"
 #include "engine/page_table.h"
+#include "engine/staged_append.h"
+#include "engine/token_store.h"
 
 namespace kvcache::engine {
 
@@ -80,7 +82,7 @@ class ChunkedSnapshot final : public LayerSnapshot {
   uint64_t from_;
 };
 
-class ChunkedLayer final : public Layer {
+class ChunkedLayer final : public Layer, public StagedAppend {
  public:
   ChunkedLayer(gpu::PagePool& pool, const PageGeometry& geometry, ChunkedKind kind)
       : table_(&pool), geometry_(geometry), kind_(kind) {}
@@ -100,20 +102,42 @@ class ChunkedLayer final : public Layer {
   void Free() override;
   uint64_t size_bytes() const override;
 
+  // Speculation: staged tokens are written past the offset; the front is
+  // trimmed only when they are adopted (the update they make up).
+  absl::Status Stage(uint64_t staged, const KvInput& kv) override;
+  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  void Adopt(uint64_t tokens) override;
+  void DropStaged() override;
+  StagedAppend* staged_append() override { return this; }
+
  private:
   ChunkedLayer(PageTable table, const PageGeometry& geometry, ChunkedKind kind, ChunkedState state)
       : table_(std::move(table)), geometry_(geometry), kind_(kind), state_(state) {}
   // mlx-lm maybe_trim_front, releasing the pages it empties.
   void TrimFront();
+  // The start position TrimFront would leave.
+  uint64_t TrimmedStart() const;
   // A layer holding `table`'s pages of [start, target) with that state.
   std::unique_ptr<Layer> Make(const PageTable& table, ChunkedState state, uint64_t target) const;
   absl::StatusOr<std::unique_ptr<Layer>> RestoredFrom(const ChunkedSnapshot& snap,
                                                       uint64_t target) const;
+  // `layer` (a ChunkedLayer) remembering it was restored from `snap`.
+  static std::unique_ptr<Layer> RestoredLayer(const ChunkedSnapshot& snap,
+                                              std::unique_ptr<Layer> layer);
 
   PageTable table_;
   PageGeometry geometry_;
   ChunkedKind kind_;
   ChunkedState state_;
+  // token_store.h: appending past a snapshot copies nothing. Mutable: taking
+  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
+  mutable AppendRight right_;
+  // The snapshot this layer was restored from, for its first write's
+  // ClaimRight (token_store.h RestoreSource).
+  RestoreSource restored_from_;
+  // ClaimRight at `position` (the first write after a restore may claim
+  // through restored_from_, which it then forgets).
+  void ClaimBeforeWrite(uint64_t position);
 };
 
 }  // namespace kvcache::engine

@@ -6,13 +6,10 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "engine/batch_ops.h"
+#include "engine/engine_locked_cache.h"
 
 namespace kvcache::engine {
 namespace {
-
-absl::Status UnknownCache(const std::string& cache_id) {
-  return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
-}
 
 // A view of every layer of `cache`, which must be in step; refusals name `field`.
 absl::StatusOr<CacheSnapshotPtr> InStepView(const Cache& cache, const std::string& cache_id,
@@ -25,58 +22,14 @@ absl::StatusOr<CacheSnapshotPtr> InStepView(const Cache& cache, const std::strin
 
 }  // namespace
 
-// Finds a cache and holds its mutex for the rest of the call.
-class Engine::LockedCache {
- public:
-  static absl::StatusOr<LockedCache> Open(const Engine& engine, const std::string& cache_id) {
-    ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, engine.FindEntry(cache_id));
-    LockedCache locked(std::move(entry));
-    if (locked.entry_->deleted) return UnknownCache(cache_id);
-    return locked;
-  }
-  // Every distinct id of `ids` opened in id order, so that calls locking the same
-  // caches cannot deadlock; NOT_FOUND names the id's entry of `fields`.
-  static absl::StatusOr<std::vector<std::pair<std::string, LockedCache>>> OpenInOrder(
-      const Engine& engine, absl::Span<const std::string> ids,
-      absl::Span<const std::string> fields) {
-    std::vector<size_t> order(ids.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return ids[a] < ids[b]; });
-    std::vector<std::pair<std::string, LockedCache>> opened;
-    for (size_t i : order) {
-      if (!opened.empty() && opened.back().first == ids[i]) continue;
-      absl::StatusOr<LockedCache> cache = Open(engine, ids[i]);
-      if (!cache.ok()) {
-        return absl::NotFoundError(absl::StrCat(fields[i], ": no cache \"", ids[i], "\""));
-      }
-      opened.emplace_back(ids[i], *std::move(cache));
-    }
-    return opened;
-  }
-  LockedCache(LockedCache&& other) noexcept : entry_(std::move(other.entry_)) {}
-  ~LockedCache() {
-    if (entry_) entry_->mutex.Unlock();
-  }
-  Cache& operator*() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return *entry_->cache; }
-  Cache* operator->() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->cache.get(); }
-  // Puts `cache` in the old one's place and frees the old one's pages.
-  void Replace(std::unique_ptr<Cache> cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    entry_->cache.swap(cache);
-    cache->Free();
-  }
-
- private:
-  explicit LockedCache(std::shared_ptr<Entry> entry) : entry_(std::move(entry)) {
-    entry_->mutex.Lock();
-  }
-  std::shared_ptr<Entry> entry_;
-};
-
 Engine::Engine(gpu::PagePool& pool, EngineOptions options)
     : pool_(pool), options_(std::move(options)) {}
 
 Engine::~Engine() {
+  {
+    absl::MutexLock lock(&speculations_mutex_);
+    speculations_.clear();
+  }
   snapshots_.Clear();
   absl::MutexLock lock(&caches_mutex_);
   caches_.clear();
@@ -151,6 +104,11 @@ absl::Status Engine::DeleteCache(const std::string& cache_id) {
   }
   absl::MutexLock lock(&entry->mutex);
   entry->deleted = true;
+  if (entry->speculation != nullptr) {  // ends with its cache: later use is NOT_FOUND
+    const std::string speculation_id = entry->speculation->id();
+    entry->speculation.reset();
+    ForgetSpeculation(speculation_id);
+  }
   entry->cache->Free();
   return absl::OkStatus();
 }
@@ -177,6 +135,7 @@ absl::StatusOr<uint64_t> Engine::UpdateLayer(
     const std::string& cache_id, uint32_t layer, std::optional<uint64_t> expected_offset,
     absl::FunctionRef<absl::Status(Cache&)> apply) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   if (layer >= cache->num_layers()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer: %d is out of range; the cache has %d layers", layer, cache->num_layers()));
@@ -199,6 +158,7 @@ absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::View(
 
 absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   return cache->Trim(n);
 }
 
@@ -216,6 +176,7 @@ absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
     ASSIGN_OR_RETURN(snapshot, snapshots_.Get(snapshot_id));
   }
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   RETURN_IF_ERROR(cache->Restore(snapshot.get(), target_offset));
   return Describe(cache_id, *cache);
 }
@@ -266,6 +227,7 @@ absl::StatusOr<CacheInfo> Engine::ExtractRow(const std::string& cache_id, uint32
 absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
                                              absl::Span<const uint32_t> keep_rows) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
   ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*view, keep_rows));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
@@ -309,6 +271,7 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
                         [&](const auto& entry) { return entry.first == id; })->second;
   };
   LockedCache& cache = find(cache_id);
+  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
   ASSIGN_OR_RETURN(const CacheSnapshotPtr other,
                    InStepView(*find(other_id), other_id, "other_id"));

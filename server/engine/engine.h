@@ -23,6 +23,7 @@
 #include "engine/cache.h"
 #include "engine/cache_spec.h"
 #include "engine/snapshot_registry.h"
+#include "engine/speculation.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {
@@ -42,6 +43,15 @@ struct CacheInfo {
   uint64_t offset = 0;          // the common offset of all layers (min while out of step)
   bool in_step = true;          // every layer at the same offset
   uint64_t size_bytes = 0;      // pool bytes its pages hold
+};
+
+// A speculation (engine/speculation.h) as the engine describes it.
+struct SpeculationInfo {
+  std::string speculation_id;
+  std::string cache_id;
+  bool isolated = false;
+  uint64_t committed_offset = 0;       // the live cache's offset, unchanged while it is open
+  std::vector<uint64_t> layer_offsets;  // per layer: committed + drafted
 };
 
 struct EngineStats {
@@ -122,6 +132,45 @@ class Engine {
   // right-aligned to the longer.
   absl::StatusOr<CacheInfo> ExtendCache(const std::string& cache_id, const std::string& other_id);
 
+  // Speculative decoding (engine/speculation.h has the semantics). One open
+  // speculation per cache; while it is open the cache's live Update,
+  // UpdateState, Trim, Restore, FilterRows and ExtendCache (as cache_id) are
+  // FAILED_PRECONDITION, and its snapshots, views and batch reads see the
+  // committed history. Deleting the cache ends it. An unknown or ended
+  // speculation_id is NOT_FOUND, as is one named with a cache_id (non-empty)
+  // that is not its cache's.
+  //
+  // Starts one on `cache_id`, whose layers must be in step (else, or when one
+  // is already open, FAILED_PRECONDITION). Isolated: a commit never changes
+  // the live cache (ollama BeginIsolatedSpeculation).
+  absl::StatusOr<SpeculationInfo> BeginSpeculation(const std::string& cache_id, bool isolated);
+  absl::StatusOr<SpeculationInfo> GetSpeculation(const std::string& speculation_id) const;
+  // Update / UpdateState of the speculative view: the tokens (state) are
+  // drafted on `layer`; expected_offset and the returned offset are the
+  // layer's committed + drafted offset.
+  absl::StatusOr<uint64_t> UpdateSpeculation(const std::string& speculation_id,
+                                             const std::string& cache_id, uint32_t layer,
+                                             const KvInput& kv,
+                                             std::optional<uint64_t> expected_offset = std::nullopt);
+  absl::StatusOr<uint64_t> UpdateSpeculationState(
+      const std::string& speculation_id, const std::string& cache_id, uint32_t layer,
+      const StateInput& state, std::optional<uint64_t> expected_offset = std::nullopt);
+  // View for Fetch with FetchRequest's three ids: speculation_id empty is
+  // View(cache_id, snapshot_id); else the speculative view (committed +
+  // drafted, from 0), and snapshot_id must be empty (INVALID_ARGUMENT).
+  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> View(
+      const std::string& cache_id, const std::string& snapshot_id,
+      const std::string& speculation_id) const;
+  // Keeps the first `accepted` drafted tokens (isolated: none) and ends the
+  // speculation; returns the cache as it is then. Refusals (drafted layers out
+  // of step, a recurrent layer without a state at committed + accepted:
+  // FAILED_PRECONDITION; accepted above the drafted tokens: INVALID_ARGUMENT)
+  // change nothing and leave it open.
+  absl::StatusOr<CacheInfo> CommitSpeculation(const std::string& speculation_id,
+                                              uint64_t accepted);
+  // Drops every drafted token and ends the speculation.
+  absl::StatusOr<CacheInfo> AbortSpeculation(const std::string& speculation_id);
+
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -133,8 +182,15 @@ class Engine {
     absl::Mutex mutex;
     std::unique_ptr<Cache> cache ABSL_GUARDED_BY(mutex);
     bool deleted ABSL_GUARDED_BY(mutex) = false;
+    // Declared after `cache`, so destroyed first: its drafts refer to the layers.
+    std::unique_ptr<Speculation> speculation ABSL_GUARDED_BY(mutex);
   };
   class LockedCache;
+  // Where a speculation id leads.
+  struct SpeculationOwner {
+    std::string cache_id;
+    std::shared_ptr<Entry> entry;
+  };
 
   // Checks `layer` and `expected_offset`, then applies one update under the lock.
   absl::StatusOr<uint64_t> UpdateLayer(const std::string& cache_id, uint32_t layer,
@@ -145,11 +201,31 @@ class Engine {
   // Registers `cache` under a new id.
   CacheInfo AddCache(std::unique_ptr<Cache> cache);
 
+  // Speculations (engine_speculation.cc). The cache of open speculation
+  // `speculation_id`, locked, and its id in `owner_id` (when not null).
+  absl::StatusOr<LockedCache> OpenSpeculation(const std::string& speculation_id,
+                                              const std::string& cache_id,
+                                              std::string* owner_id = nullptr) const;
+  // Checks `layer` and `expected_offset`, then applies one drafted update.
+  absl::StatusOr<uint64_t> UpdateDraft(const std::string& speculation_id,
+                                       const std::string& cache_id, uint32_t layer,
+                                       std::optional<uint64_t> expected_offset,
+                                       absl::FunctionRef<absl::Status(Speculation&)> apply);
+  // Ends the speculation open on `cache` and forgets its id.
+  void EndSpeculation(LockedCache& cache);
+  void ForgetSpeculation(const std::string& speculation_id);
+  static SpeculationInfo DescribeSpeculation(const std::string& cache_id,
+                                             const Speculation& speculation);
+
   gpu::PagePool& pool_;
   const EngineOptions options_;
   mutable absl::Mutex caches_mutex_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> caches_ ABSL_GUARDED_BY(caches_mutex_);
   SnapshotRegistry snapshots_;
+  // Lock order: a cache's mutex, then this one (never the other way round).
+  mutable absl::Mutex speculations_mutex_;
+  absl::flat_hash_map<std::string, SpeculationOwner> speculations_
+      ABSL_GUARDED_BY(speculations_mutex_);
 };
 
 }  // namespace kvcache::engine

@@ -98,6 +98,7 @@ struct KvOutput {
 };
 
 class LayerSnapshot;
+class StagedAppend;
 
 // One row of a layer being assembled by a batch operation (mlx-lm BatchKVCache
 // merge / extend / filter / extract): row `row` of `source`, with its token at
@@ -174,6 +175,9 @@ class Layer {
   // Releases every page; offset returns to 0.
   virtual void Free() = 0;
   virtual uint64_t size_bytes() const = 0;
+  // Attention kinds: themselves, for speculation (engine/staged_append.h);
+  // others null. A virtual call, not a cross-cast, on every speculation's begin.
+  virtual StagedAppend* staged_append() { return nullptr; }
 };
 
 template <typename Visit>

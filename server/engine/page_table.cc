@@ -17,10 +17,37 @@ struct PageTable::Chunk {
   Chunk(const Chunk&) = delete;
   Chunk& operator=(const Chunk&) = delete;
 
+  // Installs `page` (kNoPage: clears) at `slot`, keeping count and used.
+  void Put(uint64_t slot, PageId page) {
+    const uint64_t bit = uint64_t{1} << (slot % 64);
+    if (pages[slot] != kNoPage) {
+      --count;
+      used[slot / 64] &= ~bit;
+    }
+    pages[slot] = page;
+    if (page != kNoPage) {
+      ++count;
+      used[slot / 64] |= bit;
+    }
+  }
+  // True when no slot outside [begin, end) holds a page: two word tests, so
+  // a slice (every snapshot, view and restore) need not scan the chunk.
+  bool EmptyOutside(uint64_t begin, uint64_t end) const {
+    for (uint64_t word = 0; word < 2; ++word) {
+      const uint64_t lo = std::clamp<uint64_t>(begin, word * 64, word * 64 + 64) - word * 64;
+      const uint64_t hi = std::clamp<uint64_t>(end, word * 64, word * 64 + 64) - word * 64;
+      const uint64_t inside = hi - lo == 64 ? ~uint64_t{0} : ((uint64_t{1} << (hi - lo)) - 1) << lo;
+      if ((used[word] & ~inside) != 0) return false;
+    }
+    return true;
+  }
+
   gpu::PagePool* pool;
   std::array<PageId, kChunkPages> pages;
   uint32_t count = 0;
+  std::array<uint64_t, 2> used{};  // bit s: pages[s] holds a page
 };
+static_assert(PageTable::kChunkPages == 128, "Chunk::used has one bit per slot");
 
 PageId PageTable::Get(uint64_t index) const {
   const uint64_t c = index / kChunkPages;
@@ -34,6 +61,16 @@ bool PageTable::Exclusive(uint64_t index) const {
   return page != kNoPage && chunks_[c].use_count() == 1 && pool_->RefCount(page) == 1;
 }
 
+bool PageTable::SharedOnlyWith(uint64_t index, const PageTable& other) const {
+  const PageId page = Get(index);
+  if (page == kNoPage || other.Get(index) != page) return false;
+  const ChunkPtr& mine = chunks_[index / kChunkPages];
+  const ChunkPtr& theirs = other.chunks_[index / kChunkPages];
+  // One chunk (one reference) shared by the two tables, or one chunk each.
+  if (mine == theirs) return mine.use_count() == 2 && pool_->RefCount(page) == 1;
+  return mine.use_count() == 1 && theirs.use_count() == 1 && pool_->RefCount(page) == 2;
+}
+
 PageTable::ChunkPtr PageTable::PartialCopy(const ChunkPtr& source, uint64_t begin,
                                            uint64_t end) const {
   auto copy = std::make_shared<Chunk>(pool_);
@@ -41,8 +78,7 @@ PageTable::ChunkPtr PageTable::PartialCopy(const ChunkPtr& source, uint64_t begi
     const PageId page = source->pages[slot];
     if (page == kNoPage) continue;
     pool_->Retain(page);
-    copy->pages[slot] = page;
-    ++copy->count;
+    copy->Put(slot, page);
   }
   return copy;
 }
@@ -61,19 +97,21 @@ PageTable::Chunk& PageTable::MutableChunk(uint64_t chunk_index) {
 void PageTable::Set(uint64_t index, PageId page) {
   if (page == kNoPage && Get(index) == kNoPage) return;
   Chunk& chunk = MutableChunk(index / kChunkPages);
-  PageId& slot = chunk.pages[index % kChunkPages];
-  if (slot != kNoPage) {
-    pool_->Release(slot);
-    --chunk.count;
-  }
-  slot = page;
-  if (page != kNoPage) ++chunk.count;
+  const uint64_t slot = index % kChunkPages;
+  if (chunk.pages[slot] != kNoPage) pool_->Release(chunk.pages[slot]);
+  chunk.Put(slot, page);
 }
 
 void PageTable::Truncate(uint64_t count) {
   const uint64_t keep_chunks = (count + kChunkPages - 1) / kChunkPages;
   if (chunks_.size() > keep_chunks) chunks_.resize(keep_chunks);
-  for (uint64_t index = count; index < keep_chunks * kChunkPages; ++index) Set(index, kNoPage);
+  // The last chunk kept may hold pages at or past `count` (a restore
+  // truncates on every call, mostly finding none).
+  const uint64_t last = keep_chunks == 0 ? 0 : keep_chunks - 1;
+  const uint64_t first_cut = count - last * kChunkPages;
+  if (last < chunks_.size() && chunks_[last] && !chunks_[last]->EmptyOutside(0, first_cut)) {
+    for (uint64_t index = count; index < keep_chunks * kChunkPages; ++index) Set(index, kNoPage);
+  }
   while (!chunks_.empty() && (!chunks_.back() || chunks_.back()->count == 0)) chunks_.pop_back();
 }
 
@@ -82,17 +120,6 @@ uint64_t PageTable::CountPages() const {
   for (const ChunkPtr& chunk : chunks_) total += chunk ? chunk->count : 0;
   return total;
 }
-
-namespace {
-// True when `pages` has no page outside slots [begin, end).
-bool EmptyOutside(const std::array<PageId, PageTable::kChunkPages>& pages, uint64_t begin,
-                  uint64_t end) {
-  for (uint64_t slot = 0; slot < PageTable::kChunkPages; ++slot) {
-    if ((slot < begin || slot >= end) && pages[slot] != kNoPage) return false;
-  }
-  return true;
-}
-}  // namespace
 
 PageTable PageTable::Slice(uint64_t first, uint64_t last) const {
   PageTable out(pool_);
@@ -106,7 +133,7 @@ PageTable PageTable::Slice(uint64_t first, uint64_t last) const {
     const uint64_t end = std::min(last, (c + 1) * kChunkPages) - c * kChunkPages;
     // Share the chunk when it holds nothing outside the range (the usual case:
     // a table's last chunk), else copy the part inside.
-    const bool whole = (begin == 0 && end == kChunkPages) || EmptyOutside(chunk->pages, begin, end);
+    const bool whole = (begin == 0 && end == kChunkPages) || chunk->EmptyOutside(begin, end);
     out.chunks_[c] = whole ? chunk : PartialCopy(chunk, begin, end);
   }
   return out;
@@ -128,8 +155,7 @@ PageTable PageTable::Join(const PageTable& lower, const PageTable& upper, uint64
     for (uint64_t slot = 0; slot < kChunkPages; ++slot) {
       if (low->pages[slot] == kNoPage) continue;
       out.pool_->Retain(low->pages[slot]);
-      merged.pages[slot] = low->pages[slot];
-      ++merged.count;
+      merged.Put(slot, low->pages[slot]);
     }
   }
   return out;

@@ -31,6 +31,8 @@ class PageTable {
   gpu::PageId Get(uint64_t index) const;
   // True when writing page `index` affects no other holder.
   bool Exclusive(uint64_t index) const;
+  // True when page `index` is held by this table and `other` and no one else.
+  bool SharedOnlyWith(uint64_t index, const PageTable& other) const;
   // Installs `page` (taking over one reference the caller holds) at `index`,
   // releasing the page that was there.
   void Set(uint64_t index, gpu::PageId page);

@@ -183,6 +183,11 @@ absl::StatusOr<std::unique_ptr<Layer>> RecurrentLayer::Restored(const LayerSnaps
   return std::unique_ptr<Layer>(new RecurrentLayer(snap->pages(), geometry_, index_, snap->to()));
 }
 
+void RecurrentLayer::AdoptState(const RecurrentSnapshot& snapshot) {
+  pages_ = snapshot.pages();
+  offset_ = snapshot.to();
+}
+
 void RecurrentLayer::Free() {
   pages_.Clear();
   offset_ = 0;

@@ -101,6 +101,9 @@ class RecurrentLayer final : public Layer {
   absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
   void Free() override;
   uint64_t size_bytes() const override;
+  // Speculation's commit: takes `snapshot`'s state (of a copy of this layer,
+  // advanced by drafted states) and its offset; shares its pages.
+  void AdoptState(const RecurrentSnapshot& snapshot);
 
  private:
   RecurrentLayer(PageTable pages, const StateGeometry& geometry, uint32_t index, uint64_t offset)

@@ -45,25 +45,58 @@ std::pair<uint64_t, uint64_t> RotatingLayer::PlanEviction(uint64_t tokens) const
   return {held - max_size + 1, idx + 1};
 }
 
-void RotatingLayer::Evict(uint64_t count) {
-  if (count == 0) return;
+RotatingState RotatingLayer::Appended(uint64_t tokens) const {
+  const auto [evict, ring_idx] = PlanEviction(tokens);
+  RotatingState next = state_;
+  if (evict > 0) next.window_start = state_.window_begin(kind_.keep) + evict;
+  next.offset += tokens;
+  next.ring_idx = ring_idx;
+  return next;
+}
+
+void RotatingLayer::ReleaseEvicted(const RotatingState& next) {
+  if (next.window_start == state_.window_start) return;
   const uint32_t p = geometry_.page_tokens;
-  const uint64_t old_begin = state_.window_begin(kind_.keep);
-  state_.window_start = old_begin + count;
-  // Release pages with no sink and no held position left in them.
-  const uint64_t first = std::max(PagesFor(kind_.keep, p), old_begin / p);
-  for (uint64_t index = first; index < state_.window_start / p; ++index) {
+  // Pages with no sink and no held position left in them.
+  const uint64_t first = std::max(PagesFor(kind_.keep, p), state_.window_begin(kind_.keep) / p);
+  for (uint64_t index = first; index < next.window_start / p; ++index) {
     table_.Set(index, gpu::kNoPage);
   }
 }
 
 absl::Status RotatingLayer::Update(const KvInput& kv) {
-  const auto [evict, ring_idx] = PlanEviction(kv.tokens);
-  RETURN_IF_ERROR(WriteTokens(table_, geometry_, state_.offset, kv));
-  Evict(evict);
-  state_.offset += kv.tokens;
-  state_.ring_idx = ring_idx;
+  RETURN_IF_ERROR(Stage(0, kv));
+  Adopt(kv.tokens);
   return absl::OkStatus();
+}
+
+absl::Status RotatingLayer::Stage(uint64_t staged, const KvInput& kv) {
+  ClaimBeforeWrite(state_.offset + staged);
+  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &right_);
+}
+
+void RotatingLayer::ClaimBeforeWrite(uint64_t position) {
+  if (restored_from_.snapshot.expired()) return;
+  ClaimRight(table_, geometry_, position, right_, &restored_from_);
+  restored_from_ = {};
+}
+
+// Sliced at the end: the view holds no page of positions past it.
+LayerSnapshotPtr RotatingLayer::StagedView(uint64_t staged) const {
+  const RotatingState next = staged == 0 ? state_ : Appended(staged);
+  if (next.offset == 0) return nullptr;
+  return std::make_shared<RotatingSnapshot>(
+      table_.Slice(0, PagesFor(next.offset, geometry_.page_tokens)), geometry_, kind_, next, 0);
+}
+
+void RotatingLayer::Adopt(uint64_t tokens) {
+  const RotatingState next = Appended(tokens);
+  ReleaseEvicted(next);
+  state_ = next;
+}
+
+void RotatingLayer::DropStaged() {
+  table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
 }
 
 absl::Status RotatingLayer::Read(TokenRange range, const KvOutput& out) const {
@@ -76,12 +109,17 @@ uint64_t RotatingLayer::Trim(uint64_t n) {
   state_.offset -= n;
   state_.ring_idx -= std::min(n, state_.ring_idx);
   table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
+  right_ = {};
   return n;
 }
 
+// The pages up to the offset: none that only staged tokens (a speculation's) hold.
 absl::StatusOr<LayerSnapshotPtr> RotatingLayer::Snapshot(uint64_t from_offset) const {
   if (state_.offset <= from_offset) return nullptr;
-  return std::make_shared<RotatingSnapshot>(table_, geometry_, kind_, state_, from_offset);
+  ClaimRight(table_, geometry_, state_.offset, right_, &restored_from_);  // before readers share it
+  return std::make_shared<RotatingSnapshot>(
+      table_.Slice(0, PagesFor(state_.offset, geometry_.page_tokens)), geometry_, kind_, state_,
+      from_offset);
 }
 
 std::unique_ptr<Layer> RotatingLayer::TrimmedCopy(const PageTable& table, RotatingState state,
@@ -124,7 +162,9 @@ absl::StatusOr<std::unique_ptr<Layer>> RotatingLayer::Restored(const LayerSnapsh
         "max_size %d",
         target, snap->to(), kind_.max_size));
   }
-  return TrimmedCopy(snap->table(), snap->state(), target);
+  std::unique_ptr<Layer> layer = TrimmedCopy(snap->table(), snap->state(), target);
+  static_cast<RotatingLayer&>(*layer).restored_from_ = SourceOf(*snap);
+  return layer;
 }
 
 // A rotating snapshot holds the whole window, so the child supersedes the parent.
@@ -210,6 +250,7 @@ absl::Status RotatingLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
 void RotatingLayer::Free() {
   table_.Clear();
   state_ = RotatingState{};
+  right_ = {};
 }
 
 uint64_t RotatingLayer::size_bytes() const { return PoolBytes(table_); }

@@ -19,6 +19,8 @@
 #include "engine/cache_spec.h"
 #include "engine/layer.h"
 #include "engine/page_table.h"
+#include "engine/staged_append.h"
+#include "engine/token_store.h"
 
 namespace kvcache::engine {
 
@@ -61,7 +63,7 @@ class RotatingSnapshot final : public LayerSnapshot {
   uint64_t from_;
 };
 
-class RotatingLayer final : public Layer {
+class RotatingLayer final : public Layer, public StagedAppend {
  public:
   RotatingLayer(gpu::PagePool& pool, const PageGeometry& geometry, RotatingKind kind)
       : table_(&pool), geometry_(geometry), kind_(kind) {}
@@ -81,6 +83,15 @@ class RotatingLayer final : public Layer {
   void Free() override;
   uint64_t size_bytes() const override;
 
+  // Speculation: staged tokens sit past the offset, where no held position is
+  // (the window is never overwritten); Adopt evicts what they push out, as the
+  // one Update of them would (ollama speculativeRotatingKVCache.commit).
+  absl::Status Stage(uint64_t staged, const KvInput& kv) override;
+  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  void Adopt(uint64_t tokens) override;
+  void DropStaged() override;
+  StagedAppend* staged_append() override { return this; }
+
  private:
   RotatingLayer(PageTable table, const PageGeometry& geometry, RotatingKind kind,
                 RotatingState state)
@@ -88,7 +99,10 @@ class RotatingLayer final : public Layer {
   // How many of the oldest non-sink tokens an update of `tokens` evicts, and
   // where mlx-lm's write index ends up.
   std::pair<uint64_t, uint64_t> PlanEviction(uint64_t tokens) const;
-  void Evict(uint64_t count);
+  // The state an update of `tokens` leaves (its pages aside).
+  RotatingState Appended(uint64_t tokens) const;
+  // Releases the pages holding only positions evicted on the way to `next`.
+  void ReleaseEvicted(const RotatingState& next);
   std::unique_ptr<Layer> TrimmedCopy(const PageTable& table, RotatingState state,
                                      uint64_t target) const;
   // The sources of AssembleRows (null for an all-padding row), checked.
@@ -102,6 +116,15 @@ class RotatingLayer final : public Layer {
   PageGeometry geometry_;
   RotatingKind kind_;
   RotatingState state_;
+  // token_store.h: appending past a snapshot copies nothing. Mutable: taking
+  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
+  mutable AppendRight right_;
+  // The snapshot this layer was restored from, for its first write's
+  // ClaimRight (token_store.h RestoreSource).
+  RestoreSource restored_from_;
+  // ClaimRight at `position` (the first write after a restore may claim
+  // through restored_from_, which it then forgets).
+  void ClaimBeforeWrite(uint64_t position);
 };
 
 }  // namespace kvcache::engine

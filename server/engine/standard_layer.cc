@@ -20,10 +20,30 @@ absl::Status StandardSnapshot::ReadPacked(TokenRange range, const PackedOutput& 
 uint64_t StandardSnapshot::size_bytes() const { return PoolBytes(table_); }
 
 absl::Status StandardLayer::Update(const KvInput& kv) {
-  RETURN_IF_ERROR(WriteTokens(table_, geometry_, offset_, kv));
-  offset_ += kv.tokens;
+  RETURN_IF_ERROR(Stage(0, kv));
+  Adopt(kv.tokens);
   return absl::OkStatus();
 }
+
+absl::Status StandardLayer::Stage(uint64_t staged, const KvInput& kv) {
+  ClaimBeforeWrite(offset_ + staged);
+  return WriteTokens(table_, geometry_, offset_ + staged, kv, &right_);
+}
+
+void StandardLayer::ClaimBeforeWrite(uint64_t position) {
+  if (restored_from_.snapshot.expired()) return;
+  ClaimRight(table_, geometry_, position, right_, &restored_from_);
+  restored_from_ = {};
+}
+
+LayerSnapshotPtr StandardLayer::StagedView(uint64_t staged) const {
+  const uint64_t end = offset_ + staged;
+  if (end == 0) return nullptr;
+  return std::make_shared<StandardSnapshot>(table_.Slice(0, PagesFor(end, geometry_.page_tokens)),
+                                            geometry_, 0, end);
+}
+
+void StandardLayer::DropStaged() { table_.Truncate(PagesFor(offset_, geometry_.page_tokens)); }
 
 std::vector<TokenRange> StandardLayer::Ranges() const {
   if (offset_ == 0) return {};
@@ -38,11 +58,13 @@ uint64_t StandardLayer::Trim(uint64_t n) {
   n = std::min(n, offset_);
   offset_ -= n;
   table_.Truncate(PagesFor(offset_, geometry_.page_tokens));
+  right_ = {};
   return n;
 }
 
 absl::StatusOr<LayerSnapshotPtr> StandardLayer::Snapshot(uint64_t from_offset) const {
   if (offset_ <= from_offset) return nullptr;
+  ClaimRight(table_, geometry_, offset_, right_, &restored_from_);  // before readers share it
   const uint32_t p = geometry_.page_tokens;
   return std::make_shared<StandardSnapshot>(table_.Slice(from_offset / p, PagesFor(offset_, p)),
                                             geometry_, from_offset, offset_);
@@ -78,7 +100,9 @@ absl::StatusOr<std::unique_ptr<Layer>> StandardLayer::Restored(const LayerSnapsh
   ASSIGN_OR_RETURN(PageTable joined, JoinAt(geometry_, table_.Slice(0, PagesFor(snap->from(), p)),
                                             snap->table(), snap->from()));
   joined.Truncate(PagesFor(target, p));
-  return std::unique_ptr<Layer>(new StandardLayer(std::move(joined), geometry_, target));
+  auto layer = std::unique_ptr<StandardLayer>(new StandardLayer(std::move(joined), geometry_, target));
+  layer->restored_from_ = SourceOf(*snap);
+  return std::unique_ptr<Layer>(std::move(layer));
 }
 
 absl::StatusOr<LayerSnapshotPtr> StandardSnapshot::MergedWith(const LayerSnapshot& child) const {
@@ -132,6 +156,7 @@ absl::Status StandardLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
 void StandardLayer::Free() {
   table_.Clear();
   offset_ = 0;
+  right_ = {};
 }
 
 uint64_t StandardLayer::size_bytes() const { return PoolBytes(table_); }

@@ -12,6 +12,8 @@
 #include "engine/cache_spec.h"
 #include "engine/layer.h"
 #include "engine/page_table.h"
+#include "engine/staged_append.h"
+#include "engine/token_store.h"
 
 namespace kvcache::engine {
 
@@ -40,7 +42,7 @@ class StandardSnapshot final : public LayerSnapshot {
   uint64_t to_;
 };
 
-class StandardLayer final : public Layer {
+class StandardLayer final : public Layer, public StagedAppend {
  public:
   StandardLayer(gpu::PagePool& pool, const PageGeometry& geometry)
       : table_(&pool), geometry_(geometry) {}
@@ -59,6 +61,14 @@ class StandardLayer final : public Layer {
   void Free() override;
   uint64_t size_bytes() const override;
 
+  // Speculation: staged tokens are written in place past the offset; commit
+  // moves the offset (ollama speculativeKVCache).
+  absl::Status Stage(uint64_t staged, const KvInput& kv) override;
+  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  void Adopt(uint64_t tokens) override { offset_ += tokens; }
+  void DropStaged() override;
+  StagedAppend* staged_append() override { return this; }
+
  private:
   StandardLayer(PageTable table, const PageGeometry& geometry, uint64_t offset)
       : table_(std::move(table)), geometry_(geometry), offset_(offset) {}
@@ -66,6 +76,15 @@ class StandardLayer final : public Layer {
   PageTable table_;
   PageGeometry geometry_;
   uint64_t offset_ = 0;
+  // token_store.h: appending past a snapshot copies nothing. Mutable: taking
+  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
+  mutable AppendRight right_;
+  // The snapshot this layer was restored from, for its first write's
+  // ClaimRight (token_store.h RestoreSource).
+  RestoreSource restored_from_;
+  // ClaimRight at `position` (the first write after a restore may claim
+  // through restored_from_, which it then forgets).
+  void ClaimBeforeWrite(uint64_t position);
 };
 
 }  // namespace kvcache::engine

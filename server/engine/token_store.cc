@@ -19,16 +19,27 @@ struct WritePlan {
   std::vector<gpu::WriteRun> runs;
 };
 
-// Picks the page each touched index is written in: the existing one when no one
-// else holds it, else a fresh page (a copy of the old one when it has tokens
-// before `offset` that must survive).
+// Whether the span may be written in the page the table holds there: no one
+// else holds that page, or the layer's append right covers the span.
+bool WritableInPlace(const PageTable& table, const PageGeometry& g, const PageSpan& span,
+                     const AppendRight* right) {
+  const PageId page = table.Get(span.index);
+  if (page == kNoPage) return false;
+  if (table.Exclusive(span.index)) return true;
+  return right != nullptr && right->index == span.index && right->page == page &&
+         span.index * g.page_tokens + span.begin >= right->from;
+}
+
+// Picks the page each touched index is written in: the existing one when it is
+// writable in place, else a fresh page (a copy of the old one when it has
+// tokens before `offset` that must survive).
 absl::Status PlanTargets(const PageTable& table, const PageGeometry& g, uint64_t offset,
-                         uint64_t tokens, WritePlan& plan, std::vector<PageId>& targets) {
+                         uint64_t tokens, const AppendRight* right, WritePlan& plan,
+                         std::vector<PageId>& targets) {
   std::vector<uint64_t> needs_fresh;
   ForEachPage(offset, offset + tokens, g.page_tokens, [&](const PageSpan& span) {
-    const PageId existing = table.Get(span.index);
-    targets.push_back(existing);
-    if (existing == kNoPage || !table.Exclusive(span.index)) needs_fresh.push_back(targets.size() - 1);
+    targets.push_back(table.Get(span.index));
+    if (!WritableInPlace(table, g, span, right)) needs_fresh.push_back(targets.size() - 1);
   });
   std::vector<PageId> fresh;
   RETURN_IF_ERROR(table.pool()->Allocate(static_cast<uint32_t>(needs_fresh.size()), fresh));
@@ -93,12 +104,29 @@ absl::Status CheckInput(const PageGeometry& g, const KvInput& kv) {
   return absl::OkStatus();
 }
 
+// A right still valid on this page or a later one stays: the layer wrote up to
+// its `from` (staged tokens of an open speculation, read through its views
+// later) and a claim from `offset` would forget those positions.
+void ClaimRight(const PageTable& table, const PageGeometry& g, uint64_t offset,
+                AppendRight& right, const RestoreSource* source) {
+  const uint64_t index = offset / g.page_tokens;
+  if (offset % g.page_tokens == 0) return;  // the next write starts a page of its own
+  const bool valid = right.page != kNoPage && table.Get(right.index) == right.page;
+  if (valid && right.index >= index) return;
+  bool alone = table.Exclusive(index);
+  if (!alone && source != nullptr && offset >= source->end) {
+    const std::shared_ptr<const LayerSnapshot> alive = source->snapshot.lock();
+    alone = alive != nullptr && table.SharedOnlyWith(index, *source->table);
+  }
+  if (alone) right = {.index = index, .page = table.Get(index), .from = offset};
+}
+
 absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offset,
-                         const KvInput& kv) {
+                         const KvInput& kv, AppendRight* right) {
   RETURN_IF_ERROR(CheckInput(g, kv));
   WritePlan plan;
   std::vector<PageId> targets;
-  RETURN_IF_ERROR(PlanTargets(table, g, offset, kv.tokens, plan, targets));
+  RETURN_IF_ERROR(PlanTargets(table, g, offset, kv.tokens, right, plan, targets));
   gpu::PagePool& pool = *table.pool();
   absl::Status status = pool.Copy(plan.cow_copies);
   if (status.ok() && g.quantized()) {
@@ -112,6 +140,10 @@ absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offse
     return status;
   }
   for (const auto& [index, page] : plan.fresh) table.Set(index, page);
+  if (right != nullptr) {
+    *right = {.index = (offset + kv.tokens - 1) / g.page_tokens, .page = targets.back(),
+              .from = offset + kv.tokens};
+  }
   return absl::OkStatus();
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -32,16 +33,61 @@ void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& vi
   }
 }
 
+// The one page a layer may go on appending to in place while others share it
+// (snapshots, views): without it, each snapshot taken between two decode steps
+// would cost the next step a copy of the page it ends in.
+//
+//   page `page` at `index`:  [ read by holders: < from | unread by anyone else: >= from ]
+//
+// Every other holder took the page from this layer while the layer's offset was
+// at most `from`, and reads only below its own end; and only the holder of the
+// right writes it. So writing positions >= from there changes nothing anyone else
+// sees. A write grants the right on the last page it touched (from = its end);
+// the right lapses once the table no longer holds `page` at `index`. A layer
+// built from pages it did not write (restore, a copy) starts without one, and
+// positions below `from` (after a trim or an abandoned draft) are written only
+// where the page is exclusive, as before.
+struct AppendRight {
+  uint64_t index = 0;
+  gpu::PageId page = gpu::kNoPage;
+  uint64_t from = 0;
+};
+
+// Claims the right on the page holding position `offset` (the next write's)
+// when no one else holds that page and the layer wrote nothing past `offset`
+// that it may still show (a valid right there): called as a layer is about to
+// share its pages (a snapshot, a view), whose readers stop at `offset`. A restored layer
+// starts without a right; without this, its first snapshot would cost the next
+// write a copy of the page, however soon the snapshots it was restored among
+// are released.
+//
+// A restored layer also claims it where the one other holder of the page is
+// the snapshot it was restored from (`source`), whose readers stop at its end:
+// else, with that snapshot kept (it is the committed state the next round may
+// go back to), every first write after a restore would copy the page.
+struct RestoreSource {
+  std::weak_ptr<const LayerSnapshot> snapshot;
+  const PageTable* table = nullptr;  // the snapshot's pages: read only while it is locked
+  uint64_t end = 0;                  // where its readers stop
+};
+template <typename Snapshot>
+RestoreSource SourceOf(const Snapshot& snapshot) {
+  return {.snapshot = snapshot.weak_from_this(), .table = &snapshot.table(), .end = snapshot.to()};
+}
+void ClaimRight(const PageTable& table, const PageGeometry& geometry, uint64_t offset,
+                AppendRight& right, const RestoreSource* source = nullptr);
+
 // INVALID_ARGUMENT naming keys / values / tokens unless `kv` holds L >= 1
 // tokens of exactly this geometry.
 absl::Status CheckInput(const PageGeometry& geometry, const KvInput& kv);
 
 // Writes kv's tokens at positions [offset, offset + L) (quantized layers:
 // quantized on the device). Pages are allocated as needed and shared pages
-// copied first (copy-on-write). All or nothing: on
-// error `table` is unchanged and no page is leaked.
+// copied first (copy-on-write), except where `right` (may be null) allows
+// writing in place; on success `right` moves to the last page written. All or
+// nothing: on error `table` and `right` are unchanged and no page is leaked.
 absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_t offset,
-                         const KvInput& kv);
+                         const KvInput& kv, AppendRight* right = nullptr);
 
 // Copies positions `range` (every page present) into `out` as [B, H, L, D].
 absl::Status ReadTokens(const PageTable& table, const PageGeometry& geometry, TokenRange range,

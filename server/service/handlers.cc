@@ -53,14 +53,26 @@ absl::Status Handlers::Update(const UpdateView& request, const engine::CacheSpec
     const engine::StateInput state{.conv = request.state->conv_state.data,
                                    .delta = request.state->delta_state.data,
                                    .advance = request.state->advance};
-    ASSIGN_OR_RETURN(offset, engine_.UpdateState(request.cache_id, request.layer, state,
-                                                 request.expected_offset));
+    if (!request.speculation_id.empty()) {
+      ASSIGN_OR_RETURN(offset, engine_.UpdateSpeculationState(request.speculation_id,
+                                                              request.cache_id, request.layer,
+                                                              state, request.expected_offset));
+    } else {
+      ASSIGN_OR_RETURN(offset, engine_.UpdateState(request.cache_id, request.layer, state,
+                                                   request.expected_offset));
+    }
   } else {
     ASSIGN_OR_RETURN(const uint64_t tokens, CheckKvUpdate(*spec, request));
     const engine::KvInput kv{
         .keys = request.keys->data, .values = request.values->data, .tokens = tokens};
-    ASSIGN_OR_RETURN(offset, engine_.Update(request.cache_id, request.layer, kv,
-                                            request.expected_offset));
+    if (!request.speculation_id.empty()) {
+      ASSIGN_OR_RETURN(offset, engine_.UpdateSpeculation(request.speculation_id, request.cache_id,
+                                                         request.layer, kv,
+                                                         request.expected_offset));
+    } else {
+      ASSIGN_OR_RETURN(offset, engine_.Update(request.cache_id, request.layer, kv,
+                                              request.expected_offset));
+    }
   }
   response->set_layer(request.layer);
   response->set_offset(offset);
@@ -102,8 +114,9 @@ absl::Status Handlers::CheckFetchLayers(const v1::FetchRequest& request,
 }
 
 absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
-  if (request.cache_id().empty() && request.snapshot_id().empty()) {
-    return absl::InvalidArgumentError("cache_id: set cache_id or snapshot_id");
+  if (request.cache_id().empty() && request.snapshot_id().empty() &&
+      request.speculation_id().empty()) {
+    return absl::InvalidArgumentError("cache_id: set cache_id, snapshot_id or speculation_id");
   }
   const uint64_t end = request.has_end() ? request.end() : UINT64_MAX;
   if (end < request.start()) {
@@ -111,7 +124,8 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
         absl::StrFormat("end: %d is below start %d", end, request.start()));
   }
   FetchPlan plan;
-  ASSIGN_OR_RETURN(plan.view, engine_.View(request.cache_id(), request.snapshot_id()));
+  ASSIGN_OR_RETURN(plan.view, engine_.View(request.cache_id(), request.snapshot_id(),
+                                                request.speculation_id()));
   std::vector<uint32_t> layers;
   RETURN_IF_ERROR(CheckFetchLayers(request, plan.view->spec, layers));
   for (uint32_t layer : layers) PlanLayer(request, layer, end, plan);

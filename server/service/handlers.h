@@ -86,6 +86,14 @@ class Handlers {
   absl::Status MergeCaches(const v1::MergeCachesRequest& request, v1::CacheInfo* response);
   absl::Status ExtendCache(const v1::ExtendCacheRequest& request, v1::CacheInfo* response);
 
+  // Speculative decoding (speculation_handlers.cc).
+  absl::Status BeginSpeculation(const v1::BeginSpeculationRequest& request,
+                                v1::BeginSpeculationResponse* response);
+  absl::Status CommitSpeculation(const v1::CommitSpeculationRequest& request,
+                                 v1::CacheInfo* response);
+  absl::Status AbortSpeculation(const v1::AbortSpeculationRequest& request,
+                                v1::CacheInfo* response);
+
   engine::Engine& engine() { return engine_; }
 
  private:

@@ -43,6 +43,9 @@ KV_UNARY_RPC(ExtractRow, ExtractRowRequest, CacheInfo)
 KV_UNARY_RPC(FilterRows, FilterRowsRequest, CacheInfo)
 KV_UNARY_RPC(MergeCaches, MergeCachesRequest, CacheInfo)
 KV_UNARY_RPC(ExtendCache, ExtendCacheRequest, CacheInfo)
+KV_UNARY_RPC(BeginSpeculation, BeginSpeculationRequest, BeginSpeculationResponse)
+KV_UNARY_RPC(CommitSpeculation, CommitSpeculationRequest, CacheInfo)
+KV_UNARY_RPC(AbortSpeculation, AbortSpeculationRequest, CacheInfo)
 KV_UNARY_RPC(GetStats, GetStatsRequest, Stats)
 
 #undef KV_UNARY_RPC

@@ -29,8 +29,11 @@ using KvCacheServiceBase = v1::KvCacheService::WithCallbackMethod_CreateCache<
     v1::KvCacheService::WithCallbackMethod_FilterRows<
     v1::KvCacheService::WithCallbackMethod_MergeCaches<
     v1::KvCacheService::WithCallbackMethod_ExtendCache<
+    v1::KvCacheService::WithCallbackMethod_BeginSpeculation<
+    v1::KvCacheService::WithCallbackMethod_CommitSpeculation<
+    v1::KvCacheService::WithCallbackMethod_AbortSpeculation<
     v1::KvCacheService::WithCallbackMethod_GetStats<
-    v1::KvCacheService::Service>>>>>>>>>>>>>>>>>>;
+    v1::KvCacheService::Service>>>>>>>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
@@ -85,6 +88,15 @@ class KvCacheService final : public KvCacheServiceBase {
   grpc::ServerUnaryReactor* ExtendCache(grpc::CallbackServerContext* context,
                                         const v1::ExtendCacheRequest* request,
                                         v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* BeginSpeculation(grpc::CallbackServerContext* context,
+                                             const v1::BeginSpeculationRequest* request,
+                                             v1::BeginSpeculationResponse* response) override;
+  grpc::ServerUnaryReactor* CommitSpeculation(grpc::CallbackServerContext* context,
+                                              const v1::CommitSpeculationRequest* request,
+                                              v1::CacheInfo* response) override;
+  grpc::ServerUnaryReactor* AbortSpeculation(grpc::CallbackServerContext* context,
+                                             const v1::AbortSpeculationRequest* request,
+                                             v1::CacheInfo* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;

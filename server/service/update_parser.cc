@@ -144,6 +144,8 @@ class UpdateParser {
         return tag.wire_type == kLengthDelimited && ParseTensorOnce(end, out.values);
       case 5:
         return tag.wire_type == kLengthDelimited && ParseStateOnce(end, out.state);
+      case 6:
+        return tag.wire_type == kLengthDelimited && ParseAscii(end, out.speculation_id);
       case 7:
         if (tag.wire_type != kVarint || !ReadValue(end, value)) return false;
         out.expected_offset = value;

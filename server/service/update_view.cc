@@ -27,6 +27,7 @@ UpdateView ViewOf(const v1::UpdateRequest& request) {
                            .advance = state.advance()};
   }
   if (request.has_expected_offset()) view.expected_offset = request.expected_offset();
+  view.speculation_id = request.speculation_id();
   return view;
 }
 

@@ -38,6 +38,7 @@ struct UpdateView {
   std::optional<TensorView> values;
   std::optional<StateView> state;
   std::optional<uint64_t> expected_offset;
+  std::string speculation_id;  // empty: the live cache
 };
 
 // A view of `request`, whose tensors' data it points into: `request` must

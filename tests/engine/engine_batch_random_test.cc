@@ -176,7 +176,9 @@ class EngineBatchRandomTest : public GpuTestBase {
           static_cast<unsigned long long>(s.batch_ops_refused),
           static_cast<unsigned long long>(s.restores_ok),
           static_cast<unsigned long long>(s.restores_refused));
+      PrintSpeculationStats(config, s);
       EXPECT_EQ(s.operations, config.operations) << config.name;
+      ExpectSpeculationCoverage(config, s);
       // Each run exercises the batch operations, and the long ones their refusals.
       EXPECT_GT(s.batch_ops_ok, config.operations / 40) << config.name;
       if (config.operations >= kFullOperations) {

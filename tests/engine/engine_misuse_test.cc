@@ -352,7 +352,9 @@ TEST_P(EngineMisuseTest, PoolExhaustionChangesNothing) {
   EXPECT_EQ(pool_->stats().used_pages, 4u);
   RefCacheSnapshotPtr snapshot;
   const std::string snapshot_id = cache.Snapshot(0, &snapshot);
-  // Writing position 7 shares its page with the snapshot: the copy has no room.
+  // Rewriting position 6, which the snapshot holds, needs a copy of its page:
+  // there is no room for one.
+  ASSERT_TRUE(cache.Restore("", nullptr, 6));
   KvTensors one = RandomKv(cache.spec(), 0, 1, rng);
   ExpectRefused(exhausted, "", [&] { return engine_->Update(cache.id(), 0, one.input()); });
   ASSERT_TRUE(engine_->ReleaseSnapshot(snapshot_id).ok());

@@ -294,6 +294,7 @@ void PrintStats(const RandomConfig& config, const RandomRunStats& s) {
               static_cast<unsigned long long>(s.merges_ok),
               static_cast<unsigned long long>(s.splits_ok),
               static_cast<unsigned long long>(s.refusals));
+  PrintSpeculationStats(config, s);
 }
 
 class EngineRandomTest : public GpuTestBase {
@@ -329,6 +330,7 @@ class EngineRandomTest : public GpuTestBase {
       // Each run reaches restores that succeed and ones that are refused.
       EXPECT_GT(s.restores_ok, 0u) << config.name;
       EXPECT_GT(s.restores_refused, 0u) << config.name;
+      ExpectSpeculationCoverage(config, s);
       // Every page is back on the free list once snapshots and caches are gone.
       EXPECT_EQ(pool->stats().used_pages, 0u) << config.name;
     }

@@ -134,8 +134,10 @@ TEST_P(QuantizedEngineTest, DequantizedValuesLieWithinOneStepOfTheInput) {
   }
 }
 
-// Snapshot shares the pages; the next write copies the one shared page it
-// touches; restore and merge share again (at most one boundary page each).
+// Snapshot shares the pages; appending past its end writes the shared page in
+// place (token_store.h AppendRight); a write over positions it holds copies the
+// one shared page it touches; restore and merge share again (at most one
+// boundary page each).
 TEST_P(QuantizedEngineTest, SnapshotsShareQuantizedPages) {
   const std::string id = Create(MixedSpec());
   Append(id, 50);  // 13 pages a layer, the last one half full
@@ -144,6 +146,11 @@ TEST_P(QuantizedEngineTest, SnapshotsShareQuantizedPages) {
   const std::string whole_id = engine_->Snapshot(id, 0)->snapshot_id;
   EXPECT_EQ(UsedPages(), filled) << "Snapshot copied pages";
   Append(id, 1);
+  EXPECT_EQ(UsedPages(), filled) << "appending past the snapshot copied its page";
+  EXPECT_TRUE(Matches("", whole_id, whole.get())) << "the write reached the snapshot";
+  ASSERT_TRUE(engine_->Restore(id, "", 49).ok());  // back over position 49, which it holds
+  ASSERT_TRUE(reference_->Restore(nullptr, 49));
+  Append(id, 2);
   EXPECT_EQ(UsedPages(), filled + 2) << "one copy-on-write page per layer";
   EXPECT_TRUE(Matches("", whole_id, whole.get())) << "the write reached the snapshot";
   EXPECT_TRUE(Matches(id, "", nullptr));

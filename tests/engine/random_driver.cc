@@ -16,13 +16,13 @@ namespace {
 // Bounds that keep one run's memory and time small: the snapshots held at once,
 // and how far standard layers may grow before the driver trims or recreates.
 constexpr size_t kMaxSnapshots = 8;
-constexpr uint64_t kStandardOffsetCap = 150;
 
 const char* OpName(int op) {
   static const char* const kNames[] = {"Update", "Fetch",   "Trim",    "Snapshot",
                                        "Restore", "Rewind", "Merge",   "Split",
                                        "Release", "FetchSnapshot", "Recreate",
-                                       "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache"};
+                                       "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache",
+                                       "Speculate"};
   return kNames[op];
 }
 
@@ -77,10 +77,12 @@ void RandomDriver::Forget(const std::string& id) {
 
 RandomDriver::Op RandomDriver::PickOp() {
   // Weights in Op order; Recreate is rare because it resets the history.
-  static const std::vector<double> kWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3};
+  // Speculation rounds last, several updates and fetches each.
+  static const std::vector<double> kWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3,
+                                               0, 0, 0, 0, 4};
   // Batch operations (extract, filter, merge, extend) when configured.
   static const std::vector<double> kBatchWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3,
-                                                    3, 4, 3, 4};
+                                                    3, 4, 3, 4, 4};
   const std::vector<double>& weights = config_.batch_ops ? kBatchWeights : kWeights;
   std::discrete_distribution<int> pick(weights.begin(), weights.end());
   return static_cast<Op>(pick(rng_));
@@ -115,6 +117,7 @@ void RandomDriver::Step(Op op) {
     case Op::kFilterRows: return FilterRows();
     case Op::kMergeCaches: return MergeCaches();
     case Op::kExtendCache: return ExtendCache();
+    case Op::kSpeculate: return Speculate();
   }
 }
 

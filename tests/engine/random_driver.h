@@ -14,8 +14,13 @@
 
 #include "engine/engine.h"
 #include "reference_model.h"
+#include "reference_speculation.h"
 
 namespace kvcache::testing {
+
+// How far standard layers may grow before the driver trims or recreates (keeps
+// one run's memory and time small).
+inline constexpr uint64_t kStandardOffsetCap = 150;
 
 struct RandomConfig {
   std::string name;
@@ -41,7 +46,22 @@ struct RandomRunStats {
   uint64_t refusals = 0;
   uint64_t batch_ops_ok = 0;       // extract, filter, merge, extend
   uint64_t batch_ops_refused = 0;
+  // Speculation rounds (random_driver_speculation.cc): those committed (with
+  // accepted < drafted among them), aborted, isolated, ended by deleting the
+  // cache; refusals checked; views of the speculation compared.
+  uint64_t speculations_committed = 0;
+  uint64_t speculations_partly_accepted = 0;
+  uint64_t speculations_aborted = 0;
+  uint64_t speculations_isolated = 0;
+  uint64_t speculations_deleted = 0;
+  uint64_t speculation_refusals = 0;
+  uint64_t speculation_views = 0;
 };
+
+// One line of a run's speculation counts.
+void PrintSpeculationStats(const RandomConfig& config, const RandomRunStats& stats);
+// Every run commits (some partly), aborts and compares speculative views.
+void ExpectSpeculationCoverage(const RandomConfig& config, const RandomRunStats& stats);
 
 class RandomDriver {
  public:
@@ -61,7 +81,7 @@ class RandomDriver {
   enum class Op {
     kUpdate, kFetch, kTrim, kSnapshot, kRestore, kRewind,
     kMerge, kSplit, kRelease, kFetchSnapshot, kRecreate,
-    kExtractRow, kFilterRows, kMergeCaches, kExtendCache,
+    kExtractRow, kFilterRows, kMergeCaches, kExtendCache, kSpeculate,
   };
 
   Op PickOp();
@@ -86,6 +106,26 @@ class RandomDriver {
   void Split();
   void Release();
   void FetchSnapshot();
+
+  // A speculation round (random_driver_speculation.cc): begin (isolated
+  // sometimes), draft 1..8 tokens on every layer in pieces, compare views of
+  // the speculation and of the live cache, probe the refusals, then commit
+  // 0..k accepted tokens or abort (or delete the cache), mirrored by
+  // RefSpeculation.
+  void Speculate();
+  void DraftTokens(const std::string& speculation_id, RefSpeculation& reference, uint64_t tokens);
+  void DraftLayer(const std::string& speculation_id, RefSpeculation& reference, uint32_t layer,
+                  uint64_t tokens);
+  void DraftStates(const std::string& speculation_id, RefSpeculation& reference, uint32_t layer,
+                   uint64_t tokens);
+  void CheckSpeculativeView(const std::string& speculation_id, const RefSpeculation& reference);
+  // Live mutations are refused while a speculation is open (and change
+  // nothing); snapshots and reads of the committed history are not.
+  void ProbeWhileSpeculating(const std::string& speculation_id);
+  void EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
+  // Commit with drafted layers out of step, then finish the step.
+  void ProbeCommitOutOfStep(const std::string& speculation_id, RefSpeculation& reference);
+  void ExpectSpeculationGone(const std::string& speculation_id);
 
   // Batch operations (random_driver_batch.cc).
   void ExtractRow();

@@ -147,6 +147,11 @@ v1::UpdateRequest RandomUpdateRequest(std::mt19937_64& rng, uint64_t max_data) {
     state->set_advance(RandomValue(rng));
   }
   if (Coin(rng)) request.set_expected_offset(RandomValue(rng));
+  if (Coin(rng)) {
+    const size_t length = rng() % 40;
+    const char letter = static_cast<char>('a' + rng() % 26);
+    request.set_speculation_id(std::string(length, letter));
+  }
   return request;
 }
 
@@ -157,8 +162,11 @@ std::string RandomEncoding(const v1::UpdateRequest& request, std::mt19937_64& rn
   if (request.has_keys()) fields.push_back(BytesField(3, EncodeTensor(request.keys(), rng)));
   if (request.has_values()) fields.push_back(BytesField(4, EncodeTensor(request.values(), rng)));
   if (request.has_state()) fields.push_back(BytesField(5, EncodeState(request.state(), rng)));
+  if (!request.speculation_id().empty() || Coin(rng)) {
+    fields.push_back(BytesField(6, request.speculation_id()));
+  }
   if (request.has_expected_offset()) fields.push_back(VarintField(7, request.expected_offset()));
-  AddUnknown(fields, {6, 8, 9, 1000}, rng);
+  AddUnknown(fields, {8, 9, 10, 1000}, rng);
   return Interleave({}, std::move(fields), rng);
 }
 
@@ -209,6 +217,7 @@ v1::UpdateRequest Rebuild(const service::UpdateView& view) {
     state->set_advance(view.state->advance);
   }
   if (view.expected_offset.has_value()) request.set_expected_offset(*view.expected_offset);
+  request.set_speculation_id(view.speculation_id);
   return request;
 }
 

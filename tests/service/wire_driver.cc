@@ -26,7 +26,8 @@ const char* OpName(int op) {
   static const char* const kNames[] = {
       "Step",    "StreamSteps", "TornStep",   "Fetch",      "FetchWindow", "Trim",
       "Snapshot", "Restore",    "Rewind",     "Merge",      "Split",       "Release",
-      "FetchSnapshot", "Recreate", "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache"};
+      "FetchSnapshot", "Recreate", "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache",
+      "Speculate"};
   return kNames[op];
 }
 
@@ -81,11 +82,13 @@ void WireDriver::Forget(const std::string& id) {
 
 WireDriver::Op WireDriver::PickOp() {
   // Weights in Op order; a torn step needs two layers; Recreate resets history;
-  // batch operations only when configured.
+  // batch operations only when configured. Speculation rounds are about 5% of
+  // the operations (each is several streams and reads).
   const double torn = reference_->num_layers() > 1 ? 3 : 0;
   const double batch = config_.batch_ops ? 3 : 0;
+  const double speculate = config_.batch_ops ? 5.8 : 5.2;
   const std::vector<double> weights = {24, 5, torn, 10, 6, 6, 10, 9, 5, 6, 5, 4, 6, 0.3,
-                                       batch, batch, batch, batch};
+                                       batch, batch, batch, batch, speculate};
   std::discrete_distribution<int> pick(weights.begin(), weights.end());
   return static_cast<Op>(pick(rng_));
 }
@@ -123,6 +126,7 @@ void WireDriver::Step(Op op) {
     case Op::kFilterRows: return FilterRows();
     case Op::kMergeCaches: return MergeCaches();
     case Op::kExtendCache: return ExtendCache();
+    case Op::kSpeculate: return Speculate();
   }
 }
 

@@ -14,12 +14,16 @@
 // attention layer) and leave the cache out of step, windowed and chunked
 // Fetch streams, and ListSnapshots. With batch_ops, ExtractRow, FilterRows,
 // MergeCaches and ExtendCache too (wire_driver_batch.cc), against
-// reference_batch.h. Several drivers may share one server (each on its own
-// cache), one per thread.
+// reference_batch.h. Speculation rounds (wire_driver_speculation.cc): Begin
+// (isolated sometimes), drafts through Update streams with speculation_id,
+// reads of the speculative view through Fetch with speculation_id, refused
+// live operations, then Commit or Abort, against reference_speculation.h.
+// Several drivers may share one server (each on its own cache), one per thread.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -35,6 +39,7 @@
 #include "kvcache_client.h"
 #include "gtest/gtest.h"
 #include "reference_model.h"
+#include "reference_speculation.h"
 
 namespace kvcache::testing {
 
@@ -46,6 +51,9 @@ struct WireConfig {
   // Also extract, filter, merge and extend rows, with partner caches of random
   // batch sizes, padding and history.
   bool batch_ops = false;
+  // Other drivers use the server at the same time: its page counts are not
+  // this driver's alone, so it skips the checks that need them.
+  bool shares_server = false;
 };
 
 // What a run did, so a test can check that each path was taken.
@@ -66,6 +74,17 @@ struct WireRunStats {
   uint64_t packed_fetches = 0;     // quantized layers, FetchRequest.packed
   uint64_t batch_ops_ok = 0;       // extract, filter, merge, extend
   uint64_t batch_ops_refused = 0;
+  // Speculation rounds: those committed (with fewer tokens accepted than
+  // drafted: partly), aborted, ended by deleting the cache, isolated; reads
+  // of the speculative view; refusals while one was open or after it ended.
+  uint64_t speculations_committed = 0;
+  uint64_t speculations_partly_accepted = 0;
+  uint64_t speculations_aborted = 0;
+  uint64_t speculations_deleted = 0;
+  uint64_t speculations_isolated = 0;
+  uint64_t speculation_views = 0;
+  uint64_t speculation_refusals = 0;
+  uint64_t drafted_tokens = 0;  // per round, not per layer
 };
 
 class WireDriver {
@@ -87,12 +106,15 @@ class WireDriver {
   // One layer's part of a step: tokens for an attention layer, a state
   // advancing by `advance` for a recurrent one. With `wrong_kind` it is sent
   // as the other kind (keys and values to a recurrent layer, a state alone
-  // to an attention layer), which the server refuses. Updates point into a
-  // StepPart, so it must not move once they are made (keep them in a deque).
+  // to an attention layer), which the server refuses. With `live` it is a
+  // live update amid a speculation's drafts, refused while it is open.
+  // Updates point into a StepPart, so it must not move once they are made
+  // (keep them in a deque).
   struct StepPart {
     uint32_t layer = 0;
     bool recurrent = false;
     bool wrong_kind = false;
+    bool live = false;
     KvTensors kv;
     RefState state;
     uint64_t advance = 0;
@@ -116,6 +138,7 @@ class WireDriver {
     kFilterRows,
     kMergeCaches,
     kExtendCache,
+    kSpeculate,
   };
 
   Op PickOp();
@@ -142,9 +165,16 @@ class WireDriver {
   // Sends `updates` (made from `parts`) in one stream. The reference applies
   // the first `applied`; if that is not all, part `applied` must end the
   // stream: INVALID_ARGUMENT if it is of the wrong kind, else
-  // FAILED_PRECONDITION (its expected_offset is wrong).
+  // FAILED_PRECONDITION (a live update while a speculation is open, or its
+  // expected_offset is wrong).
   void SendStream(const std::vector<LayerUpdate>& updates, const std::deque<StepPart>& parts,
                   size_t applied);
+  // As above, with `mirror` applying each acknowledged part to the reference
+  // the stream writes to and returning that layer's offset after it (the
+  // acknowledged one).
+  using Mirror = std::function<uint64_t(const StepPart&)>;
+  void SendStream(const std::vector<LayerUpdate>& updates, const std::deque<StepPart>& parts,
+                  size_t applied, const Mirror& mirror);
   static void ApplyTo(RefCache& reference, const StepPart& part);
 
   void FetchLive();
@@ -159,6 +189,42 @@ class WireDriver {
   void Split();
   void Release();
   void FetchSnapshot();
+  // A random FetchRequest of the layers it lists in `layers` (in order),
+  // positions up to `bound`.
+  v1::FetchRequest RandomFetchRequest(uint64_t bound, std::vector<uint32_t>& layers);
+
+  // Speculation rounds (wire_driver_speculation.cc).
+  void Speculate();
+  // Drafts `tokens` tokens on every layer, in pieces sent in one Update
+  // stream or several; recurrent layers mostly one state per token.
+  void DraftTokens(const std::string& speculation_id, RefSpeculation& reference,
+                   uint64_t tokens);
+  void AddDraftParts(uint32_t layer, uint64_t tokens, std::deque<StepPart>& parts);
+  // Sends `parts` as drafts in one stream, sometimes with one bad message
+  // that ends it part way; then sends what it did not apply.
+  void SendDraft(const std::string& speculation_id, RefSpeculation& reference,
+                 std::deque<StepPart> parts);
+  void CheckSpeculativeView(const std::string& speculation_id, const RefSpeculation& reference);
+  ::testing::AssertionResult SpeculativeLayerMatches(const std::string& speculation_id,
+                                                     uint32_t layer,
+                                                     const RefSpeculation& reference);
+  void FetchSpeculationWindow(const std::string& speculation_id, const RefSpeculation& reference);
+  // Live mutations are refused while a speculation is open and change nothing;
+  // reads and snapshots of the committed history are allowed.
+  // Adds to `page_shift` the pages its snapshot took (or the release that made
+  // room for it freed).
+  void ProbeWhileSpeculating(const std::string& speculation_id, int64_t& page_shift);
+  // Drafted layers out of step: a commit is refused.
+  void ProbeCommitOutOfStep(const std::string& speculation_id, const RefSpeculation& reference);
+  // Sets `kept_none` when the live cache kept no drafted token (aborted,
+  // isolated, or none accepted).
+  void EndSpeculation(const std::string& speculation_id, RefSpeculation& reference,
+                      bool& kept_none);
+  // A speculation that kept nothing holds no page once it ends.
+  void CheckPagesAfterSpeculation(bool isolated, uint64_t pages_before);
+  // Pages in use on the server (nullopt when it is shared, see WireConfig).
+  std::optional<uint64_t> PagesInUse();
+  void ExpectSpeculationGone(const std::string& speculation_id);
 
   // Batch operations (wire_driver_batch.cc).
   void ExtractRow();
@@ -176,10 +242,12 @@ class WireDriver {
   void Adopt(const std::string& id, std::unique_ptr<RefCache> reference);
   uint32_t Batch() const { return reference_->spec().batch_size; }
 
-  // Reads and comparisons (wire_driver_checks.cc).
+  // Reads and comparisons (wire_driver_checks.cc). `chunks` answer `request`
+  // for the live cache, `snapshot` (not null) or `speculation` (not null).
   void CheckFetchedChunks(const v1::FetchRequest& request, const std::vector<uint32_t>& layers,
                           const std::vector<v1::FetchResponse>& chunks,
-                          const RefCacheSnapshot* snapshot);
+                          const RefCacheSnapshot* snapshot,
+                          const RefSpeculation* speculation = nullptr);
   void CheckSnapshotInfo(const v1::SnapshotInfo& info, const RefCacheSnapshot& reference,
                          bool pinned);
   void CheckOffsets();

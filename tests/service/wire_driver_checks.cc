@@ -60,26 +60,32 @@ void WireDriver::FetchSnapshot() {
   ++stats_.snapshot_fetches;
 }
 
-// A Fetch of the live cache or a snapshot with a random window, a random
-// subset of layers in random order, small chunks, and sometimes `packed`.
-void WireDriver::FetchWindow() {
-  const TrackedSnapshot* snapshot =
-      !snapshots_.empty() && Chance(0.4) ? &snapshots_[RandomSnapshotIndex()] : nullptr;
+v1::FetchRequest WireDriver::RandomFetchRequest(uint64_t bound, std::vector<uint32_t>& layers) {
   v1::FetchRequest request;
-  request.set_cache_id(cache_id_);
-  if (snapshot != nullptr) request.set_snapshot_id(snapshot->id);
-  std::vector<uint32_t> layers(reference_->num_layers());
+  layers.resize(reference_->num_layers());
   for (uint32_t l = 0; l < layers.size(); ++l) layers[l] = l;
   if (Chance(0.7)) {
     std::shuffle(layers.begin(), layers.end(), rng_);
     layers.resize(Uniform(1, layers.size()));
     for (uint32_t l : layers) request.add_layers(l);
   }
-  const uint64_t bound = (snapshot ? snapshot->reference->to : reference_->layer_offsets()[0]) + 2;
   request.set_start(Uniform(0, bound));
   if (Chance(0.7)) request.set_end(Uniform(request.start(), bound + 1));
   request.set_max_chunk_tokens(Chance(0.3) ? 0 : Uniform(1, 9));
   request.set_packed(Chance(0.3));  // only quantized layers have another form
+  return request;
+}
+
+// A Fetch of the live cache or a snapshot with a random window, a random
+// subset of layers in random order, small chunks, and sometimes `packed`.
+void WireDriver::FetchWindow() {
+  const TrackedSnapshot* snapshot =
+      !snapshots_.empty() && Chance(0.4) ? &snapshots_[RandomSnapshotIndex()] : nullptr;
+  const uint64_t bound = (snapshot ? snapshot->reference->to : reference_->layer_offsets()[0]) + 2;
+  std::vector<uint32_t> layers;
+  v1::FetchRequest request = RandomFetchRequest(bound, layers);
+  request.set_cache_id(cache_id_);
+  if (snapshot != nullptr) request.set_snapshot_id(snapshot->id);
   SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
   std::vector<v1::FetchResponse> chunks;
   const absl::Status status = client_.Fetch(request, [&](const v1::FetchResponse& chunk) {
@@ -125,9 +131,22 @@ uint64_t PackedLength(const v1::FetchResponse& chunk) {
 void WireDriver::CheckFetchedChunks(const v1::FetchRequest& request,
                                     const std::vector<uint32_t>& layers,
                                     const std::vector<v1::FetchResponse>& chunks,
-                                    const RefCacheSnapshot* snapshot) {
+                                    const RefCacheSnapshot* snapshot,
+                                    const RefSpeculation* speculation) {
   const engine::CacheSpec& spec = snapshot ? snapshot->spec : reference_->spec();
   const engine::TokenRange window{request.start(), request.has_end() ? request.end() : UINT64_MAX};
+  // What the source holds: tokens, a recurrent layer's state and its offset.
+  const auto tokens_of = [&](uint32_t layer) {
+    return speculation ? speculation->Fetch(layer) : Expected(layer, snapshot);
+  };
+  const auto state_of = [&](uint32_t layer) -> std::optional<RefState> {
+    if (speculation == nullptr) return ExpectedState(layer, snapshot);
+    return speculation->FetchState(layer).value_or(ZeroState(spec, layer));
+  };
+  const auto state_offset = [&](uint32_t layer) {
+    if (speculation != nullptr) return speculation->layer_offsets()[layer];
+    return snapshot ? snapshot->layers[layer]->to : reference_->layer(layer).offset();
+  };
   size_t next = 0;
   for (uint32_t layer : layers) {
     SCOPED_TRACE(absl::StrCat("layer ", layer));
@@ -136,17 +155,16 @@ void WireDriver::CheckFetchedChunks(const v1::FetchRequest& request,
       mine.push_back(chunks[next]);
     }
     if (engine::IsRecurrent(spec.layers[layer])) {
-      const std::optional<RefState> state = ExpectedState(layer, snapshot);
+      const std::optional<RefState> state = state_of(layer);
       ASSERT_EQ(mine.size(), state.has_value() ? 1u : 0u);
       if (!state.has_value()) continue;
-      ASSERT_EQ(mine[0].start(), snapshot ? snapshot->layers[layer]->to
-                                          : reference_->layer(layer).offset());
+      ASSERT_EQ(mine[0].start(), state_offset(layer));
       absl::StatusOr<RefState> actual = StateOf(spec, layer, mine[0].state());
       ASSERT_TRUE(actual.ok()) << actual.status();
       ASSERT_TRUE(*actual == *state) << "state bytes differ";
       continue;
     }
-    const std::vector<RefToken> expected = Clip(Expected(layer, snapshot), window);
+    const std::vector<RefToken> expected = Clip(tokens_of(layer), window);
     const bool quantized = std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind);
     if (request.packed() && quantized) {
       for (const v1::FetchResponse& chunk : mine) {

@@ -92,6 +92,15 @@ void WireDriver::ApplyTo(RefCache& reference, const StepPart& part) {
 
 void WireDriver::SendStream(const std::vector<LayerUpdate>& updates,
                             const std::deque<StepPart>& parts, size_t applied) {
+  SendStream(updates, parts, applied, [this](const StepPart& part) {
+    ApplyTo(*reference_, part);
+    return reference_->layer(part.layer).offset();
+  });
+}
+
+void WireDriver::SendStream(const std::vector<LayerUpdate>& updates,
+                            const std::deque<StepPart>& parts, size_t applied,
+                            const Mirror& mirror) {
   absl::Status status;
   std::vector<v1::UpdateResponse> acks;
   if (applied == updates.size() && Chance(0.5)) {
@@ -114,6 +123,10 @@ void WireDriver::SendStream(const std::vector<LayerUpdate>& updates,
     EXPECT_THAT(std::string(status.message()),
                 HasSubstr(parts[applied].recurrent ? "keys" : "state"));
     ++stats_.wrong_kind_streams;
+  } else if (parts[applied].live) {
+    ASSERT_EQ(status.code(), Code::kFailedPrecondition) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("speculation is open"));
+    ++stats_.speculation_refusals;
   } else {
     ASSERT_EQ(status.code(), Code::kFailedPrecondition) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("expected_offset"));
@@ -121,10 +134,10 @@ void WireDriver::SendStream(const std::vector<LayerUpdate>& updates,
   }
   ASSERT_EQ(acks.size(), applied) << "acknowledgements of a stream of " << updates.size();
   for (size_t i = 0; i < applied; ++i) {
-    ApplyTo(*reference_, parts[i]);
+    const uint64_t offset = mirror(parts[i]);
     stats_.state_updates += parts[i].recurrent;
     ASSERT_EQ(acks[i].layer(), updates[i].layer) << "ack " << i;
-    ASSERT_EQ(acks[i].offset(), reference_->layer(updates[i].layer).offset()) << "ack " << i;
+    ASSERT_EQ(acks[i].offset(), offset) << "ack " << i;
   }
 }
 

@@ -1,0 +1,94 @@
+// Engine::LockedCache, shared by engine.cc and engine_speculation.cc (not part
+// of the engine's interface): a cache found by id whose mutex is held for the
+// rest of the call, with the speculation open on it, if any.
+#pragma once
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "core/status_macros.h"
+#include "engine/engine.h"
+#include "engine/speculation.h"
+
+namespace kvcache::engine {
+
+inline absl::Status UnknownCache(const std::string& cache_id) {
+  return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
+}
+
+class Engine::LockedCache {
+ public:
+  static absl::StatusOr<LockedCache> Open(const Engine& engine, const std::string& cache_id) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, engine.FindEntry(cache_id));
+    LockedCache locked(std::move(entry));
+    if (locked.entry_->deleted) return UnknownCache(cache_id);
+    return locked;
+  }
+  // `entry` locked; NOT_FOUND (naming cache_id) once deleted.
+  static absl::StatusOr<LockedCache> OpenEntry(std::shared_ptr<Entry> entry,
+                                               const std::string& cache_id) {
+    LockedCache locked(std::move(entry));
+    if (locked.entry_->deleted) return UnknownCache(cache_id);
+    return locked;
+  }
+  // Every distinct id of `ids` opened in id order, so that calls locking the same
+  // caches cannot deadlock; NOT_FOUND names the id's entry of `fields`.
+  static absl::StatusOr<std::vector<std::pair<std::string, LockedCache>>> OpenInOrder(
+      const Engine& engine, absl::Span<const std::string> ids,
+      absl::Span<const std::string> fields) {
+    std::vector<size_t> order(ids.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return ids[a] < ids[b]; });
+    std::vector<std::pair<std::string, LockedCache>> opened;
+    for (size_t i : order) {
+      if (!opened.empty() && opened.back().first == ids[i]) continue;
+      absl::StatusOr<LockedCache> cache = Open(engine, ids[i]);
+      if (!cache.ok()) {
+        return absl::NotFoundError(absl::StrCat(fields[i], ": no cache \"", ids[i], "\""));
+      }
+      opened.emplace_back(ids[i], *std::move(cache));
+    }
+    return opened;
+  }
+  LockedCache(LockedCache&& other) noexcept : entry_(std::move(other.entry_)) {}
+  ~LockedCache() {
+    if (entry_) entry_->mutex.Unlock();
+  }
+  Cache& operator*() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return *entry_->cache; }
+  Cache* operator->() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->cache.get(); }
+  const std::shared_ptr<Entry>& entry() const { return entry_; }
+  // Puts `cache` in the old one's place and frees the old one's pages.
+  void Replace(std::unique_ptr<Cache> cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    entry_->cache.swap(cache);
+    cache->Free();
+  }
+  // The speculation open on the cache, or null.
+  Speculation* speculation() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return entry_->speculation.get();
+  }
+  std::unique_ptr<Speculation>& speculation_slot() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return entry_->speculation;
+  }
+  // FAILED_PRECONDITION (naming `field`) while a speculation is open: the
+  // live layers hold its drafted tokens and must not change under it.
+  absl::Status RefuseWhileSpeculating(const char* field) const {
+    if (speculation() == nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": a speculation is open on this cache; commit or abort it first (snapshots and "
+               "reads of the committed history stay allowed)"));
+  }
+
+ private:
+  explicit LockedCache(std::shared_ptr<Entry> entry) : entry_(std::move(entry)) {
+    entry_->mutex.Lock();
+  }
+  std::shared_ptr<Entry> entry_;
+};
+
+}  // namespace kvcache::engine
