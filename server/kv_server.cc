@@ -1,5 +1,7 @@
 #include "kv_server.h"
 
+#include "gpu/quant_kernels.h"
+
 #include <chrono>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -42,6 +44,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
           pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
           config.engine.page_tokens);
+  LogInfo("quantized layers: %s",
+          server->pool_->quantizes_on_host()
+              ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
+              : std::string("compute shaders"));
   server->engine_ = std::make_unique<engine::Engine>(*server->pool_, config.engine);
   server->handlers_ = std::make_unique<service::Handlers>(
       *server->engine_, service::ServiceOptions{.max_message_bytes = config.max_message_bytes,

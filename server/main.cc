@@ -9,7 +9,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "kv_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");
@@ -25,13 +27,24 @@ ABSL_FLAG(uint64_t, max_message_bytes, 64 << 20, "largest gRPC message either si
 ABSL_FLAG(uint64_t, max_update_tokens, 1 << 16, "most tokens one Update message may carry");
 ABSL_FLAG(bool, force_staging, false,
           "use staging buffers and transfer commands even where device memory is host-visible");
+ABSL_FLAG(std::string, quantize_kernel, "auto",
+          "where quantized layers are packed: auto (native CPU kernels on a CPU device such as "
+          "lavapipe, compute shaders elsewhere), shader, or host (CPU kernels; direct path only)");
 ABSL_FLAG(bool, validation, false, "enable the Vulkan validation layer (debugging)");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 
 namespace {
 
-kvcache::ServerConfig ConfigFromFlags() {
+absl::StatusOr<kvcache::gpu::QuantKernel> QuantKernelFromFlag(const std::string& name) {
+  if (name == "auto") return kvcache::gpu::QuantKernel::kAuto;
+  if (name == "shader") return kvcache::gpu::QuantKernel::kShader;
+  if (name == "host") return kvcache::gpu::QuantKernel::kHost;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--quantize_kernel: \"", name, "\" is not auto, shader or host"));
+}
+
+absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   kvcache::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
   config.device.selector = absl::GetFlag(FLAGS_device);
@@ -42,6 +55,8 @@ kvcache::ServerConfig ConfigFromFlags() {
   config.engine.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   config.engine.max_update_tokens = absl::GetFlag(FLAGS_max_update_tokens);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  ASSIGN_OR_RETURN(config.pool.quantize_kernel,
+                   QuantKernelFromFlag(absl::GetFlag(FLAGS_quantize_kernel)));
   return config;
 }
 
@@ -82,7 +97,12 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  auto server = kvcache::KvCacheServer::Start(ConfigFromFlags());
+  absl::StatusOr<kvcache::ServerConfig> config = ConfigFromFlags();
+  if (!config.ok()) {
+    kvcache::LogError("%s", config.status().ToString());
+    return 2;
+  }
+  auto server = kvcache::KvCacheServer::Start(*config);
   if (!server.ok()) {
     kvcache::LogError("cannot start: %s", server.status().ToString());
     return 1;

@@ -53,6 +53,7 @@ class PageAllocator {
   PageAllocator(const Device& device, const PageGeometry& geometry, bool host_mapped);
 
   const PageGeometry& geometry() const { return geometry_; }
+  bool host_mapped() const { return host_mapped_; }
   PoolStats stats() const;
   uint32_t available_pages() const;
 

@@ -88,9 +88,10 @@ void StreamingStoresDone() {
 
 class PagePool::Impl {
  public:
-  Impl(const Device& device, const PageGeometry& geometry, std::unique_ptr<StagedTransfer> staged)
+  Impl(const Device& device, const PageGeometry& geometry, QuantKernel quantize_kernel,
+       std::unique_ptr<StagedTransfer> staged)
       : pages(device, geometry, /*host_mapped=*/staged == nullptr),
-        quantizer(device, pages),
+        quantizer(device, pages, {.kernel = quantize_kernel}),
         staged_(std::move(staged)) {}
 
   absl::Status Write(absl::Span<const WriteRun> runs);
@@ -268,13 +269,18 @@ absl::Status PagePool::Impl::CopyStaged(absl::Span<const PageCopy> copies) {
 absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
                                                            const PoolOptions& options) {
   ASSIGN_OR_RETURN(const PageGeometry geometry, PlanPages(device, options));
+  if (options.quantize_kernel == QuantKernel::kHost && !device.direct_host_access()) {
+    return absl::InvalidArgumentError(
+        "quantize_kernel: the CPU kernels need host-mapped pages, and this device's are not "
+        "(staging path)");
+  }
   std::unique_ptr<StagedTransfer> staged;
   if (!device.direct_host_access()) {
     ASSIGN_OR_RETURN(staged, StagedTransfer::Create(device, device.options().copy_engine,
                                                     StagingRingBytes(geometry)));
   }
   return std::unique_ptr<PagePool>(
-      new PagePool(std::make_unique<Impl>(device, geometry, std::move(staged))));
+      new PagePool(std::make_unique<Impl>(device, geometry, options.quantize_kernel, std::move(staged))));
 }
 
 PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -285,6 +291,9 @@ uint64_t PagePool::page_bytes() const {
 }
 PoolStats PagePool::stats() const {
   return impl_->pages.stats();
+}
+bool PagePool::quantizes_on_host() const {
+  return impl_->quantizer.on_host();
 }
 uint32_t PagePool::available_pages() const {
   return impl_->pages.available_pages();

@@ -26,6 +26,14 @@ namespace kvcache::gpu {
 using PageId = uint32_t;
 inline constexpr PageId kNoPage = UINT32_MAX;
 
+// Where quantized pages are packed and unpacked (gpu/quantizer.h).
+enum class QuantKernel {
+  kAuto,    // native CPU kernels on a CPU device (lavapipe) with host-mapped
+            // pages, where they run ~30x faster than the shaders; shaders elsewhere
+  kShader,  // the compute shaders, on any device
+  kHost,    // the native CPU kernels; needs host-mapped pages (the direct path)
+};
+
 struct PoolOptions {
   uint64_t page_bytes = 64 << 10;
   // The most device memory the pool may hold, in bytes (rounded down to pages).
@@ -33,6 +41,7 @@ struct PoolOptions {
   // Size of one VkBuffer slab; clamped to the device's maxStorageBufferRange and
   // rounded down to a multiple of page_bytes.
   uint64_t slab_bytes = 64 << 20;
+  QuantKernel quantize_kernel = QuantKernel::kAuto;
 };
 
 // Copies `bytes` bytes from host memory into page `page` at byte `offset`.
@@ -91,6 +100,8 @@ class PagePool {
 
   uint64_t page_bytes() const;
   PoolStats stats() const;
+  // True when Quantize / Dequantize run the native CPU kernels (QuantKernel).
+  bool quantizes_on_host() const;
   // Pages that Allocate could still hand out (free list plus unbacked budget).
   uint32_t available_pages() const;
 

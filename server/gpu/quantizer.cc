@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "gpu/host_quantizer.h"
 
 namespace kvcache::gpu {
 namespace {
@@ -101,7 +102,12 @@ struct Quantizer::Batch {
 };
 
 Quantizer::Quantizer(const Device& device, const PageAllocator& pages, QuantizerOptions options)
-    : device_(device), pages_(pages), options_(options) {}
+    : device_(device),
+      pages_(pages),
+      options_(options),
+      on_host_(pages.host_mapped() && (options.kernel == QuantKernel::kHost ||
+                                       (options.kernel == QuantKernel::kAuto &&
+                                        device.description().type == "cpu"))) {}
 
 Quantizer::~Quantizer() = default;
 
@@ -297,6 +303,10 @@ absl::Status Quantizer::Quantize(absl::Span<const QuantizeJob> jobs) {
       },
       formats, scratch_bytes));
   if (scratch_bytes == 0) return absl::OkStatus();  // no rows: nothing to build or run
+  if (on_host_) {
+    QuantizeOnHost(options_.host_isa, pages_, jobs);
+    return absl::OkStatus();
+  }
   absl::MutexLock lock(&mutex_);
   RETURN_IF_ERROR(Prepare(scratch_bytes));
   Batch batch;
@@ -322,6 +332,10 @@ absl::Status Quantizer::Dequantize(absl::Span<const DequantizeJob> jobs) {
       },
       formats, scratch_bytes));
   if (scratch_bytes == 0) return absl::OkStatus();  // no rows: nothing to build or run
+  if (on_host_) {
+    DequantizeOnHost(options_.host_isa, pages_, jobs);
+    return absl::OkStatus();
+  }
   absl::MutexLock lock(&mutex_);
   RETURN_IF_ERROR(Prepare(scratch_bytes));
   Batch batch;

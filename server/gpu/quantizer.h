@@ -27,20 +27,11 @@
 #include "gpu/buffer.h"
 #include "gpu/command_runner.h"
 #include "gpu/page_allocator.h"
+#include "gpu/quant_format.h"
+#include "gpu/quant_kernels.h"
 #include "gpu/quant_pipelines.h"
 
 namespace kvcache::gpu {
-
-struct QuantFormat {
-  DType dtype = DType::kFloat16;  // of the values, scales and biases
-  uint32_t dim = 0;               // values per row: a multiple of group_size
-  uint32_t group_size = 64;       // 32, 64 or 128
-  uint32_t bits = 8;              // 4 or 8
-
-  uint64_t row_bytes() const { return uint64_t{dim} * DTypeSize(dtype); }
-  uint64_t wq_row_bytes() const { return uint64_t{dim} * bits / 8; }
-  uint64_t scale_row_bytes() const { return uint64_t{dim} / group_size * DTypeSize(dtype); }
-};
 
 struct QuantRun {
   PageId page;
@@ -65,6 +56,10 @@ struct DequantizeJob {
 };
 
 struct QuantizerOptions {
+  // Shaders or native CPU kernels (PoolOptions::quantize_kernel).
+  QuantKernel kernel = QuantKernel::kAuto;
+  // The CPU kernels' instruction set (tests pick each one).
+  QuantIsa host_isa = BestQuantIsa();
   // Pair neighbouring 16-bit scales through subgroup shuffles where the device
   // has them (quantize.comp); false takes the atomic fallback
   // (quantize_atomic.comp) that devices without them get, so tests cover it.
@@ -73,8 +68,12 @@ struct QuantizerOptions {
 
 class Quantizer {
  public:
+  // options.kernel kHost needs host-mapped pages (PagePool::Create checks).
   Quantizer(const Device& device, const PageAllocator& pages, QuantizerOptions options = {});
   ~Quantizer();
+
+  // True when calls run the native CPU kernels rather than the shaders.
+  bool on_host() const { return on_host_; }
 
   // Each call has completed on the device when it returns. INVALID_ARGUMENT,
   // naming the job and run, with nothing written, for a bad format, a run
@@ -105,6 +104,7 @@ class Quantizer {
   const Device& device_;
   const PageAllocator& pages_;
   const QuantizerOptions options_;
+  const bool on_host_;
   absl::Mutex mutex_;
   std::unique_ptr<QuantPipelines> pipelines_ ABSL_GUARDED_BY(mutex_);
   std::unique_ptr<CommandRunner> runner_ ABSL_GUARDED_BY(mutex_);

@@ -132,20 +132,32 @@ void ExpectWithinOneStep(const QuantFormat& f, const std::vector<std::byte>& inp
   }
 }
 
+// Every test runs once per kernel the path can run (QuantKernels): the
+// shaders, and on host-mapped pages the native CPU kernels too.
 class QuantizeTest : public GpuTestBase {
  protected:
-  void SetUp() override {
-    GpuTestBase::SetUp();
-    pool_ = MakePool(kPageBytes, 4 << 20);
-    ASSERT_NE(pool_, nullptr);
-    ASSERT_TRUE(pool_->Allocate(3, pages_).ok());
-  }
   void TearDown() override {
+    DropPool();
+    GpuTestBase::TearDown();
+  }
+  // A fresh pool quantizing with `kernel`, with three pages in pages_.
+  ::testing::AssertionResult UsePool(gpu::QuantKernel kernel) {
+    DropPool();
+    pool_ = MakePool(kPageBytes, 4 << 20, kernel);
+    if (pool_ == nullptr) return ::testing::AssertionFailure() << "no pool";
+    if (pool_->quantizes_on_host() != (kernel == gpu::QuantKernel::kHost)) {
+      return ::testing::AssertionFailure() << "the pool did not take the kernel";
+    }
+    if (!pool_->Allocate(3, pages_).ok()) return ::testing::AssertionFailure() << "no pages";
+    return ::testing::AssertionSuccess();
+  }
+  void DropPool() {
     for (PageId page : pages_) pool_->Release(page);
+    pages_.clear();
     if (pool_ != nullptr) {
       EXPECT_EQ(pool_->stats().used_pages, 0u);
     }
-    GpuTestBase::TearDown();
+    pool_.reset();
   }
 
   // Quantizes 24 rows into two runs (page 0 slots [0, 10), page 1 slots
@@ -171,68 +183,90 @@ class QuantizeTest : public GpuTestBase {
     ExpectWithinOneStep(f, input, all, output);
   }
 
+  void CheckLargeCall(gpu::QuantKernel kernel);
+
   std::unique_ptr<gpu::PagePool> pool_;
   std::vector<PageId> pages_;
 };
 
 TEST_P(QuantizeTest, EveryFormatMatchesTheCpuReference) {
-  std::mt19937_64 rng(11);
-  for (DType dtype : kDTypes) {
-    for (uint32_t group : kGroupSizes) {
-      for (uint32_t bits : kBits) {
-        CheckFormat({.dtype = dtype, .dim = 256, .group_size = group, .bits = bits}, rng);
-        if (HasFailure()) return;
+  for (gpu::QuantKernel kernel : QuantKernels()) {
+    SCOPED_TRACE(QuantKernelName(kernel));
+    ASSERT_TRUE(UsePool(kernel));
+    std::mt19937_64 rng(11);
+    for (DType dtype : kDTypes) {
+      for (uint32_t group : kGroupSizes) {
+        for (uint32_t bits : kBits) {
+          CheckFormat({.dtype = dtype, .dim = 256, .group_size = group, .bits = bits}, rng);
+          if (HasFailure()) return;
+        }
       }
     }
   }
 }
 
 TEST_P(QuantizeTest, DimEqualToTheGroupAndUnalignedPlanes) {
-  // One group per row (16-bit scales of neighbouring rows share words), and
-  // wq at a 4-byte but not 16-byte boundary.
-  std::mt19937_64 rng(12);
-  for (DType dtype : kDTypes) {
-    const QuantFormat f{.dtype = dtype, .dim = 32, .group_size = 32, .bits = 4};
-    SCOPED_TRACE(FormatName(f));
-    const std::vector<std::byte> input = RandomQuantizableValues(dtype, 9ull * 32, 32, rng);
-    const QuantRun run = RunAt(f, pages_[2], 5, 0, 9, /*base=*/4);
-    const std::vector<absl::Span<const std::byte>> pieces = Pieces(input);
-    const QuantizeJob job{f, pieces, {&run, 1}};
-    ASSERT_TRUE(pool_->Quantize({&job, 1}).ok());
-    EXPECT_TRUE(SamePlanes(ReferenceRows(f, input, 0, 9), ReadPlanes(*pool_, f, run)));
+  for (gpu::QuantKernel kernel : QuantKernels()) {
+    SCOPED_TRACE(QuantKernelName(kernel));
+    ASSERT_TRUE(UsePool(kernel));
+    // One group per row (16-bit scales of neighbouring rows share words), and
+    // wq at a 4-byte but not 16-byte boundary.
+    std::mt19937_64 rng(12);
+    for (DType dtype : kDTypes) {
+      const QuantFormat f{.dtype = dtype, .dim = 32, .group_size = 32, .bits = 4};
+      SCOPED_TRACE(FormatName(f));
+      const std::vector<std::byte> input = RandomQuantizableValues(dtype, 9ull * 32, 32, rng);
+      const QuantRun run = RunAt(f, pages_[2], 5, 0, 9, /*base=*/4);
+      const std::vector<absl::Span<const std::byte>> pieces = Pieces(input);
+      const QuantizeJob job{f, pieces, {&run, 1}};
+      ASSERT_TRUE(pool_->Quantize({&job, 1}).ok());
+      EXPECT_TRUE(SamePlanes(ReferenceRows(f, input, 0, 9), ReadPlanes(*pool_, f, run)));
+    }
   }
 }
 
 // Rows written at odd slots change their own bytes only: the 16-bit scales of
 // the rows before and after share 32-bit words with them.
 TEST_P(QuantizeTest, PartialPageWritesLeaveNeighboursAlone) {
-  std::mt19937_64 rng(13);
-  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
-    const QuantFormat f{.dtype = dtype, .dim = 64, .group_size = 64, .bits = 8};
-    SCOPED_TRACE(FormatName(f));
-    FillPage(*pool_, pages_[0], std::byte{0x3C});
-    const std::vector<std::byte> before = PageBytes(*pool_, pages_[0]);
-    const std::vector<std::byte> input = RandomQuantizableValues(dtype, 5ull * 64, 64, rng);
-    const QuantRun runs[] = {RunAt(f, pages_[0], 3, 0, 1), RunAt(f, pages_[0], 7, 1, 3),
-                             RunAt(f, pages_[0], 13, 4, 1)};
-    const std::vector<absl::Span<const std::byte>> pieces = Pieces(input);
-    const QuantizeJob job{f, pieces, runs};
-    ASSERT_TRUE(pool_->Quantize({&job, 1}).ok());
-    std::vector<std::byte> expected = before;
-    for (const QuantRun& run : runs) {
-      const RefPacked ref = ReferenceRows(f, input, run.first_row, run.rows);
-      std::memcpy(expected.data() + run.wq_offset, ref.wq.data(), ref.wq.size());
-      std::memcpy(expected.data() + run.scales_offset, ref.scales.data(), ref.scales.size());
-      std::memcpy(expected.data() + run.biases_offset, ref.biases.data(), ref.biases.size());
+  for (gpu::QuantKernel kernel : QuantKernels()) {
+    SCOPED_TRACE(QuantKernelName(kernel));
+    ASSERT_TRUE(UsePool(kernel));
+    std::mt19937_64 rng(13);
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+      const QuantFormat f{.dtype = dtype, .dim = 64, .group_size = 64, .bits = 8};
+      SCOPED_TRACE(FormatName(f));
+      FillPage(*pool_, pages_[0], std::byte{0x3C});
+      const std::vector<std::byte> before = PageBytes(*pool_, pages_[0]);
+      const std::vector<std::byte> input = RandomQuantizableValues(dtype, 5ull * 64, 64, rng);
+      const QuantRun runs[] = {RunAt(f, pages_[0], 3, 0, 1), RunAt(f, pages_[0], 7, 1, 3),
+                               RunAt(f, pages_[0], 13, 4, 1)};
+      const std::vector<absl::Span<const std::byte>> pieces = Pieces(input);
+      const QuantizeJob job{f, pieces, runs};
+      ASSERT_TRUE(pool_->Quantize({&job, 1}).ok());
+      std::vector<std::byte> expected = before;
+      for (const QuantRun& run : runs) {
+        const RefPacked ref = ReferenceRows(f, input, run.first_row, run.rows);
+        std::memcpy(expected.data() + run.wq_offset, ref.wq.data(), ref.wq.size());
+        std::memcpy(expected.data() + run.scales_offset, ref.scales.data(), ref.scales.size());
+        std::memcpy(expected.data() + run.biases_offset, ref.biases.data(), ref.biases.size());
+      }
+      EXPECT_TRUE(SameBytes(expected, PageBytes(*pool_, pages_[0])));
     }
-    EXPECT_TRUE(SameBytes(expected, PageBytes(*pool_, pages_[0])));
   }
 }
 
 // Larger than the scratch buffer (32 MiB) and than the run table (16384 runs):
 // several submissions, the same bytes.
 TEST_P(QuantizeTest, CallsLargerThanOneSubmission) {
-  auto pool = MakePool(kPageBytes, 24 << 20);
+  for (gpu::QuantKernel kernel : QuantKernels()) {
+    SCOPED_TRACE(QuantKernelName(kernel));
+    CheckLargeCall(kernel);
+    if (HasFailure()) return;
+  }
+}
+
+void QuantizeTest::CheckLargeCall(gpu::QuantKernel kernel) {
+  auto pool = MakePool(kPageBytes, 24 << 20, kernel);
   ASSERT_NE(pool, nullptr);
   const QuantFormat f{.dtype = DType::kFloat32, .dim = 512, .group_size = 128, .bits = 4};
   const uint32_t rows_per_page = kPageBytes / (f.wq_row_bytes() + 2 * f.scale_row_bytes());

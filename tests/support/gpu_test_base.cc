@@ -73,10 +73,26 @@ void GpuTestBase::TearDown() {
                 << absl::StrJoin(during, "\n  ");
 }
 
-std::unique_ptr<gpu::PagePool> GpuTestBase::MakePool(uint64_t page_bytes, uint64_t budget_bytes) {
+std::string QuantKernelName(gpu::QuantKernel kernel) {
+  switch (kernel) {
+    case gpu::QuantKernel::kShader: return "shader";
+    case gpu::QuantKernel::kHost: return "host";
+    case gpu::QuantKernel::kAuto: return "auto";
+  }
+  return "unknown";
+}
+
+std::vector<gpu::QuantKernel> GpuTestBase::QuantKernels() {
+  if (!device().direct_host_access()) return {gpu::QuantKernel::kShader};
+  return {gpu::QuantKernel::kHost, gpu::QuantKernel::kShader};
+}
+
+std::unique_ptr<gpu::PagePool> GpuTestBase::MakePool(uint64_t page_bytes, uint64_t budget_bytes,
+                                                     gpu::QuantKernel kernel) {
   gpu::PoolOptions options;
   options.page_bytes = page_bytes;
   options.budget_bytes = budget_bytes;
+  options.quantize_kernel = kernel;
   absl::StatusOr<std::unique_ptr<gpu::PagePool>> pool = gpu::PagePool::Create(device(), options);
   if (!pool.ok()) {
     ADD_FAILURE() << "PagePool::Create(page_bytes=" << page_bytes

@@ -11,6 +11,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
@@ -29,6 +30,8 @@ enum class TransferPath {
 std::string TransferPathName(TransferPath path);
 // So googletest and ctest print the path's name, not its bytes.
 inline void PrintTo(TransferPath path, std::ostream* out) { *out << TransferPathName(path); }
+// "shader", "host", "auto".
+std::string QuantKernelName(gpu::QuantKernel kernel);
 
 inline constexpr TransferPath kAllTransferPaths[] = {
     TransferPath::kDirect, TransferPath::kStagingRegions, TransferPath::kStagingShader};
@@ -47,7 +50,11 @@ class GpuTestBase : public ::testing::TestWithParam<TransferPath> {
   gpu::Device& device() { return TestDevice(GetParam()); }
   // A pool on device(); on failure records a test failure and returns null,
   // so callers write ASSERT_NE(pool, nullptr).
-  std::unique_ptr<gpu::PagePool> MakePool(uint64_t page_bytes, uint64_t budget_bytes);
+  std::unique_ptr<gpu::PagePool> MakePool(uint64_t page_bytes, uint64_t budget_bytes,
+                                          gpu::QuantKernel kernel = gpu::QuantKernel::kAuto);
+  // The quantize kernels a pool on this path can run: the shaders always, the
+  // native CPU kernels where pages are host-mapped.
+  std::vector<gpu::QuantKernel> QuantKernels();
 
  private:
   uint64_t validation_messages_before_ = 0;
