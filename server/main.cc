@@ -10,6 +10,7 @@
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "kv_server.h"
@@ -87,6 +88,10 @@ void KeepMessageBuffersInHeap() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("kvcached: GPU-resident KV-cache pools and snapshots over gRPC");
   absl::ParseCommandLine(argc, argv);
+  // Debian's abseil is built with lock-order (deadlock) detection on, which
+  // tracks every acquisition in a graph: a fifth of the engine's time on
+  // snapshot-heavy work (bench/RESULTS.md). The tests keep it on.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (absl::GetFlag(FLAGS_list_devices)) return ListDevices();
   KeepMessageBuffersInHeap();
 

@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "engine/engine.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
@@ -429,4 +430,12 @@ BENCHMARK(BM_SnapshotPerToken)->ArgsProduct({{1, 4, 8}, {0, 1}, {0, 1}})->UseMan
 }  // namespace
 }  // namespace kvcache::engine
 
-BENCHMARK_MAIN();
+// As kvcached runs (server/main.cc): abseil's deadlock detection off.
+int main(int argc, char** argv) {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,6 +1,7 @@
 #include "engine/cache.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -118,8 +119,17 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, gpu:
   return std::unique_ptr<Cache>(new Cache(spec, std::move(layers)));
 }
 
+namespace {
+uint64_t NextGeneration() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
 Cache::Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers)
-    : spec_(std::move(spec)), layers_(std::move(layers)) {}
+    : spec_(std::move(spec)), layers_(std::move(layers)), generation_(NextGeneration()) {}
+
+void Cache::NoteChanged() { generation_ = NextGeneration(); }
 
 std::vector<uint64_t> Cache::layer_offsets() const {
   std::vector<uint64_t> offsets;
@@ -147,10 +157,12 @@ uint64_t Cache::size_bytes() const {
 }
 
 absl::Status Cache::Update(uint32_t layer, const KvInput& kv) {
+  NoteChanged();
   return layers_[layer]->Update(kv);
 }
 
 absl::Status Cache::UpdateState(uint32_t layer, const StateInput& state) {
+  NoteChanged();
   return layers_[layer]->UpdateState(state);
 }
 
@@ -167,6 +179,7 @@ absl::StatusOr<uint64_t> Cache::Trim(uint64_t n) {
     }
   }
   for (const auto& layer : layers_) n = std::min(n, TrimmableTokens(*layer));
+  NoteChanged();
   for (auto& layer : layers_) layer->Trim(n);
   return n;
 }
@@ -184,6 +197,7 @@ absl::StatusOr<CacheSnapshotPtr> Cache::Snapshot(const std::string& cache_id,
   snapshot->spec = spec_;
   snapshot->from = from_offset;
   snapshot->to = offset;
+  snapshot->source_generation = generation_;
   for (const auto& layer : layers_) {
     ASSIGN_OR_RETURN(LayerSnapshotPtr part, layer->Snapshot(from_offset));
     snapshot->layers.push_back(std::move(part));
@@ -219,6 +233,12 @@ absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
         "the snapshot's left_padding [%s] differs from this cache's [%s]",
         absl::StrJoin(snapshot->spec.left_padding, ","), absl::StrJoin(spec_.left_padding, ",")));
   }
+  // Restoring a snapshot of the cache as it still is, to its end: already
+  // there. The snapshot way of speculation ends every fully accepted round so.
+  if (snapshot != nullptr && snapshot->source_generation == generation_ &&
+      target == snapshot->to) {
+    return absl::OkStatus();
+  }
   std::vector<std::unique_ptr<Layer>> restored;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerSnapshot* part = snapshot ? snapshot->layers[i].get() : nullptr;
@@ -235,15 +255,18 @@ absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
     }
   }
   layers_ = std::move(restored);
+  NoteChanged();
   return absl::OkStatus();
 }
 
 absl::Status Cache::AssembleRows(size_t layer, absl::Span<const RowSource> rows,
                                  uint64_t offset) {
+  NoteChanged();
   return layers_[layer]->AssembleRows(rows, offset);
 }
 
 void Cache::Free() {
+  NoteChanged();
   for (auto& layer : layers_) layer->Free();
 }
 

@@ -23,6 +23,9 @@ struct CacheSnapshot {
   uint64_t from = 0;
   uint64_t to = 0;
   std::vector<LayerSnapshotPtr> layers;
+  // The Cache::generation() it was taken at; 0 when it is not the picture of
+  // a live cache (a merge, a split).
+  uint64_t source_generation = 0;
 
   uint64_t size_bytes() const;
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
@@ -57,8 +60,16 @@ class Cache {
   size_t num_layers() const { return layers_.size(); }
   const Layer& layer(size_t index) const { return *layers_[index]; }
   // For a speculation's drafts (engine/layer_draft.h), which stage tokens in
-  // the live layers; the engine keeps every other change away while one is open.
-  Layer& mutable_layer(size_t index) { return *layers_[index]; }
+  // the live layers; the engine keeps every other change away while one is
+  // open, and calls NoteChanged when it ends.
+  Layer& mutable_layer(size_t index) {
+    NoteChanged();
+    return *layers_[index];
+  }
+  // Unique across all caches, and new after every change: a snapshot taken at
+  // the current generation holds exactly what the cache holds.
+  uint64_t generation() const { return generation_; }
+  void NoteChanged();
   std::vector<uint64_t> layer_offsets() const;
   // FAILED_PRECONDITION naming the first layer out of step, else the offset.
   absl::StatusOr<uint64_t> CommonOffset() const;
@@ -83,6 +94,7 @@ class Cache {
 
   CacheSpec spec_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  uint64_t generation_;
 };
 
 }  // namespace kvcache::engine

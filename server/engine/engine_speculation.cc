@@ -89,6 +89,7 @@ void Engine::ForgetSpeculation(const std::string& speculation_id) {
 void Engine::EndSpeculation(LockedCache& cache) {
   const std::string id = cache.speculation()->id();
   cache.speculation_slot().reset();  // releases what only the drafts held
+  cache->NoteChanged();
   ForgetSpeculation(id);
 }
 

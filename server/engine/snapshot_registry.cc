@@ -11,14 +11,26 @@
 namespace kvcache::engine {
 
 std::string NewRandomId() {
-  // 16 bytes from the kernel's CSPRNG in one call: unguessable ids. (libstdc++'s
-  // std::random_device may use RDSEED, which takes tens of microseconds on VMs.)
-  uint8_t bytes[16];
-  if (getentropy(bytes, sizeof(bytes)) != 0) {  // only on kernels without getrandom(2)
-    std::random_device device;
-    for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(device());
+  // 16 bytes from the kernel's CSPRNG: unguessable ids. Drawn 256 bytes (the
+  // most one getentropy call gives) at a time per thread, since the call costs
+  // about a microsecond here and a snapshot per drafted token takes many ids.
+  // (libstdc++'s std::random_device may use RDSEED, tens of microseconds on VMs.)
+  constexpr size_t kIdBytes = 16;
+  struct Entropy {
+    uint8_t bytes[256];
+    size_t used = sizeof(bytes);
+  };
+  thread_local Entropy entropy;
+  if (entropy.used == sizeof(entropy.bytes)) {
+    if (getentropy(entropy.bytes, sizeof(entropy.bytes)) != 0) {  // kernels without getrandom(2)
+      std::random_device device;
+      for (uint8_t& byte : entropy.bytes) byte = static_cast<uint8_t>(device());
+    }
+    entropy.used = 0;
   }
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(bytes), sizeof(bytes)));
+  const char* id = reinterpret_cast<const char*>(entropy.bytes + entropy.used);
+  entropy.used += kIdBytes;
+  return absl::BytesToHexString(absl::string_view(id, kIdBytes));
 }
 
 SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {

@@ -3,6 +3,7 @@
 // Restore may add at most one boundary page per layer, Merge at most one per
 // layer, Split none. And copy-on-write keeps shared pages honest: writing the
 // live cache after a snapshot (or a restore) leaves the snapshot's bytes alone.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -282,6 +283,57 @@ TEST_P(EngineSnapshotTest, LiveViewIsImmutable) {
       EXPECT_TRUE(SameTokens(expected[layer], *actual)) << "layer " << layer;
     }
     EXPECT_TRUE(cache.Matches());
+  }
+}
+
+// A speculation on `cache` that keeps one drafted token per layer, behind the
+// mirror's back: the restore that follows must undo it all the same.
+::testing::AssertionResult CommitOneDraftedToken(MirroredCache& cache) {
+  Engine& engine = cache.engine();
+  absl::StatusOr<engine::SpeculationInfo> speculation =
+      engine.BeginSpeculation(cache.id(), /*isolated=*/false);
+  if (!speculation.ok()) return ::testing::AssertionFailure() << speculation.status();
+  std::mt19937_64 rng(5);
+  for (uint32_t layer = 0; layer < cache.spec().layers.size(); ++layer) {
+    const KvTensors kv = RandomKv(cache.spec(), layer, 1, rng);
+    auto drafted = engine.UpdateSpeculation(speculation->speculation_id, cache.id(), layer,
+                                            kv.input());
+    if (!drafted.ok()) return ::testing::AssertionFailure() << drafted.status();
+  }
+  auto committed = engine.CommitSpeculation(speculation->speculation_id, 1);
+  if (!committed.ok()) return ::testing::AssertionFailure() << committed.status();
+  return ::testing::AssertionSuccess();
+}
+
+// Restoring a snapshot of the cache as it still is, to its end, is free: no
+// page moves. Any change in between (each kind of change below) makes it a
+// real restore again, which takes the cache back.
+TEST_P(EngineSnapshotTest, RestoringAnUnchangedSnapshotIsFreeAndAChangeMakesItReal) {
+  for (const NamedSpec& named : Specs()) {
+    SCOPED_TRACE(named.name);
+    MirroredCache cache(*engine_, named.spec);
+    ASSERT_TRUE(cache.Append(21));
+    const std::vector<std::function<::testing::AssertionResult()>> changes = {
+        [&] { return cache.Decode(1); },
+        [&] { return cache.Append(3); },
+        [&] {
+          // A rewind to where it is; a rewind that goes back is another change.
+          return cache.Restore("", nullptr, cache.offset());
+        },
+        [&] { return CommitOneDraftedToken(cache); },
+    };
+    for (size_t c = 0; c < changes.size(); ++c) {
+      SCOPED_TRACE(c);
+      RefCacheSnapshotPtr reference;
+      const std::string id = cache.Snapshot(0, &reference);
+      const int64_t before = UsedPages();
+      ASSERT_TRUE(cache.Restore(id, reference.get(), reference->to));
+      EXPECT_EQ(UsedPages(), before) << "an unchanged restore moved pages";
+      ASSERT_TRUE(changes[c]());
+      ASSERT_TRUE(cache.Restore(id, reference.get(), reference->to));
+      EXPECT_TRUE(cache.Matches());
+      ASSERT_TRUE(engine_->ReleaseSnapshot(id).ok());
+    }
   }
 }
 

@@ -93,6 +93,7 @@ class MirroredCache {
 
   const std::string& id() const { return id_; }
   const engine::CacheSpec& spec() const { return spec_; }
+  engine::Engine& engine() { return engine_; }
   RefCache& reference() { return reference_; }
   uint64_t offset() const { return reference_.CommonOffset().value_or(0); }
 
