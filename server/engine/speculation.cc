@@ -81,7 +81,7 @@ absl::Status Speculation::Commit(uint64_t accepted) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "accepted: %d is more than the %d tokens drafted", accepted, most_drafted));
   }
-  ASSIGN_OR_RETURN(const uint64_t drafted, CommonDrafted());
+  RETURN_IF_ERROR(CommonDrafted().status());
   for (size_t i = 0; i < drafts_.size(); ++i) {
     if (absl::Status status = drafts_[i]->CheckCommit(accepted); !status.ok()) {
       return InLayer(i, status);
