@@ -56,7 +56,9 @@ struct LayerUpdate {
   absl::Span<const std::byte> values;
   std::optional<RecurrentStateUpdate> state;
   std::optional<uint64_t> expected_offset;
-  // Set: drafts the update in this open speculation (BeginSpeculation).
+  // Set: drafts the update in this open speculation (BeginSpeculation). The
+  // stream's cache_id may then be empty (the speculation's cache is meant);
+  // if set, it must be that cache.
   std::string speculation_id;
 };
 

@@ -93,6 +93,10 @@ absl::Status ChunkedLayer::Update(const KvInput& kv) {
 
 absl::Status ChunkedLayer::Stage(uint64_t staged, const KvInput& kv) {
   ClaimBeforeWrite(state_.offset + staged);
+  if (staged == 0) {
+    staged_into_new_page_ =
+        table_.Get(state_.offset / geometry_.page_tokens) == gpu::kNoPage;
+  }
   return WriteTokens(table_, geometry_, state_.offset + staged, kv, &right_);
 }
 
@@ -114,10 +118,16 @@ LayerSnapshotPtr ChunkedLayer::StagedView(uint64_t staged) const {
 void ChunkedLayer::Adopt(uint64_t tokens) {
   TrimFront();
   state_.offset += tokens;
+  staged_into_new_page_ = false;
 }
 
+// The pages up to the offset stay, but the one holding the offset only if the
+// layer held it before the first staged token: an empty chunk (start ==
+// offset) need not hold that page, and then it holds staged positions only.
 void ChunkedLayer::DropStaged() {
-  table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
+  const uint32_t p = geometry_.page_tokens;
+  table_.Truncate(staged_into_new_page_ ? state_.offset / p : PagesFor(state_.offset, p));
+  staged_into_new_page_ = false;
 }
 
 std::vector<TokenRange> ChunkedLayer::Ranges() const {

@@ -135,6 +135,10 @@ class ChunkedLayer final : public Layer, public StagedAppend {
   // The snapshot this layer was restored from, for its first write's
   // ClaimRight (token_store.h RestoreSource).
   RestoreSource restored_from_;
+  // The first staged token went into a page the layer did not hold (an empty
+  // chunk's, e.g. in a cache assembled from rows): DropStaged releases it.
+  // Adopt clears it, as the page then holds the layer's tokens.
+  bool staged_into_new_page_ = false;
   // ClaimRight at `position` (the first write after a restore may claim
   // through restored_from_, which it then forgets).
   void ClaimBeforeWrite(uint64_t position);

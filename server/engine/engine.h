@@ -144,7 +144,9 @@ class Engine {
   // is already open, FAILED_PRECONDITION). Isolated: a commit never changes
   // the live cache (ollama BeginIsolatedSpeculation).
   absl::StatusOr<SpeculationInfo> BeginSpeculation(const std::string& cache_id, bool isolated);
-  absl::StatusOr<SpeculationInfo> GetSpeculation(const std::string& speculation_id) const;
+  // `cache_id` as in UpdateSpeculation: empty, or the speculation's cache.
+  absl::StatusOr<SpeculationInfo> GetSpeculation(const std::string& speculation_id,
+                                                 const std::string& cache_id = "") const;
   // Update / UpdateState of the speculative view: the tokens (state) are
   // drafted on `layer`; expected_offset and the returned offset are the
   // layer's committed + drafted offset.
@@ -162,10 +164,12 @@ class Engine {
       const std::string& cache_id, const std::string& snapshot_id,
       const std::string& speculation_id) const;
   // Keeps the first `accepted` drafted tokens (isolated: none) and ends the
-  // speculation; returns the cache as it is then. Refusals (drafted layers out
-  // of step, a recurrent layer without a state at committed + accepted:
-  // FAILED_PRECONDITION; accepted above the drafted tokens: INVALID_ARGUMENT)
-  // change nothing and leave it open.
+  // speculation; returns the cache as it is then. Refusals, checked in this
+  // order, change nothing and leave it open: accepted above the most tokens
+  // any layer drafted (INVALID_ARGUMENT naming accepted, even with the layers
+  // out of step); drafted layers out of step (FAILED_PRECONDITION); a
+  // recurrent layer without a state at committed + accepted
+  // (FAILED_PRECONDITION naming the layer).
   absl::StatusOr<CacheInfo> CommitSpeculation(const std::string& speculation_id,
                                               uint64_t accepted);
   // Drops every drafted token and ends the speculation.

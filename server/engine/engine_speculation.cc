@@ -93,10 +93,11 @@ void Engine::EndSpeculation(LockedCache& cache) {
   ForgetSpeculation(id);
 }
 
-absl::StatusOr<SpeculationInfo> Engine::GetSpeculation(const std::string& speculation_id) const {
-  std::string cache_id;
-  ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, "", &cache_id));
-  return DescribeSpeculation(cache_id, *cache.speculation());
+absl::StatusOr<SpeculationInfo> Engine::GetSpeculation(const std::string& speculation_id,
+                                                        const std::string& cache_id) const {
+  std::string owner_id;
+  ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, cache_id, &owner_id));
+  return DescribeSpeculation(owner_id, *cache.speculation());
 }
 
 absl::StatusOr<uint64_t> Engine::UpdateSpeculation(const std::string& speculation_id,

@@ -71,13 +71,17 @@ absl::StatusOr<uint64_t> Speculation::CommonDrafted() const {
   return first;
 }
 
-// Every check before any layer changes: a commit is all layers or none.
+// Every check before any layer changes: a commit is all layers or none. An
+// `accepted` no layer reached is malformed whatever the layers' steps are, so
+// it is named first.
 absl::Status Speculation::Commit(uint64_t accepted) {
-  ASSIGN_OR_RETURN(const uint64_t drafted, CommonDrafted());
-  if (accepted > drafted) {
+  uint64_t most_drafted = 0;
+  for (const auto& draft : drafts_) most_drafted = std::max(most_drafted, draft->drafted());
+  if (accepted > most_drafted) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "accepted: %d is more than the %d tokens drafted", accepted, drafted));
+        "accepted: %d is more than the %d tokens drafted", accepted, most_drafted));
   }
+  RETURN_IF_ERROR(CommonDrafted().status());
   for (size_t i = 0; i < drafts_.size(); ++i) {
     if (absl::Status status = drafts_[i]->CheckCommit(accepted); !status.ok()) {
       return InLayer(i, status);

@@ -8,12 +8,14 @@
 //   Update       drafted tokens, per layer (engine/layer_draft.h has how each
 //                kind holds them); the speculative view is committed + drafted.
 //   View         that view, for Fetch: a CacheSnapshot like a live view's.
-//   Commit(n)    the drafted layers must be in step (each has drafted d) and
-//                n <= d; every layer must be able to keep n (a recurrent layer
-//                needs a state recorded at C + n). Then every layer keeps n at
-//                once: each attention layer is left as one live Update of its
-//                first n drafted tokens would leave it. Isolated: nothing is
-//                applied (the live cache never changes), the checks are the same.
+//   Commit(n)    n must not exceed the most tokens any layer drafted
+//                (checked first); the drafted layers must be in step (each
+//                has drafted d, so n <= d); every layer must be able to keep n
+//                (a recurrent layer needs a state recorded at C + n). Then
+//                every layer keeps n at once: each attention layer is left as
+//                one live Update of its first n drafted tokens would leave it.
+//                Isolated: nothing is applied (the live cache never changes),
+//                the checks are the same.
 //   Abort        destroying the Speculation: every drafted token is dropped.
 //
 // While it exists the live cache's layers must not change (the engine refuses
@@ -56,10 +58,12 @@ class Speculation {
   // Every layer, committed + drafted, for reading without the lock.
   absl::StatusOr<CacheSnapshotPtr> View(const std::string& cache_id) const;
   // Checks, then keeps the first `accepted` drafted tokens in the live cache
-  // (isolated: nothing). FAILED_PRECONDITION when the drafted layers are out of
-  // step or a layer cannot keep `accepted`; INVALID_ARGUMENT naming accepted
-  // when it exceeds the drafted tokens. On error nothing changes and the
-  // speculation stays open; on success the caller destroys it.
+  // (isolated: nothing). The checks, in this order: INVALID_ARGUMENT naming
+  // accepted when it exceeds the most tokens any layer drafted;
+  // FAILED_PRECONDITION when the drafted layers are out of step; then
+  // FAILED_PRECONDITION (naming the layer) when a layer cannot keep
+  // `accepted`. On error nothing changes and the speculation stays open; on
+  // success the caller destroys it.
   absl::Status Commit(uint64_t accepted);
 
  private:

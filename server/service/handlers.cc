@@ -38,50 +38,67 @@ absl::Status Handlers::DeleteCache(const v1::DeleteCacheRequest& request,
   return engine_.DeleteCache(request.cache_id());
 }
 
-absl::Status Handlers::Update(const UpdateView& request, const engine::CacheSpec* spec,
+absl::Status Handlers::Update(const UpdateView& request, KnownSpec* known,
                               v1::UpdateResponse* response) {
-  RETURN_IF_ERROR(RequireId("cache_id", request.cache_id));
-  engine::CacheSpec looked_up;
-  if (spec == nullptr) {
-    ASSIGN_OR_RETURN(looked_up, engine_.GetSpec(request.cache_id));
-    spec = &looked_up;
+  std::string cache_id = request.cache_id;
+  if (!request.speculation_id.empty()) {
+    // The speculation first: an unknown one, or one named with another
+    // cache_id, is NOT_FOUND naming speculation_id, never a mismatch with
+    // that other cache's layers. An empty cache_id means its cache.
+    ASSIGN_OR_RETURN(engine::SpeculationInfo speculation,
+                     engine_.GetSpeculation(request.speculation_id, request.cache_id));
+    cache_id = std::move(speculation.cache_id);
   }
-  RETURN_IF_ERROR(CheckLayerIndex(*spec, request.layer));
+  RETURN_IF_ERROR(RequireId("cache_id", cache_id));
+  KnownSpec looked_up;
+  if (known == nullptr) known = &looked_up;
+  if (known->cache_id != cache_id) {
+    ASSIGN_OR_RETURN(known->spec, engine_.GetSpec(cache_id));
+    known->cache_id = cache_id;
+  }
+  const engine::CacheSpec& spec = known->spec;
+  RETURN_IF_ERROR(CheckLayerIndex(spec, request.layer));
   uint64_t offset = 0;
-  if (engine::IsRecurrent(spec->layers[request.layer])) {
-    RETURN_IF_ERROR(CheckStateUpdate(*spec, request));
-    const engine::StateInput state{.conv = request.state->conv_state.data,
-                                   .delta = request.state->delta_state.data,
-                                   .advance = request.state->advance};
-    if (!request.speculation_id.empty()) {
-      ASSIGN_OR_RETURN(offset, engine_.UpdateSpeculationState(request.speculation_id,
-                                                              request.cache_id, request.layer,
-                                                              state, request.expected_offset));
-    } else {
-      ASSIGN_OR_RETURN(offset, engine_.UpdateState(request.cache_id, request.layer, state,
-                                                   request.expected_offset));
-    }
+  if (engine::IsRecurrent(spec.layers[request.layer])) {
+    ASSIGN_OR_RETURN(offset, ApplyStateUpdate(request, spec, cache_id));
   } else {
-    ASSIGN_OR_RETURN(const uint64_t tokens, CheckKvUpdate(*spec, request));
-    const engine::KvInput kv{
-        .keys = request.keys->data, .values = request.values->data, .tokens = tokens};
-    if (!request.speculation_id.empty()) {
-      ASSIGN_OR_RETURN(offset, engine_.UpdateSpeculation(request.speculation_id, request.cache_id,
-                                                         request.layer, kv,
-                                                         request.expected_offset));
-    } else {
-      ASSIGN_OR_RETURN(offset, engine_.Update(request.cache_id, request.layer, kv,
-                                              request.expected_offset));
-    }
+    ASSIGN_OR_RETURN(offset, ApplyKvUpdate(request, spec, cache_id));
   }
   response->set_layer(request.layer);
   response->set_offset(offset);
   return absl::OkStatus();
 }
 
-absl::Status Handlers::Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+absl::StatusOr<uint64_t> Handlers::ApplyStateUpdate(const UpdateView& request,
+                                                    const engine::CacheSpec& spec,
+                                                    const std::string& cache_id) {
+  RETURN_IF_ERROR(CheckStateUpdate(spec, request));
+  const engine::StateInput state{.conv = request.state->conv_state.data,
+                                 .delta = request.state->delta_state.data,
+                                 .advance = request.state->advance};
+  if (request.speculation_id.empty()) {
+    return engine_.UpdateState(cache_id, request.layer, state, request.expected_offset);
+  }
+  return engine_.UpdateSpeculationState(request.speculation_id, cache_id, request.layer, state,
+                                        request.expected_offset);
+}
+
+absl::StatusOr<uint64_t> Handlers::ApplyKvUpdate(const UpdateView& request,
+                                                 const engine::CacheSpec& spec,
+                                                 const std::string& cache_id) {
+  ASSIGN_OR_RETURN(const uint64_t tokens, CheckKvUpdate(spec, request));
+  const engine::KvInput kv{
+      .keys = request.keys->data, .values = request.values->data, .tokens = tokens};
+  if (request.speculation_id.empty()) {
+    return engine_.Update(cache_id, request.layer, kv, request.expected_offset);
+  }
+  return engine_.UpdateSpeculation(request.speculation_id, cache_id, request.layer, kv,
+                                   request.expected_offset);
+}
+
+absl::Status Handlers::Update(const v1::UpdateRequest& request, KnownSpec* known,
                               v1::UpdateResponse* response) {
-  return Update(ViewOf(request), spec, response);
+  return Update(ViewOf(request), known, response);
 }
 
 uint64_t Handlers::ChunkTokens(const engine::CacheSpec& spec, uint32_t layer,

@@ -41,6 +41,12 @@ struct FetchPlan {
   std::vector<Chunk> chunks;
 };
 
+// The spec of the cache an Update stream last wrote to.
+struct KnownSpec {
+  std::string cache_id;  // empty: none yet
+  engine::CacheSpec spec;
+};
+
 class Handlers {
  public:
   Handlers(engine::Engine& engine, ServiceOptions options);
@@ -53,11 +59,14 @@ class Handlers {
   absl::Status DeleteCache(const v1::DeleteCacheRequest& request,
                            v1::DeleteCacheResponse* response);
   // One message of an Update stream: keys and values for an attention layer,
-  // a state for a recurrent one. `spec` is the cache's spec when the caller
-  // has it at hand (streams look it up once per cache), else null.
-  absl::Status Update(const UpdateView& request, const engine::CacheSpec* spec,
-                      v1::UpdateResponse* response);
-  absl::Status Update(const v1::UpdateRequest& request, const engine::CacheSpec* spec,
+  // a state for a recurrent one. `known` (may be null) is the spec a stream
+  // keeps between messages, so it is looked up once per cache: used when it
+  // is the target cache's, else replaced by that one. With a speculation_id
+  // the speculation is looked up first (NOT_FOUND naming speculation_id when
+  // unknown, or when cache_id is set and not its cache); an empty cache_id
+  // then means the speculation's cache.
+  absl::Status Update(const UpdateView& request, KnownSpec* known, v1::UpdateResponse* response);
+  absl::Status Update(const v1::UpdateRequest& request, KnownSpec* known,
                       v1::UpdateResponse* response);
   absl::StatusOr<FetchPlan> PlanFetch(const v1::FetchRequest& request);
   absl::Status FillFetchChunk(const FetchPlan& plan, size_t index, v1::FetchResponse* response);
@@ -97,6 +106,13 @@ class Handlers {
   engine::Engine& engine() { return engine_; }
 
  private:
+  // An update checked against `spec` (of `cache_id`, the live cache or the
+  // cache of request.speculation_id) and applied; the layer's new offset.
+  absl::StatusOr<uint64_t> ApplyStateUpdate(const UpdateView& request,
+                                            const engine::CacheSpec& spec,
+                                            const std::string& cache_id);
+  absl::StatusOr<uint64_t> ApplyKvUpdate(const UpdateView& request, const engine::CacheSpec& spec,
+                                         const std::string& cache_id);
   uint64_t ChunkTokens(const engine::CacheSpec& spec, uint32_t layer, uint32_t requested) const;
   // The chunks of one layer (fetch_forms.cc).
   void PlanLayer(const v1::FetchRequest& request, uint32_t layer, uint64_t end,

@@ -8,16 +8,11 @@ namespace kvcache::service {
 
 UpdateReactor::UpdateReactor(Handlers& handlers) : handlers_(handlers) { StartRead(&request_); }
 
-// A stream usually feeds one cache; its spec is looked up once, not per message.
+// A stream usually feeds one cache; its spec is looked up once, not per
+// message (Handlers::Update keeps it in known_spec_).
 absl::Status UpdateReactor::Apply(v1::UpdateResponse* response) {
   RETURN_IF_ERROR(received_.Parse(request_));
-  const UpdateView& request = received_.view();
-  if (request.cache_id != spec_cache_id_ || spec_cache_id_.empty()) {
-    if (request.cache_id.empty()) return absl::InvalidArgumentError("cache_id: required");
-    ASSIGN_OR_RETURN(spec_, handlers_.engine().GetSpec(request.cache_id));
-    spec_cache_id_ = request.cache_id;
-  }
-  return handlers_.Update(request, &spec_, response);
+  return handlers_.Update(received_.view(), &known_spec_, response);
 }
 
 void UpdateReactor::OnReadDone(bool ok) {

@@ -40,8 +40,7 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Touched only by the read path.
   grpc::ByteBuffer request_;
   ReceivedUpdate received_;
-  std::string spec_cache_id_;          // the cache `spec_` belongs to
-  engine::CacheSpec spec_;
+  KnownSpec known_spec_;  // of the cache last written to
   absl::Mutex mutex_;
   std::deque<v1::UpdateResponse> acks_ ABSL_GUARDED_BY(mutex_);
   grpc::ByteBuffer writing_ack_ ABSL_GUARDED_BY(mutex_);

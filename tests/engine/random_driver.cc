@@ -13,16 +13,12 @@
 namespace kvcache::testing {
 namespace {
 
-// Bounds that keep one run's memory and time small: the snapshots held at once,
-// and how far standard layers may grow before the driver trims or recreates.
-constexpr size_t kMaxSnapshots = 8;
-
 const char* OpName(int op) {
   static const char* const kNames[] = {"Update", "Fetch",   "Trim",    "Snapshot",
                                        "Restore", "Rewind", "Merge",   "Split",
                                        "Release", "FetchSnapshot", "Recreate",
                                        "ExtractRow", "FilterRows", "MergeCaches", "ExtendCache",
-                                       "Speculate"};
+                                       "Speculate", "SnapshotWay"};
   return kNames[op];
 }
 
@@ -77,12 +73,12 @@ void RandomDriver::Forget(const std::string& id) {
 
 RandomDriver::Op RandomDriver::PickOp() {
   // Weights in Op order; Recreate is rare because it resets the history.
-  // Speculation rounds last, several updates and fetches each.
+  // Speculation rounds (either way) last, several updates and fetches each.
   static const std::vector<double> kWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3,
-                                               0, 0, 0, 0, 4};
+                                               0, 0, 0, 0, 4, 3};
   // Batch operations (extract, filter, merge, extend) when configured.
   static const std::vector<double> kBatchWeights = {30, 14, 7, 12, 10, 6, 7, 6, 4, 6, 0.3,
-                                                    3, 4, 3, 4, 4};
+                                                    3, 4, 3, 4, 4, 3};
   const std::vector<double>& weights = config_.batch_ops ? kBatchWeights : kWeights;
   std::discrete_distribution<int> pick(weights.begin(), weights.end());
   return static_cast<Op>(pick(rng_));
@@ -118,6 +114,7 @@ void RandomDriver::Step(Op op) {
     case Op::kMergeCaches: return MergeCaches();
     case Op::kExtendCache: return ExtendCache();
     case Op::kSpeculate: return Speculate();
+    case Op::kSnapshotWay: return SpeculateBySnapshots();
   }
 }
 

@@ -21,6 +21,10 @@ namespace kvcache::testing {
 // How far standard layers may grow before the driver trims or recreates (keeps
 // one run's memory and time small).
 inline constexpr uint64_t kStandardOffsetCap = 150;
+// The most snapshots the driver tracks at once.
+inline constexpr size_t kMaxSnapshots = 8;
+// The most tokens one speculation round drafts.
+inline constexpr uint64_t kMaxDraft = 8;
 
 struct RandomConfig {
   std::string name;
@@ -56,6 +60,11 @@ struct RandomRunStats {
   uint64_t speculations_deleted = 0;
   uint64_t speculation_refusals = 0;
   uint64_t speculation_views = 0;
+  // Rounds of the snapshot way (random_driver_snapshot_way.cc), and rounds of
+  // either way whose live pages were compared with a shadow's
+  // (random_driver_page_check.cc).
+  uint64_t snapshot_way_rounds = 0;
+  uint64_t page_checks = 0;
 };
 
 // One line of a run's speculation counts.
@@ -81,7 +90,16 @@ class RandomDriver {
   enum class Op {
     kUpdate, kFetch, kTrim, kSnapshot, kRestore, kRewind,
     kMerge, kSplit, kRelease, kFetchSnapshot, kRecreate,
-    kExtractRow, kFilterRows, kMergeCaches, kExtendCache, kSpeculate,
+    kExtractRow, kFilterRows, kMergeCaches, kExtendCache, kSpeculate, kSnapshotWay,
+  };
+  // One step's tokens, per layer (a recurrent layer's entry stays empty).
+  using StepTokens = std::vector<std::vector<RefToken>>;
+  // The page check of a round: a cache restored from a snapshot (from 0) of
+  // the live one taken before the round.
+  struct PageShadow {
+    std::string snapshot_id;  // empty when the live cache was at offset 0
+    std::string cache_id;
+    uint64_t offset = 0;      // the live cache's offset then
   };
 
   Op PickOp();
@@ -122,10 +140,47 @@ class RandomDriver {
   // Live mutations are refused while a speculation is open (and change
   // nothing); snapshots and reads of the committed history are not.
   void ProbeWhileSpeculating(const std::string& speculation_id);
-  void EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
+  // Drafts 1..kMaxDraft tokens, probing the refused live operations before
+  // or after drafting sometimes.
+  void DraftAndProbe(const std::string& speculation_id, RefSpeculation& reference);
+  // Commits or aborts; returns the drafted tokens the live cache kept.
+  uint64_t EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
+  // Ends it while a reader of the speculation is still in flight; the live
+  // cache then writes over the drafted positions, and the reader keeps what
+  // it read.
+  void EndWithReaderInFlight(const std::string& speculation_id, RefSpeculation& reference,
+                             const std::optional<PageShadow>& shadow);
+  // The first `kept` drafted tokens as one step (none when `kept` is 0).
+  std::vector<StepTokens> KeptSteps(const RefSpeculation& reference, uint64_t kept) const;
   // Commit with drafted layers out of step, then finish the step.
   void ProbeCommitOutOfStep(const std::string& speculation_id, RefSpeculation& reference);
   void ExpectSpeculationGone(const std::string& speculation_id);
+
+  // The snapshot way to speculate (random_driver_snapshot_way.cc): a
+  // snapshot at each drafted offset, one token per step on every layer, then
+  // a restore to the snapshot at the accepted offset and the others released
+  // (the restored one sometimes kept and tracked), each call compared with the
+  // reference; then the page check.
+  void SpeculateBySnapshots();
+  void TakeDraftSnapshot(uint64_t from, std::vector<TrackedSnapshot>& taken);
+  // One token on every layer (a recurrent layer: a state advancing by one).
+  StepTokens StepOneToken();
+  void ReleaseDraftSnapshots(const std::vector<TrackedSnapshot>& taken, size_t restored);
+
+  // The page check (random_driver_page_check.cc). Before a round: the shadow
+  // (nullopt when the reference says no fresh cache can be restored from the
+  // snapshot). After it: the shadow takes plain updates of what the round kept
+  // (`kept_steps`, one Update per attention layer and step; each recurrent
+  // layer the live state, advancing by the tokens kept), then it and the live
+  // cache must hold exactly the same pool bytes; the shadow and its snapshot
+  // are then dropped.
+  std::optional<PageShadow> BeginPageShadow();
+  void EndPageShadow(const PageShadow& shadow, const std::vector<StepTokens>& kept_steps);
+  void ApplyToShadow(const PageShadow& shadow, const std::vector<StepTokens>& kept_steps);
+  // The live cache and the shadow are at the same offsets and take the same
+  // pool bytes (`what` says when).
+  void ExpectSamePages(const PageShadow& shadow, const std::string& what);
+  void DropPageShadow(const PageShadow& shadow);
 
   // Batch operations (random_driver_batch.cc).
   void ExtractRow();

@@ -19,7 +19,6 @@
 namespace kvcache::testing {
 namespace {
 
-constexpr uint64_t kMaxDraft = 8;
 constexpr char kOtherId[] = "0123456789abcdef0123456789abcdef";
 constexpr auto kRefused = absl::StatusCode::kFailedPrecondition;
 
@@ -27,14 +26,17 @@ constexpr auto kRefused = absl::StatusCode::kFailedPrecondition;
 
 void PrintSpeculationStats(const RandomConfig& config, const RandomRunStats& s) {
   std::printf("[ %-38s ] speculations: %llu committed (%llu partly), %llu aborted, %llu ended by "
-              "delete, %llu isolated; %llu views, %llu refusals\n",
+              "delete, %llu isolated; %llu views, %llu refusals; %llu snapshot-way rounds; "
+              "%llu page checks\n",
               config.name.c_str(), static_cast<unsigned long long>(s.speculations_committed),
               static_cast<unsigned long long>(s.speculations_partly_accepted),
               static_cast<unsigned long long>(s.speculations_aborted),
               static_cast<unsigned long long>(s.speculations_deleted),
               static_cast<unsigned long long>(s.speculations_isolated),
               static_cast<unsigned long long>(s.speculation_views),
-              static_cast<unsigned long long>(s.speculation_refusals));
+              static_cast<unsigned long long>(s.speculation_refusals),
+              static_cast<unsigned long long>(s.snapshot_way_rounds),
+              static_cast<unsigned long long>(s.page_checks));
 }
 
 void ExpectSpeculationCoverage(const RandomConfig& config, const RandomRunStats& s) {
@@ -44,6 +46,8 @@ void ExpectSpeculationCoverage(const RandomConfig& config, const RandomRunStats&
   EXPECT_GT(s.speculations_isolated, 0u) << config.name;
   EXPECT_GT(s.speculation_views, 0u) << config.name;
   EXPECT_GT(s.speculation_refusals, 0u) << config.name;
+  EXPECT_GT(s.snapshot_way_rounds, 0u) << config.name;
+  EXPECT_GT(s.page_checks, 0u) << config.name;
 }
 
 void RandomDriver::Speculate() {
@@ -51,6 +55,8 @@ void RandomDriver::Speculate() {
   if (has_standard_layer_ && Offset() + kMaxDraft + 1 > kStandardOffsetCap) {
     return ShrinkOrRecreate(kMaxDraft + 1);
   }
+  const std::optional<PageShadow> shadow = BeginPageShadow();
+  if (::testing::Test::HasFailure()) return;
   const bool isolated = Chance(0.25);
   absl::StatusOr<engine::SpeculationInfo> begun = engine_.BeginSpeculation(cache_id_, isolated);
   ASSERT_TRUE(begun.ok()) << begun.status();
@@ -62,21 +68,34 @@ void RandomDriver::Speculate() {
   EXPECT_EQ(begun->layer_offsets, reference_->layer_offsets());
   RefSpeculation reference(*reference_, isolated);
   stats_.speculations_isolated += isolated;
-  if (Chance(0.15)) ProbeWhileSpeculating(id);
-  if (::testing::Test::HasFailure()) return;
-  DraftTokens(id, reference, Uniform(1, kMaxDraft));
-  if (::testing::Test::HasFailure()) return;
-  if (Chance(0.6)) CheckSpeculativeView(id, reference);
-  if (Chance(0.2)) Fetch();  // the live cache: the committed history only
+  DraftAndProbe(id, reference);
   if (::testing::Test::HasFailure()) return;
   if (Chance(0.03)) {
+    if (shadow.has_value()) DropPageShadow(*shadow);
     Recreate();  // deleting the cache ends its speculation
     ++stats_.speculations_deleted;
     return ExpectSpeculationGone(id);
   }
-  if (!Chance(0.2)) return EndSpeculation(id, reference);
-  // A reader of the speculation still in flight when it ends and the live
-  // cache writes on over the drafted positions: it keeps what it read.
+  if (Chance(0.2)) return EndWithReaderInFlight(id, reference, shadow);
+  const uint64_t kept = EndSpeculation(id, reference);
+  if (shadow.has_value()) EndPageShadow(*shadow, KeptSteps(reference, kept));
+}
+
+void RandomDriver::DraftAndProbe(const std::string& id, RefSpeculation& reference) {
+  // Refusals before anything is drafted, or after: either way nothing changes.
+  const bool probe = Chance(0.2);
+  const bool probe_first = Chance(0.5);
+  if (probe && probe_first) ProbeWhileSpeculating(id);
+  if (::testing::Test::HasFailure()) return;
+  DraftTokens(id, reference, Uniform(1, kMaxDraft));
+  if (::testing::Test::HasFailure()) return;
+  if (probe && !probe_first) ProbeWhileSpeculating(id);
+  if (Chance(0.6)) CheckSpeculativeView(id, reference);
+  if (Chance(0.2)) Fetch();  // the live cache: the committed history only
+}
+
+void RandomDriver::EndWithReaderInFlight(const std::string& id, RefSpeculation& reference,
+                                         const std::optional<PageShadow>& shadow) {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View("", "", id);
   ASSERT_TRUE(view.ok()) << view.status();
@@ -85,13 +104,24 @@ void RandomDriver::Speculate() {
   const RefState state = IsRecurrentLayer(layer) ? reference.FetchState(layer).value_or(
                                                        ZeroState(reference_->spec(), layer))
                                                  : RefState{};
-  EndSpeculation(id, reference);
+  const uint64_t kept = EndSpeculation(id, reference);
+  if (shadow.has_value()) EndPageShadow(*shadow, KeptSteps(reference, kept));
   if (::testing::Test::HasFailure()) return;
   Update();
   if (::testing::Test::HasFailure()) return;
   SCOPED_TRACE("a view of the ended speculation");
   if (IsRecurrentLayer(layer)) return CheckState(**view, layer, state);
   CheckLayer(**view, layer, tokens);
+}
+
+std::vector<RandomDriver::StepTokens> RandomDriver::KeptSteps(const RefSpeculation& reference,
+                                                              uint64_t kept) const {
+  if (kept == 0) return {};
+  StepTokens step(reference_->num_layers());
+  for (uint32_t layer = 0; layer < step.size(); ++layer) {
+    if (!IsRecurrentLayer(layer)) step[layer] = reference.DraftedTokens(layer, kept);
+  }
+  return {step};
 }
 
 void RandomDriver::DraftTokens(const std::string& id, RefSpeculation& reference,
@@ -237,24 +267,25 @@ void RandomDriver::ProbeCommitOutOfStep(const std::string& id, RefSpeculation& r
   for (uint32_t layer = 1; layer < reference_->num_layers(); ++layer) draft_one(layer);
 }
 
-void RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& reference) {
+uint64_t RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& reference) {
   if (reference_->num_layers() > 1 && Chance(0.05)) ProbeCommitOutOfStep(id, reference);
-  if (::testing::Test::HasFailure()) return;
+  if (::testing::Test::HasFailure()) return 0;
   const uint64_t drafted = reference.layer_offsets()[0] - reference.committed();
   if (Chance(0.08)) {
     const uint64_t beyond = drafted + Uniform(1, 3);
-    ASSERT_EQ(reference.Commit(beyond, *reference_), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(reference.Commit(beyond, *reference_), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(engine_.CommitSpeculation(id, beyond).status().code(),
               absl::StatusCode::kInvalidArgument);
     ++stats_.speculation_refusals;
   }
   if (Chance(0.15)) {
     absl::StatusOr<engine::CacheInfo> info = engine_.AbortSpeculation(id);
-    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (!info.ok()) return 0;
     EXPECT_EQ(info->layer_offsets, reference_->layer_offsets());
     ++stats_.speculations_aborted;
     if (Chance(0.2)) ExpectSpeculationGone(id);
-    return;
+    return 0;
   }
   uint64_t accepted = Uniform(0, drafted);
   if (reference.Commit(accepted, *reference_) != absl::StatusCode::kOk) {
@@ -262,14 +293,16 @@ void RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& referen
     EXPECT_EQ(engine_.CommitSpeculation(id, accepted).status().code(), kRefused);
     ++stats_.speculation_refusals;
     accepted = 0;
-    ASSERT_EQ(reference.Commit(accepted, *reference_), absl::StatusCode::kOk);
+    EXPECT_EQ(reference.Commit(accepted, *reference_), absl::StatusCode::kOk);
   }
   absl::StatusOr<engine::CacheInfo> info = engine_.CommitSpeculation(id, accepted);
-  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return 0;
   EXPECT_EQ(info->layer_offsets, reference_->layer_offsets());
   ++stats_.speculations_committed;
   stats_.speculations_partly_accepted += accepted < drafted;
   if (Chance(0.2)) ExpectSpeculationGone(id);
+  return reference.isolated() ? 0 : accepted;
 }
 
 void RandomDriver::ExpectSpeculationGone(const std::string& id) {

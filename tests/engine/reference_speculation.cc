@@ -1,5 +1,6 @@
 #include "reference_speculation.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 
@@ -44,6 +45,12 @@ void RefSpeculation::UpdateState(size_t layer, RefState state, uint64_t advance)
   draft.states.push_back({committed_ + draft.drafted, std::move(state)});
 }
 
+std::vector<RefToken> RefSpeculation::DraftedTokens(size_t layer, uint64_t n) const {
+  const std::vector<RefToken>& tokens = layers_[layer].tokens;
+  SpeculationCheck(n <= tokens.size(), "fewer tokens drafted than asked for");
+  return std::vector<RefToken>(tokens.begin(), tokens.begin() + n);
+}
+
 std::vector<RefToken> RefSpeculation::Fetch(size_t layer) const {
   const LayerDraft& draft = layers_[layer];
   if (draft.tokens.empty()) return draft.base->Fetch();
@@ -68,10 +75,12 @@ const RefState* RefSpeculation::StateAt(const LayerDraft& draft, uint64_t offset
 }
 
 absl::StatusCode RefSpeculation::Commit(uint64_t accepted, RefCache& live) const {
+  uint64_t most_drafted = 0;
+  for (const LayerDraft& draft : layers_) most_drafted = std::max(most_drafted, draft.drafted);
+  if (accepted > most_drafted) return absl::StatusCode::kInvalidArgument;
   for (const LayerDraft& draft : layers_) {
     if (draft.drafted != layers_[0].drafted) return absl::StatusCode::kFailedPrecondition;
   }
-  if (accepted > layers_[0].drafted) return absl::StatusCode::kInvalidArgument;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (recurrent_[i] && accepted > 0 && StateAt(layers_[i], committed_ + accepted) == nullptr) {
       return absl::StatusCode::kFailedPrecondition;

@@ -9,9 +9,9 @@
 //               + the drafted ones, which is what mlx-lm's multi-token update
 //               keeps). A recurrent layer: its last drafted state (the
 //               committed one before any) at committed + drafted.
-//   Commit(n)   FAILED_PRECONDITION when the layers have drafted different
-//               counts; INVALID_ARGUMENT when n exceeds the drafted count;
-//               FAILED_PRECONDITION when n > 0 and a recurrent layer drafted no
+//   Commit(n)   INVALID_ARGUMENT when n exceeds the largest count any layer
+//               drafted; else FAILED_PRECONDITION when the layers have drafted
+//               different counts, or when n > 0 and a recurrent layer drafted no
 //               state reaching exactly committed + n. Else, unless isolated,
 //               each attention layer takes Update(its first n drafted tokens)
 //               (n > 0) and each recurrent layer that state, at committed + n.
@@ -42,6 +42,8 @@ class RefSpeculation {
   void Update(size_t layer, std::vector<RefToken> tokens);
   // A drafted state of a recurrent layer that consumed `advance` tokens.
   void UpdateState(size_t layer, RefState state, uint64_t advance);
+  // The first `n` tokens drafted on attention layer `layer`, as given.
+  std::vector<RefToken> DraftedTokens(size_t layer, uint64_t n) const;
   // The speculative view of an attention layer, in temporal order.
   std::vector<RefToken> Fetch(size_t layer) const;
   // The speculative view of a recurrent layer (nullopt: no state yet).

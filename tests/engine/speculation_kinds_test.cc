@@ -3,7 +3,8 @@
 // history throughout), and the other way to speculate: a snapshot at every
 // drafted offset and a restore to the accepted one, which must cost page
 // references only: appending into a page a snapshot shares writes it in place
-// (token_store.h AppendRight), and the restore shares the snapshot's pages.
+// (token_store.h AppendRight), and the restore shares the snapshot's pages;
+// on the mixed layout it must leave the pages plain steps would.
 #include <memory>
 #include <set>
 #include <string>
@@ -205,6 +206,54 @@ TEST_P(SpeculationTest, SnapshotPerDraftedTokenHoldsOneStateEachOnRecurrentLayer
   EXPECT_LE(UsedPages(), restored_from);
   for (const auto& snapshot : snapshots) ASSERT_TRUE(engine_->ReleaseSnapshot(snapshot.first).ok());
   EXPECT_TRUE(snapshotting.Matches());
+}
+
+// The snapshot way on the mixed layout (standard, rotating with sinks,
+// recurrent, chunked, quantized): a snapshot from 0 (the chunked layer
+// restores only from its whole chunk) at each drafted offset, one token per
+// step, then a restore to the accepted offset, which brings the recurrent
+// layer's state back from the snapshot taken there, and every snapshot
+// released. The cache then equals the reference and holds the pool bytes of
+// a twin that took only the accepted steps; with the snapshots gone the pool
+// holds the two caches' pages and nothing else.
+TEST_P(SpeculationTest, SnapshotPerDraftedTokenOnTheMixedLayout) {
+  SpeculatingCache cache(*engine_, MixedLayout(), 6);
+  SpeculatingCache plain(*engine_, MixedLayout(), 7);
+  ASSERT_TRUE(cache.Step(9));
+  ASSERT_TRUE(plain.Step(9));
+  const auto size_bytes = [&](const SpeculatingCache& of) {
+    return engine_->GetCache(of.id())->size_bytes;
+  };
+  for (auto [drafted, accepted] : {std::pair<uint64_t, uint64_t>{1, 0}, {4, 2}, {8, 8}, {5, 1},
+                                   {3, 3}, {7, 6}, {2, 0}}) {
+    SCOPED_TRACE(absl::StrCat(accepted, " of ", drafted, " accepted at ", cache.offset()));
+    const uint64_t committed = cache.offset();
+    std::vector<std::pair<std::string, RefCacheSnapshotPtr>> snapshots;
+    for (uint64_t i = 0; i < drafted; ++i) {
+      absl::StatusOr<engine::SnapshotInfo> info = engine_->Snapshot(cache.id(), 0);
+      ASSERT_TRUE(info.ok()) << info.status();
+      snapshots.emplace_back(info->snapshot_id, cache.reference().Snapshot(0));
+      ASSERT_TRUE(cache.Step(1));
+    }
+    if (accepted < drafted) {
+      const auto& [id, reference] = snapshots[accepted];
+      absl::StatusOr<engine::CacheInfo> restored =
+          engine_->Restore(cache.id(), id, committed + accepted);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      ASSERT_TRUE(cache.reference().Restore(reference.get(), committed + accepted));
+    }
+    for (const auto& [id, reference] : snapshots) {
+      EXPECT_TRUE(SnapshotViewMatches(*engine_, id, *reference));
+      ASSERT_TRUE(engine_->ReleaseSnapshot(id).ok());
+    }
+    EXPECT_TRUE(cache.Matches());
+    for (uint64_t i = 0; i < accepted; ++i) ASSERT_TRUE(plain.Step(1));
+    EXPECT_EQ(size_bytes(cache), size_bytes(plain)) << "pages of rejected tokens were kept";
+    EXPECT_EQ(UsedPages() * kSpeculationPageBytes, size_bytes(cache) + size_bytes(plain))
+        << "a page of the round outlived its snapshots";
+    ASSERT_TRUE(cache.Step(1));  // live again
+    ASSERT_TRUE(plain.Step(1));
+  }
 }
 
 // The append right: a layer keeps writing the page its snapshots share, but

@@ -6,11 +6,13 @@
 // not the engine's caches, snapshots and pages, not the open speculation.
 #include <algorithm>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "speculation_test_util.h"
 
@@ -189,6 +191,28 @@ TEST_P(SpeculationTest, DraftedLayersMustBeInStepToCommit) {
   EXPECT_TRUE(cache.Matches());
 }
 
+// An `accepted` that no layer reached is malformed whatever the layers'
+// steps are: INVALID_ARGUMENT naming accepted comes before the out-of-step
+// refusal, which answers any smaller value.
+TEST_P(SpeculationTest, AcceptingMoreThanAnyLayerDraftedIsInvalidEvenOutOfStep) {
+  SpeculatingCache cache(*engine_, MixedLayout());
+  ASSERT_TRUE(cache.Step(4));
+  ASSERT_TRUE(cache.Begin(false));
+  ASSERT_TRUE(cache.Draft(2));
+  ASSERT_TRUE(cache.DraftLayer(3, 2));  // layer 3 has drafted 4, the others 2
+  for (uint64_t accepted : {5, 9}) {
+    ExpectRefused(absl::StatusCode::kInvalidArgument, "accepted", cache.speculation_id(),
+                  [&] { return cache.Commit(accepted); });
+  }
+  for (uint64_t accepted : {0, 3, 4}) {
+    ExpectRefused(kRefused, "out of step", cache.speculation_id(),
+                  [&] { return cache.Commit(accepted); });
+  }
+  for (uint32_t layer : {0u, 1u, 2u, 4u}) ASSERT_TRUE(cache.DraftLayer(layer, 2));
+  ASSERT_TRUE(cache.Commit(4).ok());
+  EXPECT_TRUE(cache.Matches());
+}
+
 // One state for three drafted tokens: the commit can keep 0 or 3 of them,
 // not 1 or 2, and a refusal leaves every layer of the mixed layout as it was.
 TEST_P(SpeculationTest, RecurrentLayersCommitOnlyWhereADraftedStateSits) {
@@ -275,6 +299,40 @@ TEST_P(SpeculationTest, CommitAndAbortReleaseTheDraftedPages) {
   ASSERT_TRUE(plain.Step(3));
   EXPECT_EQ(UsedPages() - start - committed, committed) << "the commit kept more pages";
   EXPECT_TRUE(speculating.Matches());
+}
+
+// A chunk left empty (start == offset) keeps the page of its offset after a
+// trim, but has none in a cache assembled from its rows (ExtractRow): either
+// way, after an abort or a commit of none, the drafted tokens' pages are gone
+// and the layer's own are as they were.
+TEST_P(SpeculationTest, DraftsOnAnEmptyChunkLeaveItsPagesAsTheyWere) {
+  SpeculatingCache cache(*engine_, ChunkedSpec());
+  ASSERT_TRUE(cache.Step(11));
+  ASSERT_TRUE(cache.Step(1));  // the chunk of 6 starts at 5
+  ASSERT_EQ(cache.reference().Trim(7), 7u);
+  ASSERT_TRUE(engine_->Trim(cache.id(), 7).ok());  // empty: start == offset == 5
+  absl::StatusOr<engine::CacheInfo> extracted = engine_->ExtractRow(cache.id(), 0);
+  ASSERT_TRUE(extracted.ok()) << extracted.status();
+  ASSERT_EQ(extracted->offset, 5u);
+  EXPECT_EQ(extracted->size_bytes, 0u) << "the premise: no page for an empty chunk";
+  std::mt19937_64 rng(8);
+  for (const std::string& id : {cache.id(), extracted->cache_id}) {
+    const uint64_t bytes = engine_->GetCache(id)->size_bytes;
+    const int64_t used = UsedPages();
+    for (const bool abort : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(id == cache.id() ? "trimmed" : "extracted",
+                                abort ? ", aborted" : ", none committed"));
+      absl::StatusOr<engine::SpeculationInfo> begun = engine_->BeginSpeculation(id, false);
+      ASSERT_TRUE(begun.ok()) << begun.status();
+      const KvTensors kv = RandomKv(cache.spec(), 0, 3, rng);
+      ASSERT_TRUE(engine_->UpdateSpeculation(begun->speculation_id, id, 0, kv.input()).ok());
+      ASSERT_TRUE(abort ? engine_->AbortSpeculation(begun->speculation_id).ok()
+                        : engine_->CommitSpeculation(begun->speculation_id, 0).ok());
+      EXPECT_EQ(engine_->GetCache(id)->size_bytes, bytes);
+      EXPECT_EQ(UsedPages(), used);
+    }
+  }
+  EXPECT_TRUE(cache.Matches());
 }
 
 // A view of the speculation taken before it ended keeps its bytes while the

@@ -144,7 +144,7 @@ void PrintStats(const WireConfig& config, const WireRunStats& s) {
       static_cast<unsigned long long>(s.refusals));
   std::printf(
       "[ %-30s ] speculations: %llu committed (%llu partly), %llu aborted, %llu ended by delete, "
-      "%llu isolated, %llu tokens drafted; %llu views, %llu refusals\n",
+      "%llu isolated, %llu tokens drafted; %llu views, %llu refusals; %llu page checks\n",
       config.name.c_str(), static_cast<unsigned long long>(s.speculations_committed),
       static_cast<unsigned long long>(s.speculations_partly_accepted),
       static_cast<unsigned long long>(s.speculations_aborted),
@@ -152,7 +152,8 @@ void PrintStats(const WireConfig& config, const WireRunStats& s) {
       static_cast<unsigned long long>(s.speculations_isolated),
       static_cast<unsigned long long>(s.drafted_tokens),
       static_cast<unsigned long long>(s.speculation_views),
-      static_cast<unsigned long long>(s.speculation_refusals));
+      static_cast<unsigned long long>(s.speculation_refusals),
+      static_cast<unsigned long long>(s.page_checks));
 }
 
 // Every run reaches each path its cache allows (long runs only: a short one
@@ -190,6 +191,7 @@ void ExpectEveryPathTaken(const E2eConfig& config, const WireRunStats& s) {
   EXPECT_GT(s.speculations_isolated, 0u);
   EXPECT_GT(s.speculation_views, 0u);
   EXPECT_GT(s.speculation_refusals, 0u);
+  EXPECT_GT(s.page_checks, s.speculations_committed / 2);
 }
 
 class E2eRandomTest : public ::testing::TestWithParam<std::tuple<TransferPath, size_t>> {

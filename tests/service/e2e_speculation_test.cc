@@ -48,8 +48,9 @@ class E2eSpeculationTest : public E2eTest {
   }
 
   // Drafts `k` tokens on every layer of speculation `id`: attention layers in
-  // one update, recurrent layers one state per token (advance 1).
-  Draft DraftTokens(const std::string& id, uint64_t k) {
+  // one update, recurrent layers one state per token (advance 1); the stream
+  // names the cache too unless `name_cache` is false.
+  Draft DraftTokens(const std::string& id, uint64_t k, bool name_cache = true) {
     Draft draft;
     draft.tokens.resize(spec_.layers.size());
     draft.states.resize(spec_.layers.size());
@@ -69,7 +70,8 @@ class E2eSpeculationTest : public E2eTest {
         updates.back().speculation_id = id;
       }
     }
-    absl::StatusOr<std::vector<v1::UpdateResponse>> acks = client().Update(cache_id_, updates);
+    absl::StatusOr<std::vector<v1::UpdateResponse>> acks =
+        client().Update(name_cache ? cache_id_ : "", updates);
     EXPECT_TRUE(acks.ok()) << acks.status();
     return draft;
   }
@@ -150,7 +152,7 @@ TEST_P(E2eSpeculationTest, IsolatedCommitAndAbortLeaveTheLiveCacheAlone) {
 TEST_P(E2eSpeculationTest, RefusalsNameTheirFieldAndChangeNothing) {
   const std::string id = Begin(false);
   DraftTokens(id, 2);
-  ExpectRefused(Code::kFailedPrecondition, "",
+  ExpectRefused(Code::kFailedPrecondition, "cache_id",
                 [&] { return client().BeginSpeculation(cache_id_, false).status(); });
   ExpectRefused(Code::kInvalidArgument, "accepted",
                 [&] { return client().CommitSpeculation(id, 3).status(); });
@@ -159,15 +161,41 @@ TEST_P(E2eSpeculationTest, RefusalsNameTheirFieldAndChangeNothing) {
   });
   ExpectRefused(Code::kInvalidArgument, "speculation_id",
                 [&] { return client().AbortSpeculation("").status(); });
-  ExpectRefused(Code::kFailedPrecondition, "", [&] {
+  ExpectRefused(Code::kFailedPrecondition, "cache_id", [&] {
     const KvTensors kv = RandomLayerKv(spec_, 0, 1, rng_);
     return client().Update(cache_id_, {MakeLayerUpdate(spec_, 0, kv)}).status();
   });
-  ExpectRefused(Code::kFailedPrecondition, "", [&] { return client().Trim(cache_id_, 1).status(); });
+  ExpectRefused(Code::kFailedPrecondition, "cache_id",
+                [&] { return client().Trim(cache_id_, 1).status(); });
   ASSERT_TRUE(LiveMatches());
   // Deleting the cache ends the speculation.
   ASSERT_TRUE(client().DeleteCache(cache_id_).ok());
   EXPECT_EQ(client().CommitSpeculation(id, 0).status().code(), Code::kNotFound);
+}
+
+// A draft may leave cache_id empty: the speculation's cache is meant. Named
+// with another cache, the speculation is unknown (NOT_FOUND naming
+// speculation_id), even when its tensors do not fit that cache's layers.
+TEST_P(E2eSpeculationTest, DraftsMayOmitTheCacheIdAndAForeignOneIsNotFound) {
+  const std::string id = Begin(false);
+  absl::StatusOr<v1::CacheInfo> other = client().CreateCache(
+      ToWireSpec(MakeSpec({StandardLayerSpec(3, 16)}, DType::kFloat32, 1)));
+  ASSERT_TRUE(other.ok()) << other.status();
+  const KvTensors kv = RandomLayerKv(spec_, 0, 1, rng_);
+  LayerUpdate update = MakeLayerUpdate(spec_, 0, kv);
+  update.speculation_id = id;
+  ExpectRefused(Code::kNotFound, "speculation_id",
+                [&] { return client().Update(other->cache_id(), {&update, 1}).status(); });
+  update.layer = 3;  // out of range for the other cache, in range for its own
+  ExpectRefused(Code::kNotFound, "speculation_id",
+                [&] { return client().Update(other->cache_id(), {&update, 1}).status(); });
+  ASSERT_TRUE(client().DeleteCache(other->cache_id()).ok());
+  const Draft draft = DraftTokens(id, 3, /*name_cache=*/false);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  absl::StatusOr<v1::CacheInfo> committed = client().CommitSpeculation(id, 2);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  KeepInReference(draft, 2);
+  ASSERT_TRUE(LiveMatches());
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, E2eSpeculationTest, ::testing::ValuesIn(kE2ePaths),

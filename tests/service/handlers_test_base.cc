@@ -1,6 +1,8 @@
 #include "handlers_test_base.h"
 
 #include <algorithm>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "reference_quantized.h"
@@ -49,38 +51,46 @@ std::string HandlersTestBase::Create(const engine::CacheSpec& spec) {
   return info.cache_id();
 }
 
+v1::UpdateRequest HandlersTestBase::RandomLayerUpdate(const std::string& id,
+                                                     const engine::CacheSpec& spec,
+                                                     uint32_t layer, uint64_t tokens,
+                                                     LayerUpdateData& data) {
+  v1::UpdateRequest request;
+  request.set_cache_id(id);
+  request.set_layer(layer);
+  data = LayerUpdateData{};
+  if (engine::IsRecurrent(spec.layers[layer])) {
+    data.state = RandomState(spec, layer, rng_);
+    *request.mutable_state() = ToWireState(spec, layer, data.state, tokens);
+    return request;
+  }
+  const KvTensors kv = RandomLayerKv(spec, layer, tokens, rng_);
+  const RefShape shape = ShapeOf(spec, layer);
+  for (auto [tensor, bytes, dim] : {std::tuple{request.mutable_keys(), &kv.keys, shape.k_dim},
+                                    std::tuple{request.mutable_values(), &kv.values, shape.v_dim}}) {
+    tensor->set_dtype(static_cast<v1::DType>(spec.dtype));
+    for (uint64_t d : {uint64_t{shape.batch}, uint64_t{shape.heads}, tokens, uint64_t{dim}}) {
+      tensor->add_shape(d);
+    }
+    tensor->set_data(reinterpret_cast<const char*>(bytes->data()), bytes->size());
+  }
+  data.tokens = TokensFromTensors(shape, kv.keys, kv.values, tokens);
+  return request;
+}
+
 ::testing::AssertionResult HandlersTestBase::Step(const std::string& id, RefCache& reference,
                                                   uint64_t tokens) {
   const engine::CacheSpec& spec = reference.spec();
   for (uint32_t layer = 0; layer < spec.layers.size(); ++layer) {
-    v1::UpdateRequest request;
-    request.set_cache_id(id);
-    request.set_layer(layer);
-    RefState state;
-    KvTensors kv;
-    if (engine::IsRecurrent(spec.layers[layer])) {
-      state = RandomState(spec, layer, rng_);
-      *request.mutable_state() = ToWireState(spec, layer, state, tokens);
-    } else {
-      kv = RandomLayerKv(spec, layer, tokens, rng_);
-      const RefShape shape = ShapeOf(spec, layer);
-      for (auto [tensor, bytes, dim] :
-           {std::tuple{request.mutable_keys(), &kv.keys, shape.k_dim},
-            std::tuple{request.mutable_values(), &kv.values, shape.v_dim}}) {
-        tensor->set_dtype(static_cast<v1::DType>(spec.dtype));
-        for (uint64_t d : {uint64_t{shape.batch}, uint64_t{shape.heads}, tokens, uint64_t{dim}}) {
-          tensor->add_shape(d);
-        }
-        tensor->set_data(reinterpret_cast<const char*>(bytes->data()), bytes->size());
-      }
-    }
+    LayerUpdateData data;
+    const v1::UpdateRequest request = RandomLayerUpdate(id, spec, layer, tokens, data);
     v1::UpdateResponse ack;
     const absl::Status status = handlers_->Update(request, nullptr, &ack);
     if (!status.ok()) return ::testing::AssertionFailure() << "layer " << layer << ": " << status;
     if (engine::IsRecurrent(spec.layers[layer])) {
-      reference.UpdateState(layer, std::move(state), tokens);
+      reference.UpdateState(layer, std::move(data.state), tokens);
     } else {
-      reference.Update(layer, TokensFromTensors(ShapeOf(spec, layer), kv.keys, kv.values, tokens));
+      reference.Update(layer, std::move(data.tokens));
     }
     if (ack.offset() != reference.layer(layer).offset()) {
       return ::testing::AssertionFailure()

@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "chunked_recurrent_test_util.h"
 #include "engine/engine.h"
@@ -33,6 +34,16 @@ class HandlersTestBase : public GpuTestBase {
 
   // A cache of `spec` created through the handlers; its id ("" on failure).
   std::string Create(const engine::CacheSpec& spec);
+  // What a random update carries: an attention layer's tokens, or a
+  // recurrent layer's state.
+  struct LayerUpdateData {
+    std::vector<RefToken> tokens;
+    RefState state;
+  };
+  // A random update of `layer` of cache `id` (of `spec`): `tokens` tokens, or
+  // a state advancing by `tokens`; its contents also in `data`.
+  v1::UpdateRequest RandomLayerUpdate(const std::string& id, const engine::CacheSpec& spec,
+                                      uint32_t layer, uint64_t tokens, LayerUpdateData& data);
   // One step of random data for every layer (tokens, or states advancing by
   // `tokens`) through Handlers::Update, mirrored in `reference`.
   ::testing::AssertionResult Step(const std::string& id, RefCache& reference, uint64_t tokens);

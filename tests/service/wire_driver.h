@@ -85,6 +85,9 @@ struct WireRunStats {
   uint64_t speculation_views = 0;
   uint64_t speculation_refusals = 0;
   uint64_t drafted_tokens = 0;  // per round, not per layer
+  // Rounds whose live cache was compared with a shadow that took plain
+  // updates of what it kept (wire_driver_page_check.cc).
+  uint64_t page_checks = 0;
 };
 
 class WireDriver {
@@ -216,15 +219,31 @@ class WireDriver {
   void ProbeWhileSpeculating(const std::string& speculation_id, int64_t& page_shift);
   // Drafted layers out of step: a commit is refused.
   void ProbeCommitOutOfStep(const std::string& speculation_id, const RefSpeculation& reference);
-  // Sets `kept_none` when the live cache kept no drafted token (aborted,
-  // isolated, or none accepted).
-  void EndSpeculation(const std::string& speculation_id, RefSpeculation& reference,
-                      bool& kept_none);
+  // Commits or aborts; returns the drafted tokens the live cache kept (none
+  // when aborted or isolated).
+  uint64_t EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
   // A speculation that kept nothing holds no page once it ends.
   void CheckPagesAfterSpeculation(bool isolated, uint64_t pages_before);
   // Pages in use on the server (nullopt when it is shared, see WireConfig).
   std::optional<uint64_t> PagesInUse();
-  void ExpectSpeculationGone(const std::string& speculation_id);
+  // Every use of the ended speculation is NOT_FOUND naming speculation_id; a
+  // draft names `cache_id`, the cache it was open on.
+  void ExpectSpeculationGone(const std::string& speculation_id, const std::string& cache_id);
+
+  // The page check of a round (wire_driver_page_check.cc): a cache restored
+  // from a snapshot (from 0) of the live one before the round (nullopt when
+  // the reference says no fresh cache can be restored from it); after it, the
+  // shadow takes plain updates of the `kept` drafted tokens and must take the
+  // same pool bytes as the live cache; then it and its snapshot are dropped.
+  struct PageShadow {
+    std::string snapshot_id;  // empty when the live cache was at offset 0
+    std::string cache_id;
+    uint64_t offset = 0;      // the live cache's offset then
+  };
+  std::optional<PageShadow> BeginPageShadow();
+  void EndPageShadow(const PageShadow& shadow, const RefSpeculation& reference, uint64_t kept);
+  void SendToShadow(const PageShadow& shadow, const std::deque<StepPart>& parts);
+  void DropPageShadow(const PageShadow& shadow);
 
   // Batch operations (wire_driver_batch.cc).
   void ExtractRow();

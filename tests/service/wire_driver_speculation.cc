@@ -39,6 +39,8 @@ void WireDriver::Speculate() {
   if (KeepStandardLayersSmall(kMaxDraft)) return;
   const std::optional<uint64_t> pages_before = PagesInUse();
   int64_t page_shift = 0;  // pages the round's snapshots took (or their releases freed)
+  const std::optional<PageShadow> shadow = BeginPageShadow();
+  if (::testing::Test::HasFailure()) return;
   const bool isolated = Chance(0.25);
   absl::StatusOr<v1::BeginSpeculationResponse> begun =
       client_.BeginSpeculation(cache_id_, isolated);
@@ -61,13 +63,15 @@ void WireDriver::Speculate() {
   if (Chance(0.2)) FetchLive();  // the live cache: the committed history only
   if (::testing::Test::HasFailure()) return;
   if (Chance(0.03)) {
+    if (shadow.has_value()) DropPageShadow(*shadow);
+    const std::string deleted = cache_id_;
     Recreate();  // deleting the cache ends its speculation
     ++stats_.speculations_deleted;
-    return ExpectSpeculationGone(id);
+    return ExpectSpeculationGone(id, deleted);
   }
-  bool kept_none = false;
-  EndSpeculation(id, reference, kept_none);
-  if (pages_before.has_value() && kept_none && !::testing::Test::HasFailure()) {
+  const uint64_t kept = EndSpeculation(id, reference);
+  if (shadow.has_value()) EndPageShadow(*shadow, reference, kept);
+  if (pages_before.has_value() && kept == 0 && !::testing::Test::HasFailure()) {
     CheckPagesAfterSpeculation(isolated, *pages_before + page_shift);
   }
 }
@@ -328,29 +332,28 @@ void WireDriver::ProbeWhileSpeculating(const std::string& id, int64_t& page_shif
   ASSERT_TRUE(client_.DeleteCache(extracted->cache_id()).ok());
 }
 
-void WireDriver::EndSpeculation(const std::string& id, RefSpeculation& reference,
-                                bool& kept_none) {
+uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& reference) {
   const uint64_t drafted = reference.layer_offsets()[0] - reference.committed();
   if (Chance(0.08)) {
     // More than drafted: refused, nothing changes, and it stays open.
     const uint64_t beyond = drafted + (Chance(0.7) ? 1 : Uniform(2, 5));
-    ASSERT_EQ(reference.Commit(beyond, *reference_), Code::kInvalidArgument);
+    EXPECT_EQ(reference.Commit(beyond, *reference_), Code::kInvalidArgument);
     const absl::Status status = client_.CommitSpeculation(id, beyond).status();
     EXPECT_EQ(status.code(), Code::kInvalidArgument) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("accepted"));
     ++stats_.speculation_refusals;
     CheckOffsets();
     if (Chance(0.5)) CheckSpeculativeView(id, reference);
-    if (::testing::Test::HasFailure()) return;
+    if (::testing::Test::HasFailure()) return 0;
   }
   if (Chance(0.15)) {
     absl::StatusOr<v1::CacheInfo> info = client_.AbortSpeculation(id);
-    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (!info.ok()) return 0;
     EXPECT_THAT(info->layer_offsets(), ::testing::ElementsAreArray(reference_->layer_offsets()));
     ++stats_.speculations_aborted;
-    kept_none = true;
-    if (Chance(0.2)) ExpectSpeculationGone(id);
-    return;
+    if (Chance(0.2)) ExpectSpeculationGone(id, cache_id_);
+    return 0;
   }
   uint64_t accepted = Chance(0.25) ? drafted : Uniform(0, drafted);
   // The reference applies an accepted commit to reference_ itself.
@@ -361,32 +364,36 @@ void WireDriver::EndSpeculation(const std::string& id, RefSpeculation& reference
     EXPECT_EQ(status.code(), expected) << status;
     ++stats_.speculation_refusals;
     accepted = Chance(0.5) ? 0 : drafted;
-    ASSERT_EQ(reference.Commit(accepted, *reference_), Code::kOk);
+    EXPECT_EQ(reference.Commit(accepted, *reference_), Code::kOk);
   }
   SCOPED_TRACE(absl::StrCat("committed ", accepted, " of ", drafted));
   absl::StatusOr<v1::CacheInfo> info = client_.CommitSpeculation(id, accepted);
-  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return 0;
   EXPECT_THAT(info->layer_offsets(), ::testing::ElementsAreArray(reference_->layer_offsets()));
   ++stats_.speculations_committed;
   stats_.speculations_partly_accepted += accepted < drafted;
-  kept_none = reference.isolated() || accepted == 0;
   // The kept tokens read as live updates of them would.
   if (accepted > 0 && !reference.isolated()) FetchLive();
-  if (Chance(0.2)) ExpectSpeculationGone(id);
+  if (Chance(0.2)) ExpectSpeculationGone(id, cache_id_);
+  return reference.isolated() ? 0 : accepted;
 }
 
-void WireDriver::ExpectSpeculationGone(const std::string& id) {
+void WireDriver::ExpectSpeculationGone(const std::string& id, const std::string& cache_id) {
   SCOPED_TRACE("an ended speculation");
   EXPECT_EQ(client_.CommitSpeculation(id, 0).status().code(), Code::kNotFound);
   EXPECT_EQ(client_.AbortSpeculation(id).status().code(), Code::kNotFound);
   v1::FetchRequest fetch;
   fetch.set_speculation_id(id);
   EXPECT_EQ(client_.FetchAll(fetch).status().code(), Code::kNotFound);
-  // A draft for it changes nothing (CheckOffsets follows every operation).
+  // A draft for it, named with the cache it was open on, changes nothing
+  // (CheckOffsets follows every operation); the speculation is what is unknown.
   const StepPart part = RandomPart(reference_->spec(), 0, 1);
   LayerUpdate update = UpdateOf(reference_->spec(), part);
   update.speculation_id = id;
-  EXPECT_EQ(client_.Update(cache_id_, {&update, 1}).status().code(), Code::kNotFound);
+  const absl::Status draft = client_.Update(cache_id, {&update, 1}).status();
+  EXPECT_EQ(draft.code(), Code::kNotFound) << draft;
+  EXPECT_THAT(std::string(draft.message()), HasSubstr("speculation_id")) << draft;
   stats_.speculation_refusals += 4;
 }
 
