@@ -127,7 +127,10 @@ uint64_t NextGeneration() {
 }  // namespace
 
 Cache::Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers)
-    : spec_(std::move(spec)), layers_(std::move(layers)), generation_(NextGeneration()) {}
+    : spec_(std::move(spec)),
+      layers_(std::move(layers)),
+      generation_(NextGeneration()),
+      layout_id_(generation_) {}
 
 void Cache::NoteChanged() { generation_ = NextGeneration(); }
 

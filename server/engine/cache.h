@@ -69,6 +69,9 @@ class Cache {
   // Unique across all caches, and new after every change: a snapshot taken at
   // the current generation holds exactly what the cache holds.
   uint64_t generation() const { return generation_; }
+  // Unique across all caches and fixed for this one, as its spec is: batch
+  // operations that change a cache's rows put a new Cache in its place.
+  uint64_t layout_id() const { return layout_id_; }
   void NoteChanged();
   std::vector<uint64_t> layer_offsets() const;
   // FAILED_PRECONDITION naming the first layer out of step, else the offset.
@@ -95,6 +98,7 @@ class Cache {
   CacheSpec spec_;
   std::vector<std::unique_ptr<Layer>> layers_;
   uint64_t generation_;
+  const uint64_t layout_id_;
 };
 
 }  // namespace kvcache::engine

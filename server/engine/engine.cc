@@ -80,6 +80,16 @@ absl::StatusOr<CacheSpec> Engine::GetSpec(const std::string& cache_id) const {
   return cache->spec();
 }
 
+absl::Status Engine::RefreshSpec(const std::string& cache_id, uint64_t& layout_id,
+                                 CacheSpec& spec) const {
+  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+  if (cache->layout_id() != layout_id) {
+    spec = cache->spec();
+    layout_id = cache->layout_id();
+  }
+  return absl::OkStatus();
+}
+
 std::vector<CacheInfo> Engine::ListCaches() const {
   std::vector<std::string> ids;
   {

@@ -67,8 +67,14 @@ class Engine {
 
   absl::StatusOr<CacheInfo> CreateCache(const CacheSpec& spec);
   absl::StatusOr<CacheInfo> GetCache(const std::string& cache_id) const;
-  // The cache's (normalised) spec; fixed for the cache's lifetime.
+  // The cache's (normalised) spec. FilterRows and ExtendCache change its
+  // batch_size and left_padding; nothing else changes it.
   absl::StatusOr<CacheSpec> GetSpec(const std::string& cache_id) const;
+  // GetSpec for callers that keep the spec between calls (an Update stream):
+  // copies it into `spec` only when `layout_id` is not the cache's current
+  // Cache::layout_id(), which it then becomes. A lock, and no copy, per call.
+  absl::Status RefreshSpec(const std::string& cache_id, uint64_t& layout_id,
+                           CacheSpec& spec) const;
   std::vector<CacheInfo> ListCaches() const;
   // Frees the cache's pages; snapshots taken from it stay valid.
   absl::Status DeleteCache(const std::string& cache_id);

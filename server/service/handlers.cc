@@ -52,10 +52,7 @@ absl::Status Handlers::Update(const UpdateView& request, KnownSpec* known,
   RETURN_IF_ERROR(RequireId("cache_id", cache_id));
   KnownSpec looked_up;
   if (known == nullptr) known = &looked_up;
-  if (known->cache_id != cache_id) {
-    ASSIGN_OR_RETURN(known->spec, engine_.GetSpec(cache_id));
-    known->cache_id = cache_id;
-  }
+  RETURN_IF_ERROR(engine_.RefreshSpec(cache_id, known->layout_id, known->spec));
   const engine::CacheSpec& spec = known->spec;
   RETURN_IF_ERROR(CheckLayerIndex(spec, request.layer));
   uint64_t offset = 0;

@@ -43,7 +43,7 @@ struct FetchPlan {
 
 // The spec of the cache an Update stream last wrote to.
 struct KnownSpec {
-  std::string cache_id;  // empty: none yet
+  uint64_t layout_id = 0;  // engine::Cache::layout_id() of `spec`; 0: none yet
   engine::CacheSpec spec;
 };
 

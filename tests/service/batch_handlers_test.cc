@@ -86,6 +86,30 @@ TEST_P(BatchHandlersTest, FilterRowsChangesTheCacheInPlace) {
       (std::vector<uint32_t>{1, 0}));
 }
 
+// An Update stream keeps the spec it looked up (KnownSpec); FilterRows changes
+// the cache's rows under the same id, and the stream must follow.
+TEST_P(BatchHandlersTest, AnUpdateStreamFollowsTheRowsAfterFilterRows) {
+  service::KnownSpec known;  // as a stream that wrote before the filter holds it
+  ASSERT_TRUE(engine_->RefreshSpec(a_, known.layout_id, known.spec).ok());
+  v1::UpdateResponse response;
+  LayerUpdateData data;
+  const engine::CacheSpec three_rows = BatchSpec({1, 0, 2});
+  v1::FilterRowsRequest filter;
+  filter.set_cache_id(a_);
+  for (uint32_t row : {2, 0}) filter.add_keep_rows(row);
+  v1::CacheInfo info;
+  ASSERT_TRUE(handlers_->FilterRows(filter, &info).ok());
+  engine::CacheSpec two_rows = three_rows;
+  two_rows.batch_size = 2;
+  two_rows.left_padding = {1, 0};
+  const absl::Status stale =
+      handlers_->Update(RandomLayerUpdate(a_, three_rows, 1, 1, data), &known, &response);
+  EXPECT_EQ(stale.code(), Code::kInvalidArgument) << stale;
+  EXPECT_NE(stale.message().find("keys"), std::string::npos) << stale;
+  EXPECT_TRUE(
+      handlers_->Update(RandomLayerUpdate(a_, two_rows, 1, 1, data), &known, &response).ok());
+}
+
 TEST_P(BatchHandlersTest, MergeCachesMakesANewLeftPaddedBatch) {
   v1::MergeCachesRequest request;
   for (const std::string& id : {b_, a_, b_}) request.add_cache_ids(id);

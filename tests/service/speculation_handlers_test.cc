@@ -158,12 +158,15 @@ TEST_P(SpeculationHandlersTest, DraftsGoToTheSpeculationNamedWithOrWithoutItsCac
   Draft(id, 1, /*name_cache=*/false);
   EXPECT_TRUE(Matches(cache_, reference_)) << "a draft reached the live cache";
   // A stream's known spec of another cache is replaced by the speculation's.
-  service::KnownSpec known{.cache_id = other_, .spec = other_reference_.spec()};
+  service::KnownSpec known;
+  ASSERT_TRUE(engine_->RefreshSpec(other_, known.layout_id, known.spec).ok());
   LayerUpdateData data;
   v1::UpdateResponse ack;
   ASSERT_TRUE(handlers_->Update(DraftRequest(id, "", 0, 1, data), &known, &ack).ok());
   speculation_->Update(0, std::move(data.tokens));
-  EXPECT_EQ(known.cache_id, cache_);
+  service::KnownSpec speculated;
+  ASSERT_TRUE(engine_->RefreshSpec(cache_, speculated.layout_id, speculated.spec).ok());
+  EXPECT_EQ(known.layout_id, speculated.layout_id);
   EXPECT_EQ(ack.offset(), 9u);
 }
 
