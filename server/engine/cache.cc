@@ -120,19 +120,14 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, gpu:
 }
 
 namespace {
-uint64_t NextGeneration() {
+uint64_t NextLayoutId() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 }  // namespace
 
 Cache::Cache(CacheSpec spec, std::vector<std::unique_ptr<Layer>> layers)
-    : spec_(std::move(spec)),
-      layers_(std::move(layers)),
-      generation_(NextGeneration()),
-      layout_id_(generation_) {}
-
-void Cache::NoteChanged() { generation_ = NextGeneration(); }
+    : spec_(std::move(spec)), layers_(std::move(layers)), layout_id_(NextLayoutId()) {}
 
 std::vector<uint64_t> Cache::layer_offsets() const {
   std::vector<uint64_t> offsets;
@@ -200,6 +195,7 @@ absl::StatusOr<CacheSnapshotPtr> Cache::Snapshot(const std::string& cache_id,
   snapshot->spec = spec_;
   snapshot->from = from_offset;
   snapshot->to = offset;
+  snapshot->source_layout_id = layout_id_;
   snapshot->source_generation = generation_;
   for (const auto& layer : layers_) {
     ASSIGN_OR_RETURN(LayerSnapshotPtr part, layer->Snapshot(from_offset));
@@ -238,8 +234,8 @@ absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
   }
   // Restoring a snapshot of the cache as it still is, to its end: already
   // there. The snapshot way of speculation ends every fully accepted round so.
-  if (snapshot != nullptr && snapshot->source_generation == generation_ &&
-      target == snapshot->to) {
+  if (snapshot != nullptr && snapshot->source_layout_id == layout_id_ &&
+      snapshot->source_generation == generation_ && target == snapshot->to) {
     return absl::OkStatus();
   }
   std::vector<std::unique_ptr<Layer>> restored;

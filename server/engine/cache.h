@@ -23,8 +23,9 @@ struct CacheSnapshot {
   uint64_t from = 0;
   uint64_t to = 0;
   std::vector<LayerSnapshotPtr> layers;
-  // The Cache::generation() it was taken at; 0 when it is not the picture of
-  // a live cache (a merge, a split).
+  // The Cache::layout_id() and generation() it was taken at; 0 when it is not
+  // the picture of a live cache (a merge, a split).
+  uint64_t source_layout_id = 0;
   uint64_t source_generation = 0;
 
   uint64_t size_bytes() const;
@@ -66,13 +67,14 @@ class Cache {
     NoteChanged();
     return *layers_[index];
   }
-  // Unique across all caches, and new after every change: a snapshot taken at
-  // the current generation holds exactly what the cache holds.
+  // New after every change: a snapshot taken at this cache's layout_id() and
+  // current generation holds exactly what the cache holds. A count of the
+  // cache's own (under its lock), so an Update touches no shared counter.
   uint64_t generation() const { return generation_; }
   // Unique across all caches and fixed for this one, as its spec is: batch
   // operations that change a cache's rows put a new Cache in its place.
   uint64_t layout_id() const { return layout_id_; }
-  void NoteChanged();
+  void NoteChanged() { ++generation_; }
   std::vector<uint64_t> layer_offsets() const;
   // FAILED_PRECONDITION naming the first layer out of step, else the offset.
   absl::StatusOr<uint64_t> CommonOffset() const;
@@ -97,8 +99,8 @@ class Cache {
 
   CacheSpec spec_;
   std::vector<std::unique_ptr<Layer>> layers_;
-  uint64_t generation_;
   const uint64_t layout_id_;
+  uint64_t generation_ = 0;
 };
 
 }  // namespace kvcache::engine

@@ -87,13 +87,15 @@ QuantPlanes PlanesAt(const PageAllocator& pages, const QuantFormat& f, const Qua
 // small calls, shared with the HostWorkers for large ones.
 template <typename Job, typename Work>
 void ForEachRun(absl::Span<const Job> jobs, uint64_t call_bytes, Work&& work) {
+  if (call_bytes < kParallelBytes) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      for (size_t r = 0; r < jobs[j].runs.size(); ++r) work(j, r);
+    }
+    return;
+  }
   std::vector<std::pair<size_t, size_t>> runs;
   for (size_t j = 0; j < jobs.size(); ++j) {
     for (size_t r = 0; r < jobs[j].runs.size(); ++r) runs.emplace_back(j, r);
-  }
-  if (call_bytes < kParallelBytes || runs.size() < 2) {
-    for (const auto& [job, run] : runs) work(job, run);
-    return;
   }
   HostWorkers::Shared().ParallelFor(runs.size(), [&](size_t i) {
     work(runs[i].first, runs[i].second);
