@@ -160,6 +160,27 @@ TEST_P(QuantizeRefusalTest, NothingToDoIsNotAnError) {
   EXPECT_TRUE(Pages() == snapshot_);
 }
 
+// The CPU kernels write pages through their host mapping: a pool without one
+// (the staging path) refuses them by name, and the auto choice falls back to
+// the shaders there.
+TEST_P(QuantizeRefusalTest, HostKernelsNeedHostMappedPages) {
+  gpu::PoolOptions options{.page_bytes = 64 << 10, .budget_bytes = 1 << 20,
+                           .quantize_kernel = gpu::QuantKernel::kHost};
+  auto pool = gpu::PagePool::Create(device(), options);
+  if (device().direct_host_access()) {
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    EXPECT_TRUE((*pool)->quantizes_on_host());
+    return;
+  }
+  ASSERT_FALSE(pool.ok());
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(pool.status().message().find("quantize_kernel"), std::string::npos) << pool.status();
+  options.quantize_kernel = gpu::QuantKernel::kAuto;
+  auto fallback = gpu::PagePool::Create(device(), options);
+  ASSERT_TRUE(fallback.ok()) << fallback.status();
+  EXPECT_FALSE((*fallback)->quantizes_on_host());
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, QuantizeRefusalTest, ::testing::ValuesIn(kAllTransferPaths),
                          [](const auto& info) { return TransferPathName(info.param); });
 
