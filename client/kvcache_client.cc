@@ -5,7 +5,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "lane_client.h"
 #include "update_encoding.h"
+#include "update_transport.h"
 
 namespace kvcache {
 namespace {
@@ -109,7 +111,18 @@ Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> chan
     : options_(options), channel_(std::move(channel)),
       stub_(v1::KvCacheService::NewStub(channel_)),
       raw_update_("/kvcache.v1.KvCacheService/Update", grpc::internal::RpcMethod::BIDI_STREAMING,
-                  channel_) {}
+                  channel_),
+      lanes_(std::make_unique<internal::LanePool>(
+          options.data_lane, options.address, options.deadline, options.max_message_bytes,
+          [this]() -> absl::StatusOr<std::string> {
+            absl::StatusOr<v1::Stats> stats = GetStats();
+            if (!stats.ok()) return stats.status();
+            return stats->data_lane_address();
+          })) {}
+
+Client::~Client() = default;
+
+bool Client::uses_data_lane() { return lanes_->enabled(); }
 
 absl::Status Client::WaitForReady(absl::Duration timeout) {
   if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
@@ -266,6 +279,10 @@ void Client::Prepare(grpc::ClientContext& context) const {
 
 absl::Status Client::Fetch(const v1::FetchRequest& request,
                            const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk) {
+  if (uses_data_lane()) {
+    return internal::LaneFetch(*lanes_, request,
+                               [&](v1::FetchResponse& chunk) { return on_chunk(chunk); });
+  }
   grpc::ClientContext context;
   Prepare(context);
   auto reader = stub_->Fetch(&context, request);
@@ -285,6 +302,15 @@ absl::Status Client::Fetch(const v1::FetchRequest& request,
 absl::StatusOr<std::vector<v1::FetchResponse>> Client::FetchAll(const v1::FetchRequest& request) {
   // Read straight into the list (not through Fetch's callback, which would
   // copy every chunk once more).
+  if (uses_data_lane()) {
+    std::vector<v1::FetchResponse> chunks;
+    const absl::Status status = internal::LaneFetch(*lanes_, request, [&](v1::FetchResponse& chunk) {
+      chunks.push_back(std::move(chunk));
+      return absl::OkStatus();
+    });
+    if (!status.ok()) return status;
+    return chunks;
+  }
   grpc::ClientContext context;
   Prepare(context);
   auto reader = stub_->Fetch(&context, request);
@@ -358,42 +384,35 @@ absl::StatusOr<std::vector<v1::UpdateResponse>> Client::Update(
   return stream.Finish();
 }
 
-UpdateStream::UpdateStream(Client& client, std::string cache_id) : cache_id_(std::move(cache_id)) {
-  context_.set_deadline(absl::ToChronoTime(absl::Now() + client.options().deadline));
-  // The generated stub's own factory, with requests that are already encoded.
-  stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, v1::UpdateResponse>::
-                    Create(client.channel_.get(), client.raw_update_, &context_));
-  reader_ = std::thread([this] {
-    v1::UpdateResponse ack;
-    while (stream_->Read(&ack)) {
-      acks_.push_back(ack);
-      ack_count_.fetch_add(1, std::memory_order_relaxed);
-    }
-  });
-}
+UpdateStream::UpdateStream(Client& client, std::string cache_id)
+    : transport_(client.uses_data_lane()
+                     ? internal::OpenLaneUpdate(*client.lanes_, std::move(cache_id))
+                     : internal::OpenGrpcUpdate(*client.channel_, client.raw_update_,
+                                                std::move(cache_id), client.options().deadline)) {}
 
 UpdateStream::~UpdateStream() {
   if (!finished_) {
-    context_.TryCancel();
+    transport_->Cancel();
     (void)Finish();
   }
 }
 
-bool UpdateStream::Write(const LayerUpdate& update) {
-  return stream_->Write(internal::EncodeUpdateCopy(cache_id_, update));
-}
+bool UpdateStream::Write(const LayerUpdate& update) { return transport_->Write(update, nullptr); }
 
 bool UpdateStream::WriteShared(const LayerUpdate& update, std::shared_ptr<const void> owner) {
-  return stream_->Write(internal::EncodeUpdateShared(cache_id_, update, std::move(owner)));
+  return transport_->Write(update, &owner);
+}
+
+uint64_t UpdateStream::acknowledged_count() const { return transport_->ack_count(); }
+
+const std::vector<v1::UpdateResponse>& UpdateStream::acknowledged() const {
+  return transport_->acks();
 }
 
 absl::StatusOr<std::vector<v1::UpdateResponse>> UpdateStream::Finish() {
   finished_ = true;
-  stream_->WritesDone();
-  reader_.join();
-  const grpc::Status status = stream_->Finish();
-  if (!status.ok()) return FromGrpc(status);
-  return acks_;
+  if (absl::Status status = transport_->Finish(); !status.ok()) return status;
+  return transport_->acks();
 }
 
 }  // namespace kvcache

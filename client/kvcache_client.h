@@ -29,6 +29,11 @@ struct ClientOptions {
   // connection between Clients of the same address and options, which then
   // multiplex their streams over it.
   bool dedicated_connection = false;
+  // Where Update and Fetch go. "" : gRPC. "auto": the server's data lane (a
+  // plain TCP connection carrying the same messages with less per-message
+  // work, kvcached --data_lane_listen) if it has one that answers, else gRPC.
+  // host:port: that lane, with no fallback. Every other call is gRPC.
+  std::string data_lane;
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):
@@ -75,6 +80,10 @@ struct LayerHistory {
 absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse> chunks);
 
 class UpdateStream;
+namespace internal {
+class LanePool;
+class UpdateTransport;
+}  // namespace internal
 
 class Client {
  public:
@@ -145,6 +154,10 @@ class Client {
 
   v1::KvCacheService::Stub& stub() { return *stub_; }
   const ClientOptions& options() const { return options_; }
+  // Whether Update and Fetch go over the data lane (ClientOptions::data_lane).
+  bool uses_data_lane();
+
+  ~Client();
 
  private:
   friend class UpdateStream;
@@ -156,6 +169,7 @@ class Client {
   std::unique_ptr<v1::KvCacheService::Stub> stub_;
   // Update with requests the client encodes itself (update_encoding.h).
   grpc::internal::RpcMethod raw_update_;
+  std::unique_ptr<internal::LanePool> lanes_;
 };
 
 // A long-lived Update stream: Write() sends one layer's tokens without waiting;
@@ -164,6 +178,7 @@ class Client {
 // request (those before it were applied and acknowledged).
 class UpdateStream {
  public:
+  // Over the data lane when the client uses one (Client::uses_data_lane).
   UpdateStream(Client& client, std::string cache_id);
   ~UpdateStream();
   // False once the stream has broken (Finish tells why). The tensors are
@@ -177,20 +192,15 @@ class UpdateStream {
   // until gRPC drops it: typically a shared_ptr to the buffers themselves.
   bool WriteShared(const LayerUpdate& update, std::shared_ptr<const void> owner);
   // Acknowledgements received so far; safe to call while writing.
-  uint64_t acknowledged_count() const { return ack_count_.load(std::memory_order_relaxed); }
+  uint64_t acknowledged_count() const;
   absl::StatusOr<std::vector<v1::UpdateResponse>> Finish();
   // Every acknowledgement, also when Finish failed (the requests that were
   // applied). Call only after Finish: the reader thread fills it until then
   // (acknowledged_count() is the live count).
-  const std::vector<v1::UpdateResponse>& acknowledged() const { return acks_; }
+  const std::vector<v1::UpdateResponse>& acknowledged() const;
 
  private:
-  std::string cache_id_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, v1::UpdateResponse>> stream_;
-  std::vector<v1::UpdateResponse> acks_;
-  std::atomic<uint64_t> ack_count_{0};
-  std::thread reader_;
+  std::unique_ptr<internal::UpdateTransport> transport_;
   bool finished_ = false;
 };
 

@@ -41,14 +41,9 @@ std::string TensorPrefix(int field, v1::DType dtype, const std::vector<uint64_t>
   return out + tensor;
 }
 
-// The message as runs of [framing][data] pairs: the framing bytes are built
-// here, the data are the caller's tensors (copied or referenced by the
-// encoders below). Protobuf parsers accept fields in any order, so the
-// scalars go first and each tensor's data ends its run.
-struct Run {
-  std::string framing;
-  absl::Span<const std::byte> data;
-};
+// Protobuf parsers accept fields in any order, so the scalars go first and
+// each tensor's data ends its run.
+using Run = UpdateRun;
 
 // Keys and values go on the wire unless the update carries a state and left
 // them empty: a recurrent layer's update then holds the state alone.
@@ -73,6 +68,15 @@ void AppendStateRuns(v1::DType dtype, const RecurrentStateUpdate& state, std::ve
   runs.push_back({std::move(delta), state.delta});
 }
 
+void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
+
+grpc::Slice SharedSlice(absl::Span<const std::byte> data, const std::shared_ptr<const void>& owner) {
+  return grpc::Slice(const_cast<std::byte*>(data.data()), data.size(), &ReleaseOwner,
+                     new std::shared_ptr<const void>(owner));
+}
+
+}  // namespace
+
 std::vector<Run> FrameUpdate(const std::string& cache_id, const LayerUpdate& update) {
   v1::UpdateRequest scalars;
   scalars.set_cache_id(cache_id);
@@ -91,15 +95,6 @@ std::vector<Run> FrameUpdate(const std::string& cache_id, const LayerUpdate& upd
   if (update.state.has_value()) AppendStateRuns(update.dtype, *update.state, runs);
   return runs;
 }
-
-void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
-
-grpc::Slice SharedSlice(absl::Span<const std::byte> data, const std::shared_ptr<const void>& owner) {
-  return grpc::Slice(const_cast<std::byte*>(data.data()), data.size(), &ReleaseOwner,
-                     new std::shared_ptr<const void>(owner));
-}
-
-}  // namespace
 
 grpc::ByteBuffer EncodeUpdateCopy(const std::string& cache_id, const LayerUpdate& update) {
   const std::vector<Run> runs = FrameUpdate(cache_id, update);

@@ -8,10 +8,20 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvcache_client.h"
 
 namespace kvcache::internal {
+
+// An UpdateRequest as runs of [framing][data]: the framing bytes built here,
+// the data the caller's tensors, where they lie. Their concatenation is the
+// message; the encoders below and the data lane send it from these runs.
+struct UpdateRun {
+  std::string framing;
+  absl::Span<const std::byte> data;
+};
+std::vector<UpdateRun> FrameUpdate(const std::string& cache_id, const LayerUpdate& update);
 
 // One slice holding the whole request: the tensors are copied once.
 grpc::ByteBuffer EncodeUpdateCopy(const std::string& cache_id, const LayerUpdate& update);

@@ -12,19 +12,21 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
 
 namespace kvcache {
 namespace {
 
-absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& listen) {
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& listen,
+                                                          const char* field = "listen") {
   const size_t colon = listen.rfind(':');
   int port = -1;
   if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
       port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
-        absl::StrCat("listen: \"", listen, "\" is not host:port (e.g. 127.0.0.1:50051)"));
+        absl::StrCat(field, ": \"", listen, "\" is not host:port (e.g. 127.0.0.1:50051)"));
   }
   return std::make_pair(listen.substr(0, colon), port);
 }
@@ -49,10 +51,23 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
               ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
   server->engine_ = std::make_unique<engine::Engine>(*server->pool_, config.engine);
+  // The lane listens first, so GetStats can name its port.
+  if (!config.data_lane_listen.empty()) {
+    ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
+    absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
+        service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes);
+    if (!lane.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("data_lane_listen: ", lane.status().message()));
+    }
+    server->data_lane_ = *std::move(lane);
+    server->lane_host_ = lane_host.first;
+  }
   server->handlers_ = std::make_unique<service::Handlers>(
       *server->engine_, service::ServiceOptions{.max_message_bytes = config.max_message_bytes,
                                                 .device_name = device.name,
-                                                .transfer_path = path});
+                                                .transfer_path = path,
+                                                .data_lane_address = server->data_lane_address()});
   server->service_ = std::make_unique<service::KvCacheService>(*server->handlers_);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -67,6 +82,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     return absl::UnavailableError(absl::StrCat("listen: cannot listen on ", config.listen));
   }
   LogInfo("listening on %s", server->address());
+  if (server->data_lane_) {
+    server->data_lane_->Serve(*server->handlers_);
+    LogInfo("data lane (Update and Fetch over plain TCP) on %s", server->data_lane_address());
+  }
   return server;
 }
 
@@ -74,12 +93,20 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
 // keep an unbounded Shutdown() waiting for its client.
 KvCacheServer::~KvCacheServer() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now());
+  if (data_lane_) data_lane_->Shutdown(absl::ZeroDuration());
 }
 
 std::string KvCacheServer::address() const { return absl::StrCat(host_, ":", port_); }
 
+std::string KvCacheServer::data_lane_address() const {
+  if (!data_lane_) return "";
+  return absl::StrCat(lane_host_, ":", data_lane_->port());
+}
+
 void KvCacheServer::Shutdown(absl::Duration grace) {
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  const absl::Time deadline = absl::Now() + grace;
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  if (data_lane_) data_lane_->Shutdown(std::max(deadline - absl::Now(), absl::ZeroDuration()));
 }
 
 void KvCacheServer::Wait() { server_->Wait(); }

@@ -18,6 +18,7 @@ class Server;
 
 namespace kvcache {
 namespace service {
+class DataLane;
 class Handlers;
 class KvCacheService;
 }  // namespace service
@@ -30,6 +31,9 @@ struct ServerConfig {
   engine::EngineOptions engine;
   // The largest message either side may send (gRPC's default is 4 MiB).
   uint64_t max_message_bytes = 64 << 20;
+  // host:port of the data lane (service/data_lane.h; port 0 picks a free
+  // one); empty: no lane, Update and Fetch over gRPC only.
+  std::string data_lane_listen;
 };
 
 class KvCacheServer {
@@ -39,6 +43,10 @@ class KvCacheServer {
 
   int port() const { return port_; }
   std::string address() const;
+  // The data lane's host:port; empty when it is off.
+  std::string data_lane_address() const;
+  // Null when the lane is off.
+  service::DataLane* data_lane() { return data_lane_.get(); }
   // Stops accepting calls, lets in-flight ones finish until `grace` has passed,
   // then cancels the rest.
   void Shutdown(absl::Duration grace);
@@ -52,12 +60,15 @@ class KvCacheServer {
 
   std::string host_;
   int port_ = 0;
+  std::string lane_host_;
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<gpu::PagePool> pool_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<service::Handlers> handlers_;
   std::unique_ptr<service::KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Declared last: it stops, and its sessions end, before the handlers go.
+  std::unique_ptr<service::DataLane> data_lane_;
 };
 
 }  // namespace kvcache

@@ -16,6 +16,9 @@
 #include "kv_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");
+ABSL_FLAG(std::string, data_lane_listen, "127.0.0.1:50052",
+          "address of the data lane, Update and Fetch over plain TCP for bulk K/V (host:port; "
+          "empty: off)");
 ABSL_FLAG(std::string, device, "",
           "Vulkan device: empty picks the best (discrete, integrated, CPU); a number picks by "
           "index; other text picks the first device whose name contains it");
@@ -48,6 +51,7 @@ absl::StatusOr<kvcache::gpu::QuantKernel> QuantKernelFromFlag(const std::string&
 absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   kvcache::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
+  config.data_lane_listen = absl::GetFlag(FLAGS_data_lane_listen);
   config.device.selector = absl::GetFlag(FLAGS_device);
   config.device.force_staging = absl::GetFlag(FLAGS_force_staging);
   config.device.enable_validation = absl::GetFlag(FLAGS_validation);

@@ -25,6 +25,8 @@ struct ServiceOptions {
   // Reported by GetStats.
   std::string device_name;
   std::string transfer_path;
+  // host:port of the data lane (data_lane.h); empty when it is off.
+  std::string data_lane_address;
 };
 
 // What a Fetch sends: a consistent view and the chunks to cut from it.

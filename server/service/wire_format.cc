@@ -42,28 +42,39 @@ std::string TensorHeader(const v1::Tensor& tensor, uint64_t data_bytes) {
 
 }  // namespace
 
-FetchChunkBuffer::FetchChunkBuffer(const v1::FetchResponse& header, uint64_t key_bytes,
-                                   uint64_t value_bytes)
+FetchChunkFraming::FetchChunkFraming(const v1::FetchResponse& header, uint64_t key_bytes,
+                                     uint64_t value_bytes)
     : key_bytes_(key_bytes), value_bytes_(value_bytes) {
   v1::FetchResponse scalars = header;
   scalars.clear_keys();
   scalars.clear_values();
-  const std::string head = scalars.SerializeAsString();
   const std::string keys = TensorHeader(header.keys(), key_bytes);
   const std::string values = TensorHeader(header.values(), value_bytes);
   const uint64_t keys_size = keys.size() + key_bytes;
   const uint64_t values_size = values.size() + value_bytes;
-  const size_t total = head.size() + PrefixSize(kFetchKeys, keys_size) + keys_size +
-                       PrefixSize(kFetchValues, values_size) + values_size;
-  slice_ = grpc::Slice(total);  // uninitialised; every byte is written below or by the caller
-  auto* out = const_cast<uint8_t*>(slice_.begin());
-  out = std::copy(head.begin(), head.end(), out);
-  out = WritePrefix(kFetchKeys, keys_size, out);
-  out = std::copy(keys.begin(), keys.end(), out);
-  keys_offset_ = out - slice_.begin();
-  out = WritePrefix(kFetchValues, values_size, out + key_bytes);
-  out = std::copy(values.begin(), values.end(), out);
-  values_offset_ = out - slice_.begin();
+  head_ = scalars.SerializeAsString();
+  size_t at = head_.size();
+  head_.resize(at + PrefixSize(kFetchKeys, keys_size));
+  WritePrefix(kFetchKeys, keys_size, reinterpret_cast<uint8_t*>(head_.data() + at));
+  head_ += keys;
+  middle_.resize(PrefixSize(kFetchValues, values_size));
+  WritePrefix(kFetchValues, values_size, reinterpret_cast<uint8_t*>(middle_.data()));
+  middle_ += values;
+  keys_offset_ = head_.size();
+  values_offset_ = keys_offset_ + key_bytes + middle_.size();
+  size_ = values_offset_ + value_bytes;
+}
+
+void FetchChunkFraming::Write(uint8_t* out) const {
+  std::copy(head_.begin(), head_.end(), out);
+  std::copy(middle_.begin(), middle_.end(), out + keys_offset_ + key_bytes_);
+}
+
+FetchChunkBuffer::FetchChunkBuffer(const v1::FetchResponse& header, uint64_t key_bytes,
+                                   uint64_t value_bytes)
+    : framing_(header, key_bytes, value_bytes),
+      slice_(framing_.size()) {  // uninitialised; the framing and the caller write every byte
+  framing_.Write(const_cast<uint8_t*>(slice_.begin()));
 }
 
 absl::Span<std::byte> FetchChunkBuffer::At(size_t offset, uint64_t bytes) {

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -26,25 +27,45 @@
 
 namespace kvcache::service {
 
-// A FetchResponse in one uninitialised slice: `header` (every field but the
-// keys' and values' data) encoded in protobuf's field order, with room for
-// the data left where protobuf would put it. Fill keys() and values(), then
-// Finish() hands the slice over without a copy.
+// A FetchResponse of keys and values as protobuf encodes it, every byte but
+// the tensors' data, which go where protobuf would put them: `header` (every
+// field but the data) in protobuf's field order, with room for the data.
+class FetchChunkFraming {
+ public:
+  FetchChunkFraming(const v1::FetchResponse& header, uint64_t key_bytes, uint64_t value_bytes);
+
+  size_t size() const { return size_; }
+  size_t keys_offset() const { return keys_offset_; }
+  size_t values_offset() const { return values_offset_; }
+  uint64_t key_bytes() const { return key_bytes_; }
+  uint64_t value_bytes() const { return value_bytes_; }
+  // Writes the framing into out[0, size()), leaving the data's bytes as they are.
+  void Write(uint8_t* out) const;
+
+ private:
+  uint64_t key_bytes_;
+  uint64_t value_bytes_;
+  std::string head_;    // the scalars, then the keys' field prefix and Tensor header
+  std::string middle_;  // the values' field prefix and Tensor header
+  size_t keys_offset_ = 0;
+  size_t values_offset_ = 0;
+  size_t size_ = 0;
+};
+
+// A FetchChunkFraming in one uninitialised gRPC slice. Fill keys() and
+// values(), then Finish() hands the slice over without a copy.
 class FetchChunkBuffer {
  public:
   FetchChunkBuffer(const v1::FetchResponse& header, uint64_t key_bytes, uint64_t value_bytes);
 
-  absl::Span<std::byte> keys() { return At(keys_offset_, key_bytes_); }
-  absl::Span<std::byte> values() { return At(values_offset_, value_bytes_); }
+  absl::Span<std::byte> keys() { return At(framing_.keys_offset(), framing_.key_bytes()); }
+  absl::Span<std::byte> values() { return At(framing_.values_offset(), framing_.value_bytes()); }
   grpc::ByteBuffer Finish();
 
  private:
   absl::Span<std::byte> At(size_t offset, uint64_t bytes);
 
-  uint64_t key_bytes_;
-  uint64_t value_bytes_;
-  size_t keys_offset_ = 0;
-  size_t values_offset_ = 0;
+  FetchChunkFraming framing_;
   grpc::Slice slice_;
 };
 

@@ -49,6 +49,7 @@ struct E2eConfig {
   uint32_t page_tokens;
   bool batch_ops = false;
   bool staging_too = false;  // also run on the staging transfer path
+  bool lane_too = false;     // also run with Update and Fetch on the data lane
 };
 
 engine::LayerSpec Quantized(uint32_t heads, uint32_t k_dim, uint32_t v_dim, uint32_t group,
@@ -72,7 +73,7 @@ engine::LayerSpec LargeState() { return RecurrentLayerSpec(3, 20, 4, 16, 32); }
 const std::vector<E2eConfig>& Configs() {
   static const auto* configs = new std::vector<E2eConfig>{
       {"Standard", MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(1, 8, 4)}), 3, false,
-       true},
+       true, true},
       {"RotatingNoSinks",
        MakeSpec({RotatingLayerSpec(1, 8, 0, 7, 0), RotatingLayerSpec(2, 4, 8, 7, 0)},
                 DType::kFloat32, 3),
@@ -80,7 +81,7 @@ const std::vector<E2eConfig>& Configs() {
       {"RotatingWithSinks",
        MakeSpec({RotatingLayerSpec(2, 4, 0, 13, 4), RotatingLayerSpec(1, 8, 4, 13, 4)},
                 DType::kBFloat16, 2),
-       5, false, true},
+       5, false, true, true},
       {"Mixed",
        MakeSpec({StandardLayerSpec(1, 8), RotatingLayerSpec(2, 4, 0, 10, 4),
                  RotatingLayerSpec(1, 4, 8, 7, 0)}),
@@ -91,7 +92,8 @@ const std::vector<E2eConfig>& Configs() {
       {"Chunked",
        MakeSpec({ChunkedLayerSpec(1, 8, 0, 7), ChunkedLayerSpec(2, 4, 8, 5)}, DType::kBFloat16),
        3},
-      {"Recurrent", MakeSpec({LargeState(), SmallState()}, DType::kFloat32, 2), 16},
+      {"Recurrent", MakeSpec({LargeState(), SmallState()}, DType::kFloat32, 2), 16, false, false,
+       true},
       {"Batched",
        Padded(MakeSpec({StandardLayerSpec(1, 4), RotatingLayerSpec(2, 4, 8, 7, 0)},
                        DType::kFloat16),
@@ -101,7 +103,7 @@ const std::vector<E2eConfig>& Configs() {
        Padded(MakeSpec({SmallState(), Quantized(1, 32, 32, 32, 4), ChunkedLayerSpec(2, 4, 8, 5)},
                        DType::kBFloat16),
               {0, 2, 1}),
-       3, true},
+       3, true, false, true},
       {"Qwen3NextLike",
        MakeSpec({SmallState(), LargeState(), SmallState(), StandardLayerSpec(2, 8)},
                 DType::kBFloat16),
@@ -110,7 +112,7 @@ const std::vector<E2eConfig>& Configs() {
        MakeSpec({RotatingLayerSpec(1, 8, 0, 13, 4), StandardLayerSpec(2, 8, 4),
                  Quantized(1, 32, 64, 32, 4)},
                 DType::kFloat16),
-       5},
+       5, false, false, true},
   };
   return *configs;
 }
@@ -194,12 +196,22 @@ void ExpectEveryPathTaken(const E2eConfig& config, const WireRunStats& s) {
   EXPECT_GT(s.page_checks, s.speculations_committed / 2);
 }
 
-class E2eRandomTest : public ::testing::TestWithParam<std::tuple<TransferPath, size_t>> {
+// (transfer path, configuration, Update and Fetch on the data lane)
+using RandomRun = std::tuple<TransferPath, size_t, bool>;
+
+std::string RunName(const RandomRun& run) {
+  return Configs()[std::get<1>(run)].name + "_" + TransferPathName(std::get<0>(run)) +
+         (std::get<2>(run) ? "_DataLane" : "");
+}
+
+class E2eRandomTest : public ::testing::TestWithParam<RandomRun> {
  protected:
   void SetUp() override {
-    server_ =
-        TestServer::Start({.path = std::get<0>(GetParam()), .page_tokens = config().page_tokens});
+    server_ = TestServer::Start({.path = std::get<0>(GetParam()),
+                                 .page_tokens = config().page_tokens,
+                                 .client_on_lane = std::get<2>(GetParam())});
     ASSERT_NE(server_, nullptr);
+    ASSERT_EQ(server_->client().uses_data_lane(), std::get<2>(GetParam()));
   }
   void TearDown() override {
     if (server_) server_->CleanUpAndCheck();
@@ -210,7 +222,7 @@ class E2eRandomTest : public ::testing::TestWithParam<std::tuple<TransferPath, s
 };
 
 TEST_P(E2eRandomTest, MatchesReference) {
-  const std::string name = config().name + "_" + TransferPathName(std::get<0>(GetParam()));
+  const std::string name = RunName(GetParam());
   const WireConfig wire{.name = name,
                         .spec = config().spec,
                         .operations = Operations(),
@@ -225,28 +237,28 @@ TEST_P(E2eRandomTest, MatchesReference) {
   ExpectEveryPathTaken(config(), driver.stats());
 }
 
-// Every configuration on the direct path; those marked staging_too also on
-// the staging path (the new kinds' transfers are the same copies, which the
-// engine suites run on every path).
-std::vector<std::tuple<TransferPath, size_t>> Runs() {
-  std::vector<std::tuple<TransferPath, size_t>> runs;
+// Every configuration on the direct path over gRPC; those marked staging_too
+// also on the staging path (the new kinds' transfers are the same copies,
+// which the engine suites run on every path), those marked lane_too also with
+// Update and Fetch on the data lane.
+std::vector<RandomRun> Runs() {
+  std::vector<RandomRun> runs;
   for (size_t i = 0; i < Configs().size(); ++i) {
-    runs.emplace_back(TransferPath::kDirect, i);
-    if (Configs()[i].staging_too) runs.emplace_back(TransferPath::kStagingRegions, i);
+    runs.emplace_back(TransferPath::kDirect, i, false);
+    if (Configs()[i].staging_too) runs.emplace_back(TransferPath::kStagingRegions, i, false);
+    if (Configs()[i].lane_too) runs.emplace_back(TransferPath::kDirect, i, true);
   }
   return runs;
 }
 
 INSTANTIATE_TEST_SUITE_P(PathsAndCaches, E2eRandomTest, ::testing::ValuesIn(Runs()),
-                         [](const auto& info) {
-                           return Configs()[std::get<1>(info.param)].name + "_" +
-                                  TransferPathName(std::get<0>(info.param));
-                         });
+                         [](const auto& info) { return RunName(info.param); });
 
 using E2eConcurrencyTest = E2eTest;
 
 // Two clients, each with its own connection, cache, sequence and reference,
-// at the same time: neither sees the other's work.
+// at the same time: neither sees the other's work. The second sends its
+// Updates and Fetches over the data lane.
 TEST_P(E2eConcurrencyTest, TwoClientsOnSeparateCaches) {
   const std::vector<WireConfig> configs = {{.name = "ClientA_Mixed",
                                             .spec = Configs()[3].spec,
@@ -261,7 +273,7 @@ TEST_P(E2eConcurrencyTest, TwoClientsOnSeparateCaches) {
   std::vector<std::unique_ptr<Client>> clients;
   std::vector<std::unique_ptr<WireDriver>> drivers;
   for (const WireConfig& config : configs) {
-    clients.push_back(server_->Connect(/*dedicated=*/true));
+    clients.push_back(server_->Connect(/*dedicated=*/true, clients.empty() ? "" : "auto"));
     drivers.push_back(std::make_unique<WireDriver>(*clients.back(), config));
   }
   ASSERT_FALSE(HasFailure());

@@ -15,6 +15,7 @@ namespace kvcache::testing {
 std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   ServerConfig config;
   config.listen = "127.0.0.1:0";
+  if (setup.data_lane) config.data_lane_listen = "127.0.0.1:0";
   config.device.enable_validation = true;
   config.device.force_staging = setup.path != TransferPath::kDirect;
   config.device.copy_engine = setup.path == TransferPath::kStagingShader
@@ -31,7 +32,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   }
   auto test_server = std::unique_ptr<TestServer>(new TestServer);
   test_server->server_ = *std::move(server);
-  test_server->client_ = test_server->Connect(/*dedicated=*/false);
+  test_server->client_ =
+      test_server->Connect(/*dedicated=*/false, setup.client_on_lane ? "auto" : "");
   const absl::Status ready = test_server->client_->WaitForReady(absl::Seconds(10));
   if (!ready.ok()) {
     ADD_FAILURE() << ready;
@@ -45,10 +47,11 @@ TestServer::~TestServer() {
   server_.reset();
 }
 
-std::unique_ptr<Client> TestServer::Connect(bool dedicated) const {
+std::unique_ptr<Client> TestServer::Connect(bool dedicated, const std::string& data_lane) const {
   return Client::Connect(ClientOptions{.address = server_->address(),
                                        .deadline = absl::Seconds(30),
-                                       .dedicated_connection = dedicated});
+                                       .dedicated_connection = dedicated,
+                                       .data_lane = data_lane});
 }
 
 std::unique_ptr<Client> TestServer::ConnectTo(const std::string& address) const {

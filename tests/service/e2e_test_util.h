@@ -31,6 +31,10 @@ struct ServerSetup {
   uint32_t page_tokens = 16;
   uint64_t page_bytes = 8 << 10;
   uint64_t budget_bytes = 64 << 20;
+  // The server's data lane (on a free port) is on unless this is false.
+  bool data_lane = true;
+  // The first client's Update and Fetch go over the data lane.
+  bool client_on_lane = false;
 };
 
 class TestServer {
@@ -42,8 +46,9 @@ class TestServer {
 
   KvCacheServer& server() { return *server_; }
   Client& client() { return *client_; }
-  // Another client of this server; `dedicated` gives it a TCP connection of its own.
-  std::unique_ptr<Client> Connect(bool dedicated = true) const;
+  // Another client of this server; `dedicated` gives it a TCP connection of
+  // its own; `data_lane` is its ClientOptions::data_lane.
+  std::unique_ptr<Client> Connect(bool dedicated = true, const std::string& data_lane = "") const;
   std::unique_ptr<Client> ConnectTo(const std::string& address) const;
 
   // KvCacheServer::Shutdown; afterwards CleanUpAndCheck works on the engine.

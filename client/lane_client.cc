@@ -1,0 +1,257 @@
+#include "lane_client.h"
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "update_encoding.h"
+
+namespace kvcache::internal {
+namespace {
+
+// The host of host:port, without brackets.
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+// A lane address the server gave with a wildcard host ("listen on all")
+// means the host the client already reaches it at.
+std::string Reachable(const std::string& lane_address, const std::string& grpc_address) {
+  const std::string host = HostOf(lane_address);
+  if (host != "0.0.0.0" && host != "[::]" && host != "::" && !host.empty()) return lane_address;
+  return absl::StrCat(HostOf(grpc_address), lane_address.substr(host.size()));
+}
+
+// A connection that ended without its STATUS frame.
+absl::Status Lost(const absl::Status& status) {
+  if (absl::IsOutOfRange(status)) {
+    return absl::UnavailableError("data lane: the server closed the connection");
+  }
+  return status;
+}
+
+class LaneUpdate final : public UpdateTransport {
+ public:
+  LaneUpdate(LanePool& pool, absl::StatusOr<std::unique_ptr<LaneConnection>> connection,
+             std::string cache_id)
+      : pool_(pool), cache_id_(std::move(cache_id)) {
+    if (!connection.ok()) {
+      end_ = connection.status();
+      broken_ = true;
+      return;
+    }
+    connection_ = *std::move(connection);
+    reader_ = std::thread([this] { ReadAcks(); });
+  }
+
+  ~LaneUpdate() override {
+    if (reader_.joinable()) {
+      shutdown(connection_->fd.get(), SHUT_RDWR);
+      reader_.join();
+    }
+  }
+
+  bool Write(const LayerUpdate& update, const std::shared_ptr<const void>*) override {
+    // The kernel has copied the tensors when the send returns: no owner needed.
+    if (broken_.load(std::memory_order_acquire) || write_error_.has_value()) return false;
+    const std::vector<UpdateRun> runs = FrameUpdate(cache_id_, update);
+    uint64_t bytes = 0;
+    for (const UpdateRun& run : runs) bytes += run.framing.size() + run.data.size();
+    if (bytes > UINT32_MAX) {
+      write_error_ = absl::InvalidArgumentError(absl::StrCat(
+          "UpdateRequest: ", bytes, " bytes is over the data lane's 4 GiB frame"));
+      return false;
+    }
+    lane::FrameWriter& writer = connection_->writer;
+    writer.AddHeader(v1::LANE_FRAME_UPDATE, static_cast<uint32_t>(bytes));
+    for (const UpdateRun& run : runs) {
+      writer.AddCopy(absl::MakeConstSpan(reinterpret_cast<const std::byte*>(run.framing.data()),
+                                         run.framing.size()));
+      writer.AddReference(run.data);
+    }
+    if (absl::Status sent = writer.Send(); !sent.ok()) {
+      write_error_ = sent;
+      return false;
+    }
+    return true;
+  }
+
+  absl::Status Finish() override {
+    if (connection_ == nullptr) return end_;
+    if (!write_error_.has_value()) {
+      connection_->writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
+      if (absl::Status sent = connection_->writer.Send(); !sent.ok()) write_error_ = sent;
+    }
+    // Without UPDATE_END sent the server will not answer: stop waiting for it.
+    if (write_error_.has_value()) shutdown(connection_->fd.get(), SHUT_RDWR);
+    reader_.join();
+    // The server's own answer first: it explains a broken send.
+    if (!clean_end_ && write_error_.has_value()) return *write_error_;
+    if (clean_end_ && !write_error_.has_value()) {
+      connection_->reused = true;
+      pool_.Give(std::move(connection_));
+    }
+    return end_;
+  }
+
+  void Cancel() override {
+    if (connection_ == nullptr) return;
+    write_error_ = absl::CancelledError("the Update stream was abandoned");
+    shutdown(connection_->fd.get(), SHUT_RDWR);
+  }
+
+ private:
+  void ReadAcks() {
+    v1::UpdateResponse ack;
+    while (true) {
+      absl::StatusOr<lane::Frame> frame = connection_->reader.Next();
+      if (!frame.ok()) return End(Lost(frame.status()), false);
+      const auto& [header, payload] = *frame;
+      if (header.kind == v1::LANE_FRAME_UPDATE_ACK &&
+          ack.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        AddAck(ack);
+        continue;
+      }
+      v1::LaneStatus status;
+      if (header.kind == v1::LANE_FRAME_STATUS &&
+          status.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+        return End(lane::StatusFromLane(status), true);
+      }
+      return End(absl::DataLossError(absl::StrCat("data lane: an unreadable frame of kind ",
+                                                  header.kind, " in an Update call")),
+                 false);
+    }
+  }
+
+  void End(absl::Status status, bool clean) {
+    end_ = std::move(status);
+    clean_end_ = clean;
+    broken_.store(true, std::memory_order_release);
+  }
+
+  LanePool& pool_;
+  std::string cache_id_;
+  std::unique_ptr<LaneConnection> connection_;
+  std::thread reader_;
+  // Set by the reader before broken_, read after it or after the join.
+  absl::Status end_;
+  bool clean_end_ = false;
+  std::atomic<bool> broken_{false};
+  std::optional<absl::Status> write_error_;  // the writer's own
+};
+
+// One attempt of LaneFetch on `connection`. `delivered`: some chunk reached
+// on_chunk; `clean`: the call ended with its STATUS frame.
+absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request,
+                     const std::function<absl::Status(v1::FetchResponse&)>& on_chunk,
+                     bool& delivered, bool& clean) {
+  connection.writer.AddMessage(v1::LANE_FRAME_FETCH, request);
+  if (absl::Status sent = connection.writer.Send(); !sent.ok()) return sent;
+  v1::FetchResponse chunk;
+  while (true) {
+    absl::StatusOr<lane::Frame> frame = connection.reader.Next();
+    if (!frame.ok()) return Lost(frame.status());
+    const auto& [header, payload] = *frame;
+    if (header.kind == v1::LANE_FRAME_FETCH_CHUNK &&
+        chunk.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      delivered = true;
+      if (absl::Status taken = on_chunk(chunk); !taken.ok()) return taken;
+      continue;
+    }
+    v1::LaneStatus status;
+    if (header.kind == v1::LANE_FRAME_STATUS &&
+        status.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      clean = true;
+      return lane::StatusFromLane(status);
+    }
+    return absl::DataLossError(
+        absl::StrCat("data lane: an unreadable frame of kind ", header.kind, " in a Fetch"));
+  }
+}
+
+}  // namespace
+
+LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
+                   uint64_t max_payload, std::function<absl::StatusOr<std::string>()> ask_server)
+    : setting_(std::move(setting)), grpc_address_(std::move(grpc_address)), timeout_(timeout),
+      max_payload_(max_payload), ask_server_(std::move(ask_server)) {}
+
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
+  absl::StatusOr<int> fd = lane::Connect(address, timeout_);
+  if (!fd.ok()) return fd.status();
+  return std::make_unique<LaneConnection>(*fd, max_payload_);
+}
+
+bool LanePool::enabled() {
+  absl::MutexLock lock(&mutex_);
+  if (address_.has_value()) return !address_->empty();
+  if (setting_ != "auto") {
+    address_ = setting_;
+    return !address_->empty();
+  }
+  // "auto": the server's lane if it has one and it answers; else gRPC.
+  absl::StatusOr<std::string> advertised = ask_server_();
+  if (!advertised.ok()) return false;  // asked again next time
+  address_ = advertised->empty() ? "" : Reachable(*advertised, grpc_address_);
+  if (address_->empty()) return false;
+  absl::StatusOr<std::unique_ptr<LaneConnection>> probe = Open(*address_);
+  if (!probe.ok()) {
+    address_ = "";
+    return false;
+  }
+  idle_.push_back(*std::move(probe));
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Take() {
+  std::string address;
+  {
+    absl::MutexLock lock(&mutex_);
+    while (!idle_.empty()) {
+      std::unique_ptr<LaneConnection> connection = std::move(idle_.back());
+      idle_.pop_back();
+      // A kept connection the server has closed since (a restart, a
+      // shutdown) reads as end of file; an Update must not start on one.
+      std::byte probe;
+      if (recv(connection->fd.get(), &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) continue;
+      return connection;
+    }
+    if (!address_.has_value() || address_->empty()) {
+      return absl::FailedPreconditionError("data lane: off (ClientOptions::data_lane)");
+    }
+    address = *address_;
+  }
+  return Open(address);
+}
+
+void LanePool::Give(std::unique_ptr<LaneConnection> connection) {
+  absl::MutexLock lock(&mutex_);
+  idle_.push_back(std::move(connection));
+}
+
+std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cache_id) {
+  return std::make_unique<LaneUpdate>(pool, pool.Take(), std::move(cache_id));
+}
+
+absl::Status LaneFetch(LanePool& pool, const v1::FetchRequest& request,
+                       const std::function<absl::Status(v1::FetchResponse&)>& on_chunk) {
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<std::unique_ptr<LaneConnection>> connection = pool.Take();
+    if (!connection.ok()) return connection.status();
+    bool delivered = false, clean = false;
+    const absl::Status status = FetchOn(**connection, request, on_chunk, delivered, clean);
+    const bool reused = (*connection)->reused;
+    if (clean) {
+      (*connection)->reused = true;
+      pool.Give(*std::move(connection));
+    }
+    // A kept connection the server closed since (a restart, an idle cut).
+    if (!clean && !delivered && reused && attempt == 0 && absl::IsUnavailable(status)) continue;
+    return status;
+  }
+}
+
+}  // namespace kvcache::internal

@@ -1,0 +1,68 @@
+// The client's end of the data lane (kvcache.proto, LaneFrameKind): a pool of
+// connections kept between calls, Update calls and Fetch calls on them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcache/v1/lane_wire.h"
+#include "update_transport.h"
+
+namespace kvcache::internal {
+
+// One connection with its buffers, kept between calls.
+struct LaneConnection {
+  LaneConnection(int socket, uint64_t max_payload)
+      : fd(socket), reader(socket, max_payload), writer(socket) {}
+  lane::OwnedFd fd;
+  lane::FrameReader reader;
+  lane::FrameWriter writer;
+  bool reused = false;  // it served a call before this one
+};
+
+class LanePool {
+ public:
+  // `setting` is ClientOptions::data_lane: "" (off), "auto" (the address the
+  // server gives in Stats, found by `ask_server`; gRPC where it has none or
+  // it cannot be reached) or host:port.
+  LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
+           uint64_t max_payload, std::function<absl::StatusOr<std::string>()> ask_server);
+
+  // Whether Update and Fetch go over the lane (resolves "auto" once).
+  bool enabled();
+  // An idle connection, or a new one.
+  absl::StatusOr<std::unique_ptr<LaneConnection>> Take();
+  // A connection whose call ended cleanly, for the next call.
+  void Give(std::unique_ptr<LaneConnection> connection);
+
+ private:
+  absl::StatusOr<std::unique_ptr<LaneConnection>> Open(const std::string& address);
+
+  const std::string setting_;
+  const std::string grpc_address_;
+  const absl::Duration timeout_;
+  const uint64_t max_payload_;
+  std::function<absl::StatusOr<std::string>()> ask_server_;
+  absl::Mutex mutex_;
+  std::optional<std::string> address_ ABSL_GUARDED_BY(mutex_);  // resolved; "" when off
+  std::vector<std::unique_ptr<LaneConnection>> idle_ ABSL_GUARDED_BY(mutex_);
+};
+
+// An Update call on the lane, for requests of `cache_id`.
+std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cache_id);
+
+// A Fetch call on the lane: each chunk to `on_chunk`, in order, until it
+// fails. Retried once on a fresh connection when a kept one turns out closed
+// before any chunk arrived (a Fetch is safe to repeat).
+absl::Status LaneFetch(LanePool& pool, const v1::FetchRequest& request,
+                       const std::function<absl::Status(v1::FetchResponse&)>& on_chunk);
+
+}  // namespace kvcache::internal

@@ -1,0 +1,123 @@
+#include "service/data_lane.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/log.h"
+#include "service/lane_session.h"
+
+namespace kvcache::service {
+
+absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(const std::string& listen,
+                                                           uint64_t max_message_bytes) {
+  int port = 0;
+  absl::StatusOr<int> fd = lane::Listen(listen, port);
+  if (!fd.ok()) return fd.status();
+  // A frame's length is 32 bits.
+  const uint64_t max_payload = std::min<uint64_t>(max_message_bytes, UINT32_MAX);
+  return std::unique_ptr<DataLane>(new DataLane(lane::OwnedFd(*fd), port, max_payload));
+}
+
+DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes)
+    : listener_(std::move(listener)), port_(port), max_message_bytes_(max_message_bytes) {}
+
+DataLane::~DataLane() { Shutdown(absl::ZeroDuration()); }
+
+void DataLane::Serve(Handlers& handlers) {
+  acceptor_ = std::thread([this, &handlers] { AcceptLoop(handlers); });
+}
+
+void DataLane::AcceptLoop(Handlers& handlers) {
+  while (true) {
+    const int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      Serve(handlers, lane::OwnedFd(fd));
+      continue;
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    {
+      absl::MutexLock lock(&mutex_);
+      if (stopping_) return;
+    }
+    // Out of descriptors or memory: say so, and try again shortly.
+    LogError("data lane: accept: %s", std::strerror(errno));
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+void DataLane::Serve(Handlers& handlers, lane::OwnedFd fd) {
+  absl::MutexLock lock(&mutex_);
+  if (stopping_) return;
+  ReapFinished();
+  Connection& connection = connections_.emplace_back();
+  connection.fd = std::move(fd);
+  connection.session =
+      std::make_unique<LaneSession>(handlers, connection.fd.get(), max_message_bytes_);
+  connection.thread = std::thread([this, &connection] {
+    const absl::Status status = connection.session->Run();
+    // The client sees the end now; the descriptor closes when reaped.
+    shutdown(connection.fd.get(), SHUT_RDWR);
+    // A client that broke the protocol is worth a line; one that left is not.
+    if (absl::IsInvalidArgument(status)) {
+      LogError("data lane: closed a connection: %s", status.message());
+    }
+    absl::MutexLock lock(&mutex_);
+    connection.done = true;
+  });
+}
+
+void DataLane::ReapFinished() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (!it->done) {
+      ++it;
+      continue;
+    }
+    it->thread.join();  // it has set done and is returning
+    it = connections_.erase(it);
+  }
+}
+
+bool DataLane::CloseIdle(bool all) {
+  for (Connection& connection : connections_) {
+    if (connection.done) continue;
+    if (all) {
+      shutdown(connection.fd.get(), SHUT_RDWR);
+    } else if (!connection.session->in_call()) {
+      shutdown(connection.fd.get(), SHUT_RD);
+    }
+  }
+  return connections_.empty();
+}
+
+void DataLane::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mutex_);
+    stopping_ = true;
+  }
+  shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
+  if (acceptor_.joinable()) acceptor_.join();
+  const absl::Time deadline = absl::Now() + grace;
+  while (true) {
+    {
+      absl::MutexLock lock(&mutex_);
+      ReapFinished();
+      if (CloseIdle(/*all=*/absl::Now() >= deadline)) return;
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
+
+int DataLane::open_connections() {
+  absl::MutexLock lock(&mutex_);
+  int open = 0;
+  for (const Connection& connection : connections_) open += connection.done ? 0 : 1;
+  return open;
+}
+
+}  // namespace kvcache::service

@@ -1,0 +1,70 @@
+// The data lane's listener (kvcache.proto, LaneFrameKind): Update and Fetch
+// over plain TCP beside gRPC, for the bulk K/V. Each connection gets a thread
+// (LaneSession) that reads, applies and answers its frames in place: gRPC
+// passes each message between a reader thread, the completion queue and a
+// callback thread, and on one stream those hand-offs, not the bytes, bound
+// its throughput (bench/RESULTS.md).
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvcache/v1/lane_wire.h"
+#include "service/handlers.h"
+
+namespace kvcache::service {
+
+class LaneSession;
+
+class DataLane {
+ public:
+  // Listens on host:port (port 0: a free one); serves nothing until Serve.
+  static absl::StatusOr<std::unique_ptr<DataLane>> Listen(const std::string& listen,
+                                                          uint64_t max_message_bytes);
+  ~DataLane();  // Shutdown(no grace)
+
+  int port() const { return port_; }
+  // Accepts connections and serves them with `handlers`, which must outlive
+  // this lane.
+  void Serve(Handlers& handlers);
+  // Stops accepting. Connections between calls close at once; calls under
+  // way may finish until `grace` has passed, then their connections are cut
+  // (acknowledged updates stay applied).
+  void Shutdown(absl::Duration grace);
+  // Connections open now (for tests and logs).
+  int open_connections();
+
+ private:
+  struct Connection {
+    lane::OwnedFd fd;
+    std::unique_ptr<LaneSession> session;
+    std::thread thread;
+    bool done ABSL_GUARDED_BY(DataLane::mutex_) = false;
+  };
+
+  DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes);
+  void AcceptLoop(Handlers& handlers);
+  void Serve(Handlers& handlers, lane::OwnedFd fd);
+  // Joins the connections whose sessions have ended.
+  void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Shuts the reading side of idle connections (both sides of all, when
+  // `all`); returns whether no connection is left.
+  bool CloseIdle(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+
+  lane::OwnedFd listener_;
+  const int port_;
+  const uint64_t max_message_bytes_;
+  std::thread acceptor_;
+  absl::Mutex mutex_;
+  std::list<Connection> connections_ ABSL_GUARDED_BY(mutex_);
+  bool stopping_ ABSL_GUARDED_BY(mutex_) = false;
+};
+
+}  // namespace kvcache::service

@@ -1,0 +1,160 @@
+#include "service/lane_session.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "service/update_parser.h"
+#include "service/wire_format.h"
+
+namespace kvcache::service {
+namespace {
+
+// The request parsed from its frame: from the frame's bytes where
+// update_parser.h can, else by protobuf into `fallback`.
+absl::Status ParseUpdate(absl::Span<const std::byte> payload, v1::UpdateRequest& fallback,
+                         UpdateView& view) {
+  const absl::Span<const std::byte> pieces[] = {payload};
+  if (ParseUpdateRequest(pieces, view)) return absl::OkStatus();
+  view = UpdateView();
+  if (!fallback.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::InvalidArgumentError(
+        "UpdateRequest: malformed (not the wire format of kvcache.v1.UpdateRequest)");
+  }
+  view = ViewOf(fallback);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+LaneSession::LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes)
+    : handlers_(handlers), fd_(fd), reader_(fd, max_message_bytes), writer_(fd) {}
+
+absl::Status LaneSession::Run() {
+  ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));
+  if (std::memcmp(magic.data(), lane::kMagic, sizeof(lane::kMagic)) != 0) {
+    return absl::InvalidArgumentError("data lane: the connection did not open with KVLANE01");
+  }
+  while (true) {
+    // Acknowledge what is applied before waiting for more.
+    if (!writer_.empty() && !reader_.HasBufferedFrame()) RETURN_IF_ERROR(writer_.Send());
+    absl::StatusOr<lane::Frame> frame = reader_.Next();
+    if (!frame.ok()) {
+      // A frame too long is answered; a closed or failed socket is not.
+      if (absl::IsInvalidArgument(frame.status())) {
+        QueueStatus(frame.status());
+        (void)writer_.Send();
+      } else if (!writer_.empty()) {
+        (void)writer_.Send();  // acknowledgements of what was applied
+      }
+      return frame.status();
+    }
+    if (absl::Status status = OnFrame(*frame); !status.ok()) {
+      QueueStatus(status);
+      (void)writer_.Send();
+      return status;
+    }
+  }
+}
+
+absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
+  switch (frame.header.kind) {
+    case v1::LANE_FRAME_UPDATE:
+      updating_ = true;
+      SetInCall(true);
+      if (!discarding_) OnUpdate(frame.payload);
+      return absl::OkStatus();
+    case v1::LANE_FRAME_UPDATE_END:
+      if (!updating_) {
+        return absl::InvalidArgumentError("data lane: UPDATE_END outside an Update call");
+      }
+      if (!discarding_) QueueStatus(absl::OkStatus());
+      updating_ = discarding_ = false;
+      SetInCall(false);
+      return absl::OkStatus();
+    case v1::LANE_FRAME_FETCH:
+      if (updating_) {
+        return absl::InvalidArgumentError("data lane: FETCH inside an Update call (no UPDATE_END)");
+      }
+      SetInCall(true);
+      RETURN_IF_ERROR(writer_.Send());
+      RETURN_IF_ERROR(OnFetch(frame.payload));
+      SetInCall(false);
+      return absl::OkStatus();
+    default:
+      if (frame.header.kind < 0) {
+        return absl::InvalidArgumentError(
+            "data lane: a frame header's reserved bytes (5 to 7) are not zero, so its kind is unknown");
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("data lane: frame kind ", frame.header.kind, " is not a request"));
+  }
+}
+
+void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
+  UpdateView view;
+  v1::UpdateResponse ack;
+  absl::Status status = ParseUpdate(payload, parsed_, view);
+  if (status.ok()) status = handlers_.Update(view, &known_spec_, &ack);
+  if (status.ok()) {
+    writer_.AddMessage(v1::LANE_FRAME_UPDATE_ACK, ack);
+  } else {
+    QueueStatus(status);
+    discarding_ = true;
+  }
+  parsed_.Clear();
+}
+
+absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
+  v1::FetchRequest request;
+  if (!request.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    QueueStatus(absl::InvalidArgumentError(
+        "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)"));
+    return writer_.Send();
+  }
+  absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
+  absl::Status status = plan.status();
+  if (plan.ok()) {
+    status = SendChunks(*plan);
+    // A socket that failed cannot carry the status either.
+    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) return status;
+  }
+  QueueStatus(status);
+  return writer_.Send();
+}
+
+absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
+  for (size_t index = 0; index < plan.chunks.size(); ++index) {
+    if (plan.chunks[index].form != FetchPlan::Form::kTokens) {
+      v1::FetchResponse chunk;
+      RETURN_IF_ERROR(handlers_.FillFetchChunk(plan, index, &chunk));
+      writer_.AddMessage(v1::LANE_FRAME_FETCH_CHUNK, chunk);
+      RETURN_IF_ERROR(writer_.Send());
+      continue;
+    }
+    v1::FetchResponse header;
+    uint64_t key_bytes = 0, value_bytes = 0;
+    handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
+    const FetchChunkFraming framing(header, key_bytes, value_bytes);
+    if (chunk_buffer_capacity_ < framing.size()) {
+      chunk_buffer_.reset(new std::byte[framing.size()]);  // uninitialised: every byte is written
+      chunk_buffer_capacity_ = framing.size();
+    }
+    std::byte* chunk = chunk_buffer_.get();
+    framing.Write(reinterpret_cast<uint8_t*>(chunk));
+    RETURN_IF_ERROR(handlers_.ReadFetchChunk(
+        plan, index, {.keys = {chunk + framing.keys_offset(), key_bytes},
+                      .values = {chunk + framing.values_offset(), value_bytes}}));
+    writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
+    writer_.AddReference({chunk, framing.size()});
+    RETURN_IF_ERROR(writer_.Send());
+  }
+  return absl::OkStatus();
+}
+
+void LaneSession::QueueStatus(const absl::Status& status) {
+  writer_.AddMessage(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(status));
+}
+
+}  // namespace kvcache::service

@@ -1,0 +1,354 @@
+// The data lane end to end (kvcache.proto, LaneFrameKind): clients find and
+// use it, what it returns equals what gRPC returns, and every frame the
+// server refuses gets its status, naming the field, with nothing changed.
+// Raw frames are written by hand here, as a client in another language would.
+// The random sequences over the lane are in e2e_random_test.cc (*_DataLane).
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <random>
+#include <string>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "e2e_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvcache/v1/lane_wire.h"
+#include "service/data_lane.h"
+#include "service_test_util.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A plain TCP connection to host:port.
+lane::OwnedFd ConnectPlain(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  addrinfo hints{.ai_family = AF_INET, .ai_socktype = SOCK_STREAM};
+  addrinfo* found = nullptr;
+  EXPECT_EQ(getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(),
+                        &hints, &found),
+            0);
+  lane::OwnedFd fd(socket(found->ai_family, found->ai_socktype, 0));
+  EXPECT_EQ(connect(fd.get(), found->ai_addr, found->ai_addrlen), 0);
+  freeaddrinfo(found);
+  const timeval timeout{.tv_sec = 10, .tv_usec = 0};
+  setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  return fd;
+}
+
+// A socket to the lane, written and read frame by frame.
+class RawLane {
+ public:
+  // `magic`: the preamble sent first (the lane's own unless a test says).
+  explicit RawLane(const std::string& address, const std::string& magic = "KVLANE01")
+      : fd_(ConnectPlain(address)), reader_(fd_.get(), 64 << 20) {
+    SendBytes(magic);
+  }
+
+  void SendBytes(const std::string& bytes) {
+    lane::FrameWriter writer(fd_.get());
+    writer.AddCopy({reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()});
+    EXPECT_TRUE(writer.Send().ok());
+  }
+  void Send(int kind, const std::string& payload) {
+    std::byte header[lane::kHeaderBytes];
+    lane::EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
+    SendBytes(std::string(reinterpret_cast<const char*>(header), sizeof(header)) + payload);
+  }
+  void Send(int kind, const google::protobuf::MessageLite& message) {
+    Send(kind, message.SerializeAsString());
+  }
+
+  // The next frame's kind and payload; kind -1 when the connection ended.
+  std::pair<int, std::string> Read() {
+    absl::StatusOr<lane::Frame> frame = reader_.Next();
+    if (!frame.ok()) return {-1, std::string(frame.status().message())};
+    return {frame->header.kind,
+            std::string(reinterpret_cast<const char*>(frame->payload.data()),
+                        frame->payload.size())};
+  }
+  // The next frame, which must be a STATUS.
+  absl::Status ReadStatus() {
+    auto [kind, payload] = Read();
+    EXPECT_EQ(kind, v1::LANE_FRAME_STATUS) << payload;
+    v1::LaneStatus status;
+    EXPECT_TRUE(status.ParseFromString(payload));
+    return lane::StatusFromLane(status);
+  }
+  // Whether the server closed the connection (reads end of file).
+  bool Closed() { return Read().first == -1; }
+  void Close() { fd_ = lane::OwnedFd(); }
+
+ private:
+  lane::OwnedFd fd_;
+  lane::FrameReader reader_;
+};
+
+class E2eDataLaneTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = TestServer::Start({.path = TransferPath::kDirect});
+    ASSERT_NE(server_, nullptr);
+    lane_client_ = server_->Connect(/*dedicated=*/true, "auto");
+    ASSERT_TRUE(lane_client_->uses_data_lane());
+    spec_ = ProtoSpec(2, 2, 8);
+    absl::StatusOr<v1::CacheInfo> info = server_->client().CreateCache(spec_);
+    ASSERT_TRUE(info.ok()) << info.status();
+    cache_id_ = info->cache_id();
+  }
+  void TearDown() override {
+    lane_client_.reset();
+    if (server_) server_->CleanUpAndCheck();
+  }
+
+  std::unique_ptr<RawLane> OpenRaw(const std::string& magic = "KVLANE01") {
+    return std::make_unique<RawLane>(server_->server().data_lane_address(), magic);
+  }
+  v1::UpdateRequest NewUpdate(uint32_t layer, uint64_t tokens) {
+    return RandomUpdate(cache_id_, spec_, layer, tokens, rng_);
+  }
+  std::vector<uint64_t> Offsets() {
+    absl::StatusOr<v1::CacheInfo> info = server_->client().GetCache(cache_id_);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? std::vector<uint64_t>(info->layer_offsets().begin(),
+                                             info->layer_offsets().end())
+                     : std::vector<uint64_t>();
+  }
+  // The server still serves both ways, and no lane session is left behind.
+  void ExpectHealthy() {
+    EXPECT_TRUE(server_->client().GetStats().ok());
+    const v1::UpdateRequest request = NewUpdate(0, 1);
+    const LayerUpdate update = ToLayerUpdate(request);
+    EXPECT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
+  }
+
+  std::unique_ptr<TestServer> server_;
+  std::unique_ptr<Client> lane_client_;
+  v1::CacheSpec spec_;
+  std::string cache_id_;
+  std::mt19937_64 rng_{11};
+};
+
+TEST_F(E2eDataLaneTest, ClientsFindTheLaneThroughStats) {
+  absl::StatusOr<v1::Stats> stats = server_->client().GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->data_lane_address(), server_->server().data_lane_address());
+  EXPECT_FALSE(server_->client().uses_data_lane());  // data_lane ""
+  EXPECT_TRUE(server_->Connect(true, server_->server().data_lane_address())->uses_data_lane());
+}
+
+TEST(E2eDataLaneOffTest, AutoFallsBackToGrpcAndAnAddressThatDoesNotAnswerFails) {
+  auto server = TestServer::Start({.data_lane = false});
+  ASSERT_NE(server, nullptr);
+  auto client = server->Connect(true, "auto");
+  EXPECT_FALSE(client->uses_data_lane());
+  absl::StatusOr<v1::CacheInfo> info = client->CreateCache(ProtoSpec(1, 1, 8));
+  ASSERT_TRUE(info.ok());
+  std::mt19937_64 rng(3);
+  const v1::UpdateRequest request = RandomUpdate(info->cache_id(), ProtoSpec(1, 1, 8), 0, 2, rng);
+  const LayerUpdate update = ToLayerUpdate(request);
+  EXPECT_TRUE(client->Update(info->cache_id(), {&update, 1}).ok());
+
+  // An explicit address is used as given: no silent fallback.
+  auto pinned = server->Connect(true, "127.0.0.1:1");
+  absl::StatusOr<std::vector<v1::UpdateResponse>> refused =
+      pinned->Update(info->cache_id(), {&update, 1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(refused.status().message(), HasSubstr("data lane"));
+  server->CleanUpAndCheck();
+}
+
+TEST_F(E2eDataLaneTest, UpdatesAndFetchesEqualGrpcs) {
+  std::vector<v1::UpdateRequest> requests;
+  for (int step = 0; step < 5; ++step) {
+    for (uint32_t layer = 0; layer < 2; ++layer) requests.push_back(NewUpdate(layer, 1 + step));
+  }
+  auto stream = lane_client_->OpenUpdate(cache_id_);
+  for (const v1::UpdateRequest& request : requests) ASSERT_TRUE(stream->Write(ToLayerUpdate(request)));
+  absl::StatusOr<std::vector<v1::UpdateResponse>> acks = stream->Finish();
+  ASSERT_TRUE(acks.ok()) << acks.status();
+  ASSERT_EQ(acks->size(), requests.size());
+  EXPECT_EQ(acks->back().offset(), 15u);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    absl::StatusOr<LayerHistory> over_lane = lane_client_->FetchLayer(cache_id_, "", layer);
+    absl::StatusOr<LayerHistory> over_grpc = server_->client().FetchLayer(cache_id_, "", layer);
+    ASSERT_TRUE(over_lane.ok() && over_grpc.ok());
+    EXPECT_EQ(over_lane->ranges, over_grpc->ranges);
+    EXPECT_EQ(over_lane->keys, over_grpc->keys);
+    EXPECT_EQ(over_lane->values, over_grpc->values);
+    EXPECT_EQ(over_lane->tokens, 15u);
+  }
+}
+
+TEST_F(E2eDataLaneTest, AFailedRequestEndsTheCallKeepingWhatCameBefore) {
+  auto raw = OpenRaw();
+  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 3));
+  v1::UpdateRequest bad = NewUpdate(1, 2);
+  bad.set_layer(9);
+  raw->Send(v1::LANE_FRAME_UPDATE, bad);
+  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(1, 2));  // after the failure: skipped
+  raw->Send(v1::LANE_FRAME_UPDATE_END, "");
+  auto [kind, payload] = raw->Read();
+  ASSERT_EQ(kind, v1::LANE_FRAME_UPDATE_ACK);
+  v1::UpdateResponse ack;
+  ASSERT_TRUE(ack.ParseFromString(payload));
+  EXPECT_EQ(ack.offset(), 3u);
+  const absl::Status status = raw->ReadStatus();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("layer"));
+  EXPECT_EQ(Offsets(), (std::vector<uint64_t>{3, 0}));
+
+  // The connection carries the next call: a Fetch of what was kept.
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache_id_);
+  fetch.add_layers(0);
+  raw->Send(v1::LANE_FRAME_FETCH, fetch);
+  std::tie(kind, payload) = raw->Read();
+  ASSERT_EQ(kind, v1::LANE_FRAME_FETCH_CHUNK);
+  v1::FetchResponse chunk;
+  ASSERT_TRUE(chunk.ParseFromString(payload));
+  EXPECT_EQ(chunk.keys().shape(2), 3u);
+  EXPECT_TRUE(raw->ReadStatus().ok());
+  ExpectHealthy();
+}
+
+TEST_F(E2eDataLaneTest, MalformedMessagesAreRefusedNamingTheirType) {
+  auto raw = OpenRaw();
+  raw->Send(v1::LANE_FRAME_UPDATE, std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 11));
+  absl::Status status = raw->ReadStatus();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("UpdateRequest"));
+  raw->Send(v1::LANE_FRAME_UPDATE_END, "");
+  raw->Send(v1::LANE_FRAME_FETCH, std::string("\x0a\x7f", 2));
+  status = raw->ReadStatus();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("FetchRequest"));
+  // A well-formed Fetch that names no cache: the field, as over gRPC.
+  raw->Send(v1::LANE_FRAME_FETCH, v1::FetchRequest());
+  status = raw->ReadStatus();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("cache_id"));
+  EXPECT_EQ(Offsets(), (std::vector<uint64_t>{0, 0}));
+  ExpectHealthy();
+}
+
+// Frames the server cannot take end the connection, after a status that says why.
+TEST_F(E2eDataLaneTest, ProtocolErrorsCloseTheConnectionAndChangeNothing) {
+  struct Case {
+    const char* name;
+    std::function<void(RawLane&)> send;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"over the size limit",
+       [](RawLane& raw) {
+         std::byte header[lane::kHeaderBytes];
+         lane::EncodeHeader({.length = (64u << 20) + 1, .kind = v1::LANE_FRAME_UPDATE}, header);
+         raw.SendBytes(std::string(reinterpret_cast<const char*>(header), sizeof(header)));
+       },
+       "max_message_bytes"},
+      {"unknown kind", [](RawLane& raw) { raw.Send(99, ""); }, "kind 99"},
+      {"a response kind", [](RawLane& raw) { raw.Send(v1::LANE_FRAME_STATUS, ""); }, "kind 18"},
+      {"reserved bytes set",
+       [](RawLane& raw) { raw.SendBytes(std::string("\0\0\0\0\x01\0\x01\0", 8)); }, "kind"},
+      {"UPDATE_END outside a call",
+       [](RawLane& raw) { raw.Send(v1::LANE_FRAME_UPDATE_END, ""); }, "UPDATE_END"},
+      {"FETCH inside an Update call",
+       [this](RawLane& raw) {
+         raw.Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 1));
+         raw.Send(v1::LANE_FRAME_FETCH, v1::FetchRequest());
+       },
+       "FETCH inside"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<uint64_t> before = Offsets();
+    auto raw = OpenRaw();
+    c.send(*raw);
+    auto [kind, payload] = raw->Read();
+    if (kind == v1::LANE_FRAME_UPDATE_ACK) std::tie(kind, payload) = raw->Read();
+    ASSERT_EQ(kind, v1::LANE_FRAME_STATUS) << payload;
+    v1::LaneStatus status;
+    ASSERT_TRUE(status.ParseFromString(payload));
+    EXPECT_EQ(status.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(status.message(), HasSubstr(c.says));
+    EXPECT_TRUE(raw->Closed());
+    // The FETCH case applied (and acknowledged) its one update first.
+    std::vector<uint64_t> expected = before;
+    if (std::string(c.name) == "FETCH inside an Update call") expected[0] += 1;
+    EXPECT_EQ(Offsets(), expected);
+  }
+  // A connection that does not open with the preamble is closed unanswered.
+  auto stranger = OpenRaw("GET / HT");
+  stranger->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 1));
+  EXPECT_TRUE(stranger->Closed());
+  ExpectHealthy();
+}
+
+TEST_F(E2eDataLaneTest, AClientLostMidFrameLeavesWhatWasAcknowledged) {
+  auto raw = OpenRaw();
+  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 2));
+  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(1, 2));
+  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
+  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
+  // Half of a third message, then the connection drops.
+  const std::string third = NewUpdate(0, 4).SerializeAsString();
+  std::byte header[lane::kHeaderBytes];
+  lane::EncodeHeader({.length = static_cast<uint32_t>(third.size()), .kind = v1::LANE_FRAME_UPDATE},
+                     header);
+  raw->SendBytes(std::string(reinterpret_cast<const char*>(header), 8) +
+                 third.substr(0, third.size() / 2));
+  raw->Close();
+  service::DataLane& lane = *server_->server().data_lane();
+  for (int i = 0; i < 500 && lane.open_connections() > 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(lane.open_connections(), 1);  // lane_client_'s probe connection only
+  EXPECT_EQ(Offsets(), (std::vector<uint64_t>{2, 2}));
+  ExpectHealthy();
+}
+
+TEST_F(E2eDataLaneTest, ShutdownLetsAnOpenUpdateFinishAndCutsAStalledOne) {
+  auto finishing = lane_client_->OpenUpdate(cache_id_);
+  ASSERT_TRUE(finishing->Write(ToLayerUpdate(NewUpdate(0, 1))));
+  while (finishing->acknowledged_count() < 1) absl::SleepFor(absl::Milliseconds(1));
+  const absl::Time start = absl::Now();
+  std::thread shutdown([&] { server_->Shutdown(absl::Seconds(20)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  // Still under way: its next message is applied, and it ends well.
+  ASSERT_TRUE(finishing->Write(ToLayerUpdate(NewUpdate(1, 1))));
+  absl::StatusOr<std::vector<v1::UpdateResponse>> acks = finishing->Finish();
+  ASSERT_TRUE(acks.ok()) << acks.status();
+  EXPECT_EQ(acks->size(), 2u);
+  shutdown.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // it did not wait out the grace
+  EXPECT_EQ(server_->server().data_lane()->open_connections(), 0);
+}
+
+TEST(E2eDataLaneShutdownTest, AStalledUpdateIsCutAfterTheGrace) {
+  auto server = TestServer::Start({});
+  ASSERT_NE(server, nullptr);
+  auto client = server->Connect(true, "auto");
+  const v1::CacheSpec spec = ProtoSpec(1, 1, 8);
+  absl::StatusOr<v1::CacheInfo> info = client->CreateCache(spec);
+  ASSERT_TRUE(info.ok());
+  std::mt19937_64 rng(5);
+  auto stalled = client->OpenUpdate(info->cache_id());
+  const v1::UpdateRequest request = RandomUpdate(info->cache_id(), spec, 0, 2, rng);
+  ASSERT_TRUE(stalled->Write(ToLayerUpdate(request)));
+  while (stalled->acknowledged_count() < 1) absl::SleepFor(absl::Milliseconds(1));
+  const absl::Time start = absl::Now();
+  server->Shutdown(absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Seconds(5));
+  absl::StatusOr<std::vector<v1::UpdateResponse>> finished = stalled->Finish();
+  EXPECT_FALSE(finished.ok());
+  EXPECT_EQ(stalled->acknowledged().size(), 1u);
+  EXPECT_EQ(server->server().engine().GetCache(info->cache_id())->offset, 2u);
+  server->CleanUpAndCheck();
+}
+
+}  // namespace
+}  // namespace kvcache::testing
