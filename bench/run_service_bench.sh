@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Service over loopback (issue 3): kvcached Update / Fetch throughput beside
-# Redis SET / GET of the same bytes (hiredis, pipelined like kvcached's
-# streams) and the TCP ceiling (iperf3, one stream), plus Snapshot / Restore
-# latency against context length, all in one run on this machine.
+# Service over loopback (issue 3): kvcached Update / Fetch throughput, over
+# the data lane and over gRPC, beside Redis SET / GET of the same bytes
+# (hiredis, pipelined like kvcached's streams) and the TCP ceiling (iperf3,
+# one stream), plus Snapshot / Restore latency against context length, all in
+# one run on this machine.
 #
 #   bash bench/run_service_bench.sh            # prints the markdown tables
 #   REPEATS=5 ROW_SECONDS=3 bash bench/run_service_bench.sh
@@ -60,7 +61,9 @@ build() {
 
 start_peers() {
   kv_port=$(free_port 50151)
-  "$KVCACHED" --listen="127.0.0.1:$kv_port" --pool_bytes=$((6 << 30)) \
+  lane_port=$(free_port $((kv_port + 1)))
+  "$KVCACHED" --listen="127.0.0.1:$kv_port" --data_lane_listen="127.0.0.1:$lane_port" \
+    --pool_bytes=$((6 << 30)) \
     --max_message_bytes=$((256 << 20)) >"$work/kvcached.log" 2>&1 &
   pids+=($!)
   redis_port=$(free_port 6390)
@@ -98,8 +101,11 @@ run_rows() {
       read -r kv_op redis_op <<<"$pair"
       for streams in $STREAMS; do
         for chunk in $CHUNKS; do
-          "$kv" --address="127.0.0.1:$kv_port" --ops="$kv_op" --streams="$streams" \
-            --chunks="$chunk" --update_path="$UPDATE_PATH" "${common[@]}" >>"$raw"
+          for lane in auto ""; do
+            "$kv" --address="127.0.0.1:$kv_port" --ops="$kv_op" --streams="$streams" \
+              --chunks="$chunk" --update_path="$UPDATE_PATH" --data_lane="$lane" \
+              "${common[@]}" >>"$raw"
+          done
           "$redis" --port="$redis_port" --ops="$redis_op" --connections="$streams" \
             --chunks="$chunk" "${common[@]}" >>"$raw"
         done
@@ -117,23 +123,29 @@ print_machine() {
   echo "- device: $(sed -n 's/.*device: \(.*\), transfers.*/\1/p' "$work/kvcached.log" | head -1)"
   echo "- load average before / after: $load_before / $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "- $REPEATS rounds of ${ROW_SECONDS} s per row (after 0.5 s warm-up); medians"
-  echo "- server $KVCACHED, Update rows sent with --update_path=$UPDATE_PATH"
+  echo "- server $KVCACHED; lane rows: ClientOptions::data_lane = auto; gRPC rows: Update sent with --update_path=$UPDATE_PATH"
 }
 
-# One line per row: label streams chunk kvcached-median redis-median kvcached-min..max redis-min..max
+# The rates of one system's rows (op, streams, chunk) over the rounds.
+rates() {
+  awk -v n="$1" -v o="$2" -v s="$3" -v c="$4" \
+    '$1 == "ROW" && $2 == n && $3 == o && $4 == s && $5 == c {print $6}' "$raw"
+}
+spread() { sort -g | sed -n '1p;$p' | paste -sd-; }
+
+# One line per row: label streams chunk lane-median grpc-median redis-median
+# lane-min..max grpc-min..max redis-min..max
 summarise_rows() {
   for pair in "update set Update/SET" "fetch get Fetch/GET"; do
     read -r kv_op redis_op label <<<"$pair"
     for streams in $STREAMS; do
       for chunk in $CHUNKS; do
-        local kv redis
-        kv=$(awk -v o="$kv_op" -v s="$streams" -v c="$chunk" \
-          '$1 == "ROW" && $2 == "kvcached" && $3 == o && $4 == s && $5 == c {print $6}' "$raw")
-        redis=$(awk -v o="$redis_op" -v s="$streams" -v c="$chunk" \
-          '$1 == "ROW" && $2 == "redis" && $3 == o && $4 == s && $5 == c {print $6}' "$raw")
-        echo "$label $streams $chunk $(median <<<"$kv") $(median <<<"$redis")" \
-          "$(sort -g <<<"$kv" | sed -n '1p;$p' | paste -sd-)" \
-          "$(sort -g <<<"$redis" | sed -n '1p;$p' | paste -sd-)"
+        local lane grpc redis
+        lane=$(rates kvcached-lane "$kv_op" "$streams" "$chunk")
+        grpc=$(rates kvcached "$kv_op" "$streams" "$chunk")
+        redis=$(rates redis "$redis_op" "$streams" "$chunk")
+        echo "$label $streams $chunk $(median <<<"$lane") $(median <<<"$grpc") $(median <<<"$redis")" \
+          "$(spread <<<"$lane") $(spread <<<"$grpc") $(spread <<<"$redis")"
       done
     done
   done
@@ -141,13 +153,16 @@ summarise_rows() {
 
 print_throughput() {
   local ceiling=$1
-  echo "| op | streams | chunk | kvcached GB/s | Redis GB/s | kvcached / Redis | iperf3 GB/s | kvcached / iperf3 |"
-  echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| op | streams | chunk | lane GB/s | gRPC GB/s | Redis GB/s | lane / Redis | gRPC / Redis | iperf3 GB/s | lane / iperf3 | gRPC / iperf3 |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   awk -v t="$ceiling" '{
-    ratio = $5 > 0 ? $4 / $5 : 0
-    tcp = ""; tcp_ratio = ""
-    if ($2 == 1 && $3 == 1048576) { tcp = t; tcp_ratio = sprintf("%.2f", t > 0 ? $4 / t : 0) }
-    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %s | %s |\n", $1, $2, $3 / 1024, $4, $5, ratio, tcp, tcp_ratio
+    lane_ratio = $6 > 0 ? $4 / $6 : 0; grpc_ratio = $6 > 0 ? $5 / $6 : 0
+    tcp = ""; lane_tcp = ""; grpc_tcp = ""
+    if ($2 == 1 && $3 == 1048576 && t > 0) {
+      tcp = t; lane_tcp = sprintf("%.2f", $4 / t); grpc_tcp = sprintf("%.2f", $5 / t)
+    }
+    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %s | %s |\n", $1, $2, $3 / 1024,
+      $4, $5, $6, lane_ratio, grpc_ratio, tcp, lane_tcp, grpc_tcp
   }' "$work/summary"
 }
 
@@ -159,8 +174,9 @@ print_plot() {
     function bar(v) { s = ""; for (i = 0; i < int(v * 4 + 0.5); ++i) s = s "#"; return s }
     {
       row = sprintf("%s x%d %4d KiB", $1, $2, $3 / 1024)
-      printf "%-24s kvcached %-40s %5.2f  (%s)\n", row, bar($4), $4, $6
-      printf "%-24s Redis    %-40s %5.2f  (%s)\n", "", bar($5), $5, $7
+      printf "%-24s lane     %-40s %5.2f  (%s)\n", row, bar($4), $4, $7
+      printf "%-24s gRPC     %-40s %5.2f  (%s)\n", "", bar($5), $5, $8
+      printf "%-24s Redis    %-40s %5.2f  (%s)\n", "", bar($6), $6, $9
     }
     END { printf "%-24s iperf3   %-40s %5.2f\n", "TCP ceiling x1", bar(t), t }' "$work/summary"
   echo '```'

@@ -403,7 +403,10 @@ bool UpdateStream::WriteShared(const LayerUpdate& update, std::shared_ptr<const 
   return transport_->Write(update, &owner);
 }
 
-uint64_t UpdateStream::acknowledged_count() const { return transport_->ack_count(); }
+uint64_t UpdateStream::acknowledged_count() const {
+  transport_->CollectAcks();
+  return transport_->ack_count();
+}
 
 const std::vector<v1::UpdateResponse>& UpdateStream::acknowledged() const {
   return transport_->acks();

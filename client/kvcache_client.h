@@ -172,17 +172,20 @@ class Client {
   std::unique_ptr<internal::LanePool> lanes_;
 };
 
-// A long-lived Update stream: Write() sends one layer's tokens without waiting;
-// acknowledgements are collected by a reader thread. Finish() closes the
-// stream and returns every acknowledgement, or the status of the first failed
-// request (those before it were applied and acknowledged).
+// A long-lived Update stream: Write() sends one layer's tokens without waiting
+// for their acknowledgement. Over gRPC a reader thread collects the
+// acknowledgements; on the data lane Write and acknowledged_count take those
+// that have arrived (and Finish the rest). Finish() closes the stream and returns every
+// acknowledgement, or the status of the first failed request (those before
+// it were applied and acknowledged).
 class UpdateStream {
  public:
   // Over the data lane when the client uses one (Client::uses_data_lane).
   UpdateStream(Client& client, std::string cache_id);
   ~UpdateStream();
   // False once the stream has broken (Finish tells why). The tensors are
-  // copied once, straight into the outgoing message.
+  // copied once, straight into the outgoing message (on the data lane: by
+  // the kernel, into the socket, before this returns).
   bool Write(const LayerUpdate& update);
   // Write without copying the tensors: gRPC sends them from where they lie
   // and holds a copy of `owner` until it is done with them, which can be after
@@ -195,7 +198,7 @@ class UpdateStream {
   uint64_t acknowledged_count() const;
   absl::StatusOr<std::vector<v1::UpdateResponse>> Finish();
   // Every acknowledgement, also when Finish failed (the requests that were
-  // applied). Call only after Finish: the reader thread fills it until then
+  // applied). Call only after Finish: it fills until then
   // (acknowledged_count() is the live count).
   const std::vector<v1::UpdateResponse>& acknowledged() const;
 

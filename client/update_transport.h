@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "kvcache_client.h"
 
 namespace kvcache::internal {
@@ -26,6 +27,9 @@ class UpdateTransport {
   virtual absl::Status Finish() = 0;
   // Abandons the call (before a Finish).
   virtual void Cancel() = 0;
+  // Takes the acknowledgements that have arrived, where no thread of the
+  // transport's own does; safe to call while another thread writes.
+  virtual void CollectAcks() {}
 
   uint64_t ack_count() const { return ack_count_.load(std::memory_order_relaxed); }
   // Filled by the transport's reader until Finish returns.

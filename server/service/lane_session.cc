@@ -1,5 +1,6 @@
 #include "service/lane_session.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,8 @@
 
 namespace kvcache::service {
 namespace {
+
+constexpr size_t kChunkBatchBytes = 512 << 10;
 
 // The request parsed from its frame: from the frame's bytes where
 // update_parser.h can, else by protobuf into `fallback`.
@@ -124,11 +127,21 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
   return writer_.Send();
 }
 
+// Small chunks go out many to a send: up to kChunkBatchBytes of frames are
+// read from pages into one buffer before it is written.
 absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
+  size_t used = 0;  // bytes of chunk frames in chunk_buffer_, not yet sent
+  const auto flush = [&] {
+    if (used == 0) return absl::OkStatus();
+    writer_.AddReference({chunk_buffer_.get(), used});
+    used = 0;
+    return writer_.Send();
+  };
   for (size_t index = 0; index < plan.chunks.size(); ++index) {
     if (plan.chunks[index].form != FetchPlan::Form::kTokens) {
       v1::FetchResponse chunk;
       RETURN_IF_ERROR(handlers_.FillFetchChunk(plan, index, &chunk));
+      RETURN_IF_ERROR(flush());
       writer_.AddMessage(v1::LANE_FRAME_FETCH_CHUNK, chunk);
       RETURN_IF_ERROR(writer_.Send());
       continue;
@@ -137,20 +150,26 @@ absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
     uint64_t key_bytes = 0, value_bytes = 0;
     handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
     const FetchChunkFraming framing(header, key_bytes, value_bytes);
-    if (chunk_buffer_capacity_ < framing.size()) {
-      chunk_buffer_.reset(new std::byte[framing.size()]);  // uninitialised: every byte is written
-      chunk_buffer_capacity_ = framing.size();
+    const size_t frame_bytes = lane::kHeaderBytes + framing.size();
+    if (used + frame_bytes > chunk_buffer_capacity_) {
+      RETURN_IF_ERROR(flush());
+      if (frame_bytes > chunk_buffer_capacity_) {
+        chunk_buffer_capacity_ = std::max(frame_bytes, kChunkBatchBytes);
+        chunk_buffer_.reset(new std::byte[chunk_buffer_capacity_]);  // uninitialised
+      }
     }
-    std::byte* chunk = chunk_buffer_.get();
+    std::byte* frame = chunk_buffer_.get() + used;
+    lane::EncodeHeader({.length = static_cast<uint32_t>(framing.size()),
+                        .kind = v1::LANE_FRAME_FETCH_CHUNK},
+                       frame);
+    std::byte* chunk = frame + lane::kHeaderBytes;
     framing.Write(reinterpret_cast<uint8_t*>(chunk));
     RETURN_IF_ERROR(handlers_.ReadFetchChunk(
         plan, index, {.keys = {chunk + framing.keys_offset(), key_bytes},
                       .values = {chunk + framing.values_offset(), value_bytes}}));
-    writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
-    writer_.AddReference({chunk, framing.size()});
-    RETURN_IF_ERROR(writer_.Send());
+    used += frame_bytes;
   }
-  return absl::OkStatus();
+  return flush();
 }
 
 void LaneSession::QueueStatus(const absl::Status& status) {

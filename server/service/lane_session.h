@@ -43,7 +43,7 @@ class LaneSession {
   lane::FrameWriter writer_;
   KnownSpec known_spec_;  // of the cache last written to
   v1::UpdateRequest parsed_;  // protobuf's parse, when update_parser.h leaves it one
-  // A Fetch chunk's frame, read from pages straight into it; reused.
+  // Fetch chunks' frames, read from pages straight into it; reused.
   std::unique_ptr<std::byte[]> chunk_buffer_;
   size_t chunk_buffer_capacity_ = 0;
   std::atomic<bool> in_call_{false};

@@ -151,6 +151,33 @@ absl::StatusOr<Frame> FrameReader::Next() {
   return Frame{header, {buffer_.get() + start_ + kHeaderBytes, header.length}};
 }
 
+absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
+  start_ += consumed_;
+  consumed_ = 0;
+  if (start_ == end_) {
+    start_ = end_ = 0;
+  } else if (capacity_ - end_ < kGreedyRead) {
+    std::memmove(buffer_.get(), buffer_.get() + start_, end_ - start_);
+    end_ -= start_;
+    start_ = 0;
+  }
+  if (!HasBufferedFrame() && end_ < capacity_) {
+    const ssize_t got = recv(fd_, buffer_.get() + end_, capacity_ - end_, MSG_DONTWAIT);
+    if (got > 0) {
+      end_ += static_cast<size_t>(got);
+    } else if (got == 0) {
+      return absl::OutOfRangeError("data lane: the peer closed the connection");
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return SocketError("receive");
+    }
+  }
+  // A frame only partly here (or one past the space left) waits for Next.
+  if (!HasBufferedFrame()) return std::nullopt;
+  absl::StatusOr<Frame> frame = Next();
+  if (!frame.ok()) return frame.status();
+  return std::optional<Frame>(*frame);
+}
+
 void FrameWriter::AddMessage(v1::LaneFrameKind kind, const google::protobuf::MessageLite& message) {
   const size_t length = message.ByteSizeLong();
   AddHeader(kind, static_cast<uint32_t>(length));

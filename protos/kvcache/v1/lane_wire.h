@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,9 @@ class FrameReader {
   // frames; UNAVAILABLE when it closed or failed within one;
   // DEADLINE_EXCEEDED when the socket's receive timeout passed.
   absl::StatusOr<Frame> Next();
+  // The next frame if it is buffered or arrives whole without waiting, else
+  // nullopt; errors as Next.
+  absl::StatusOr<std::optional<Frame>> Poll();
 
  private:
   // Makes `bytes` bytes past start_ available, reading as needed.
