@@ -13,6 +13,9 @@
 #include "kvcache_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(std::string, data_lane, "auto",
+          "where Update and Fetch go: auto (the server's data lane, else gRPC), empty (gRPC) or "
+          "host:port");
 
 namespace {
 
@@ -139,8 +142,11 @@ int Check(const absl::Status& status, const char* what) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server)});
+  auto client = kvcache::Client::Connect(
+      {.address = absl::GetFlag(FLAGS_server), .data_lane = absl::GetFlag(FLAGS_data_lane)});
   if (Check(client->WaitForReady(absl::Seconds(30)), "connect")) return 1;
+  absl::PrintF("connected to %s; Update and Fetch go over %s\n", absl::GetFlag(FLAGS_server),
+               client->uses_data_lane() ? "the data lane (plain TCP)" : "gRPC");
   auto cache = client->CreateCache(ToySpec());
   if (Check(cache.status(), "CreateCache")) return 1;
   const std::string id = cache->cache_id();

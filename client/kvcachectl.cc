@@ -57,6 +57,8 @@ int Stats(kvcache::Client& client) {
   if (!stats.ok()) return Fail(stats.status());
   std::printf("device        %s (%s transfers)\n", stats->device().c_str(),
               stats->transfer_path().c_str());
+  std::printf("data lane     %s\n",
+              stats->data_lane_address().empty() ? "off" : stats->data_lane_address().c_str());
   std::printf("pool          %s used of %s (%llu of %llu pages of %s)\n",
               Bytes(stats->pool_bytes_used()).c_str(), Bytes(stats->pool_bytes_total()).c_str(),
               (unsigned long long)stats->pages_used(), (unsigned long long)stats->pages_total(),

@@ -77,6 +77,11 @@ absl::Status CacheSnapshot::Read(uint32_t layer, TokenRange range, const KvOutpu
   return held->Read(range, out);
 }
 
+absl::Status CacheSnapshot::View(uint32_t layer, TokenRange range, KvViews& out) const {
+  ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));
+  return held->View(range, out);
+}
+
 absl::Status CacheSnapshot::ReadPacked(uint32_t layer, TokenRange range,
                                        const PackedOutput& out) const {
   ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));

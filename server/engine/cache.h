@@ -32,6 +32,8 @@ struct CacheSnapshot {
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
   std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;
   absl::Status Read(uint32_t layer, TokenRange range, const KvOutput& out) const;
+  // LayerSnapshot::View of one layer.
+  absl::Status View(uint32_t layer, TokenRange range, KvViews& out) const;
   // Quantized layers: `range` as stored (packed). Recurrent layers: the state.
   absl::Status ReadPacked(uint32_t layer, TokenRange range, const PackedOutput& out) const;
   absl::Status ReadState(uint32_t layer, const StateOutput& out) const;

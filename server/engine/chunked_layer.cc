@@ -28,6 +28,10 @@ absl::Status ChunkedSnapshot::Read(TokenRange range, const KvOutput& out) const 
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
+absl::Status ChunkedSnapshot::View(TokenRange range, KvViews& out) const {
+  return ViewHeld(table_, geometry_, Ranges(), range, out);
+}
+
 uint64_t ChunkedSnapshot::size_bytes() const { return PoolBytes(table_); }
 
 // The merged snapshot is the child's state over [from, child.to): its start

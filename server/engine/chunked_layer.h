@@ -68,6 +68,7 @@ class ChunkedSnapshot final : public LayerSnapshot {
   uint64_t held_begin() const { return std::max(from_, state_.start); }
   std::vector<TokenRange> Ranges() const override;
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  absl::Status View(TokenRange range, KvViews& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(uint64_t at) const override;

@@ -27,6 +27,10 @@ absl::Status LayerSnapshot::ReadPacked(TokenRange, const PackedOutput&) const {
   return absl::InvalidArgumentError("packed: only quantized layers have a packed form");
 }
 
+absl::Status LayerSnapshot::View(TokenRange, KvViews&) const {
+  return absl::FailedPreconditionError("this layer's tokens are not stored as they are read");
+}
+
 absl::Status LayerSnapshot::ReadState(const StateOutput&) const {
   return absl::InvalidArgumentError(
       "state: only recurrent layers hold a state; fetch keys and values instead");

@@ -26,6 +26,10 @@ absl::Status RotatingSnapshot::Read(TokenRange range, const KvOutput& out) const
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
+absl::Status RotatingSnapshot::View(TokenRange range, KvViews& out) const {
+  return ViewHeld(table_, geometry_, Ranges(), range, out);
+}
+
 uint64_t RotatingSnapshot::size_bytes() const { return PoolBytes(table_); }
 
 // mlx-lm routes a single token to _update_in_place (the ring: once full, the

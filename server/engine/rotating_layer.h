@@ -46,6 +46,7 @@ class RotatingSnapshot final : public LayerSnapshot {
   uint64_t to() const override { return state_.offset; }
   std::vector<TokenRange> Ranges() const override { return state_.Ranges(kind_.keep); }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  absl::Status View(TokenRange range, KvViews& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(

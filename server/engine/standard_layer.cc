@@ -13,6 +13,10 @@ absl::Status StandardSnapshot::Read(TokenRange range, const KvOutput& out) const
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
+absl::Status StandardSnapshot::View(TokenRange range, KvViews& out) const {
+  return ViewHeld(table_, geometry_, Ranges(), range, out);
+}
+
 absl::Status StandardSnapshot::ReadPacked(TokenRange range, const PackedOutput& out) const {
   return ReadPackedHeld(table_, geometry_, Ranges(), range, out);
 }

@@ -26,6 +26,7 @@ class StandardSnapshot final : public LayerSnapshot {
   uint64_t to() const override { return to_; }
   std::vector<TokenRange> Ranges() const override { return {{from_, to_}}; }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
+  absl::Status View(TokenRange range, KvViews& out) const override;
   // Quantized geometry only: the range's planes as stored.
   absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const override;
   uint64_t size_bytes() const override;

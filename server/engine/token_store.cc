@@ -147,6 +147,39 @@ absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offse
   return absl::OkStatus();
 }
 
+namespace {
+
+// Where positions `range` lie in pages, per (row, head) and page, in
+// [B, H, L, D] order: keys' runs and values' runs, each run's dst the byte
+// offset in the output (not a pointer yet). INTERNAL if a page is missing.
+absl::Status TokenRuns(const PageTable& table, const PageGeometry& g, TokenRange range,
+                       std::vector<gpu::ReadRun>& keys, std::vector<gpu::ReadRun>& values) {
+  const uint64_t length = range.size();
+  const uint32_t row_heads = g.batch * g.heads;
+  const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
+  const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
+  const auto at = [](uint64_t offset) { return reinterpret_cast<void*>(offset); };
+  bool missing = false;
+  for (uint32_t rh = 0; rh < row_heads; ++rh) {
+    ForEachPage(range.begin, range.end, g.page_tokens, [&](const PageSpan& span) {
+      const PageId page = table.Get(span.index);
+      missing |= page == kNoPage;
+      const uint64_t token = span.index * g.page_tokens + span.begin - range.begin;
+      const uint64_t count = span.end - span.begin;
+      const uint64_t dst = uint64_t{rh} * length + token;
+      keys.push_back({page, g.KOffset(rh, span.begin), at(dst * k_token), count * k_token});
+      values.push_back({page, g.VOffset(rh, span.begin), at(dst * v_token), count * v_token});
+    });
+  }
+  if (missing) {
+    return absl::InternalError(absl::StrFormat("no page holds part of tokens [%d, %d)",
+                                               range.begin, range.end));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRange range,
                         const KvOutput& out) {
   const uint64_t length = range.size();
@@ -154,29 +187,28 @@ absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRang
     return absl::InvalidArgumentError("read buffers do not match the range's [B, H, L, D] size");
   }
   if (g.quantized()) return DequantizeTokens(table, g, range, out);
-  const uint32_t row_heads = g.batch * g.heads;
-  const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
-  const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
-  std::vector<gpu::ReadRun> runs;
-  bool missing = false;
-  ForEachPage(range.begin, range.end, g.page_tokens, [&](const PageSpan& span) {
-    const PageId page = table.Get(span.index);
-    missing |= page == kNoPage;
-    const uint64_t token = span.index * g.page_tokens + span.begin - range.begin;
-    const uint64_t count = span.end - span.begin;
-    for (uint32_t rh = 0; rh < row_heads; ++rh) {
-      const uint64_t dst = uint64_t{rh} * length + token;
-      runs.push_back({page, g.KOffset(rh, span.begin), out.keys.data() + dst * k_token,
-                      count * k_token});
-      runs.push_back({page, g.VOffset(rh, span.begin), out.values.data() + dst * v_token,
-                      count * v_token});
-    }
-  });
-  if (missing) {
-    return absl::InternalError(absl::StrFormat("no page holds part of tokens [%d, %d)",
-                                               range.begin, range.end));
+  std::vector<gpu::ReadRun> runs, value_runs;
+  RETURN_IF_ERROR(TokenRuns(table, g, range, runs, value_runs));
+  for (gpu::ReadRun& run : runs) run.dst = out.keys.data() + reinterpret_cast<uint64_t>(run.dst);
+  for (gpu::ReadRun& run : value_runs) {
+    run.dst = out.values.data() + reinterpret_cast<uint64_t>(run.dst);
+    runs.push_back(run);
   }
   return table.pool()->Read(runs);
+}
+
+absl::Status ViewHeld(const PageTable& table, const PageGeometry& geometry,
+                      const std::vector<TokenRange>& held, TokenRange range, KvViews& out) {
+  RETURN_IF_ERROR(CheckHeld(held, range));
+  if (geometry.quantized()) {
+    return absl::FailedPreconditionError("a quantized layer's tokens are read by dequantizing");
+  }
+  std::vector<gpu::ReadRun> key_runs, value_runs;
+  RETURN_IF_ERROR(TokenRuns(table, geometry, range, key_runs, value_runs));
+  out.keys.clear();
+  out.values.clear();
+  RETURN_IF_ERROR(table.pool()->View(key_runs, out.keys));
+  return table.pool()->View(value_runs, out.values);
 }
 
 absl::Status CheckHeld(const std::vector<TokenRange>& held, TokenRange range) {

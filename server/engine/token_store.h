@@ -101,6 +101,12 @@ absl::Status CheckHeld(const std::vector<TokenRange>& held, TokenRange range);
 absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
                       const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out);
 
+// Where a layer's or snapshot's `range` lies, as pieces of host-mapped pages
+// in [B, H, L, D] order (LayerSnapshot::View). FAILED_PRECONDITION for
+// quantized layers and on the staging path.
+absl::Status ViewHeld(const PageTable& table, const PageGeometry& geometry,
+                      const std::vector<TokenRange>& held, TokenRange range, KvViews& out);
+
 // A quantized layer's `range` as stored (quantized_store.h); INVALID_ARGUMENT
 // for other layers, or unless CheckHeld passes.
 absl::Status ReadPackedHeld(const PageTable& table, const PageGeometry& geometry,

@@ -96,6 +96,8 @@ class PagePool::Impl {
 
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
+  absl::Status View(absl::Span<const ReadRun> runs,
+                    std::vector<absl::Span<const std::byte>>& views);
   absl::Status Copy(absl::Span<const PageCopy> copies);
   absl::Status Move(absl::Span<const PageMove> moves);
 
@@ -176,6 +178,26 @@ absl::Status PagePool::Impl::Read(absl::Span<const ReadRun> runs) {
     reads.push_back({SliceOf(run.page, run.offset, run.bytes), static_cast<std::byte*>(run.dst)});
   }
   return staged_->Read(reads);
+}
+
+absl::Status PagePool::Impl::View(absl::Span<const ReadRun> runs,
+                                  std::vector<absl::Span<const std::byte>>& views) {
+  if (staged_ != nullptr) {
+    return absl::FailedPreconditionError("pages are not host-visible (the staging path)");
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    RETURN_IF_ERROR(CheckRange("View", i, runs[i].page, runs[i].offset, runs[i].bytes));
+  }
+  const size_t first = views.size();
+  for (const ReadRun& run : runs) {
+    std::byte* host = pages.Locate(run.page).host;
+    if (host == nullptr) {
+      views.resize(first);
+      return absl::FailedPreconditionError("pages are not host-mapped");
+    }
+    views.emplace_back(host + run.offset, run.bytes);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PagePool::Impl::Copy(absl::Span<const PageCopy> copies) {
@@ -317,6 +339,10 @@ absl::Status PagePool::Write(absl::Span<const WriteRun> runs) {
 }
 absl::Status PagePool::Read(absl::Span<const ReadRun> runs) {
   return impl_->Read(runs);
+}
+absl::Status PagePool::View(absl::Span<const ReadRun> runs,
+                            std::vector<absl::Span<const std::byte>>& views) {
+  return impl_->View(runs, views);
 }
 absl::Status PagePool::Copy(absl::Span<const PageCopy> copies) {
   return impl_->Copy(copies);

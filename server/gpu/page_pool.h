@@ -121,6 +121,12 @@ class PagePool {
   // behaves as if its copies ran one after another, in order.
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
+  // Where the runs' bytes lie in host-mapped pages (ReadRun::dst unused), one
+  // view per run, appended to `views`: to send them without a copy. Valid
+  // while the pages are held and unwritten. FAILED_PRECONDITION on the
+  // staging path, whose device memory the host cannot see.
+  absl::Status View(absl::Span<const ReadRun> runs,
+                    std::vector<absl::Span<const std::byte>>& views);
   absl::Status Copy(absl::Span<const PageCopy> copies);
   // mlx affine quantization on the device: rows of the jobs' tensors into
   // pages, and back (gpu/quantizer.h has the run layout and the checks).

@@ -7,10 +7,26 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "service/lane_session.h"
 
 namespace kvcache::service {
+namespace {
+
+// Each connection holds a thread and a buffer as large as its largest frame.
+constexpr int kMaxConnections = 1024;
+
+// Refuses a connection over the limit with a status, then closes it.
+void RefuseBusy(int fd) {
+  lane::FrameWriter writer(fd);
+  writer.AddMessage(v1::LANE_FRAME_STATUS,
+                    lane::LaneStatusOf(absl::ResourceExhaustedError(absl::StrCat(
+                        "data lane: ", kMaxConnections, " connections are open already"))));
+  (void)writer.Send();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(const std::string& listen,
                                                            uint64_t max_message_bytes) {
@@ -37,6 +53,8 @@ void DataLane::AcceptLoop(Handlers& handlers) {
     if (fd >= 0) {
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      // A client that vanished without closing its end frees its thread.
+      setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
       Serve(handlers, lane::OwnedFd(fd));
       continue;
     }
@@ -55,6 +73,10 @@ void DataLane::Serve(Handlers& handlers, lane::OwnedFd fd) {
   absl::MutexLock lock(&mutex_);
   if (stopping_) return;
   ReapFinished();
+  if (connections_.size() >= kMaxConnections) {
+    RefuseBusy(fd.get());
+    return;
+  }
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
   connection.session =

@@ -172,6 +172,12 @@ absl::Status Handlers::ReadFetchChunk(const FetchPlan& plan, size_t index,
   return plan.view->Read(chunk.layer, chunk.range, out);
 }
 
+absl::Status Handlers::ViewFetchChunk(const FetchPlan& plan, size_t index,
+                                      engine::KvViews& out) const {
+  const FetchPlan::Chunk& chunk = plan.chunks[index];
+  return plan.view->View(chunk.layer, chunk.range, out);
+}
+
 absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
                                       v1::FetchResponse* response) {
   switch (plan.chunks[index].form) {

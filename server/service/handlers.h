@@ -79,6 +79,9 @@ class Handlers {
                         uint64_t* key_bytes, uint64_t* value_bytes) const;
   absl::Status ReadFetchChunk(const FetchPlan& plan, size_t index,
                               const engine::KvOutput& out) const;
+  // Where a chunk's data lies in pages, to send without a copy (valid while
+  // `plan` lives); FAILED_PRECONDITION where it must be read (ReadFetchChunk).
+  absl::Status ViewFetchChunk(const FetchPlan& plan, size_t index, engine::KvViews& out) const;
   absl::Status Trim(const v1::TrimRequest& request, v1::TrimResponse* response);
   absl::Status Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response);
   absl::Status Restore(const v1::RestoreRequest& request, v1::CacheInfo* response);

@@ -127,23 +127,24 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
   return writer_.Send();
 }
 
-// Small chunks go out many to a send: up to kChunkBatchBytes of frames are
-// read from pages into one buffer before it is written.
+// A chunk of keys and values goes out from the pages it lies in where they
+// are host-mapped (the kernel's copy into the socket is the only one), else
+// read into chunk_buffer_ first. Small chunks go out many to a send: up to
+// kChunkBatchBytes of frames are queued before they are written.
 absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
-  size_t used = 0;  // bytes of chunk frames in chunk_buffer_, not yet sent
+  size_t queued = 0;  // bytes of frames queued in writer_
+  size_t used = 0;    // bytes of chunk_buffer_ they use
   const auto flush = [&] {
-    if (used == 0) return absl::OkStatus();
-    writer_.AddReference({chunk_buffer_.get(), used});
-    used = 0;
-    return writer_.Send();
+    queued = used = 0;
+    return writer_.empty() ? absl::OkStatus() : writer_.Send();
   };
+  engine::KvViews views;
   for (size_t index = 0; index < plan.chunks.size(); ++index) {
     if (plan.chunks[index].form != FetchPlan::Form::kTokens) {
       v1::FetchResponse chunk;
       RETURN_IF_ERROR(handlers_.FillFetchChunk(plan, index, &chunk));
-      RETURN_IF_ERROR(flush());
       writer_.AddMessage(v1::LANE_FRAME_FETCH_CHUNK, chunk);
-      RETURN_IF_ERROR(writer_.Send());
+      RETURN_IF_ERROR(flush());
       continue;
     }
     v1::FetchResponse header;
@@ -151,23 +152,34 @@ absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
     handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
     const FetchChunkFraming framing(header, key_bytes, value_bytes);
     const size_t frame_bytes = lane::kHeaderBytes + framing.size();
-    if (used + frame_bytes > chunk_buffer_capacity_) {
-      RETURN_IF_ERROR(flush());
-      if (frame_bytes > chunk_buffer_capacity_) {
-        chunk_buffer_capacity_ = std::max(frame_bytes, kChunkBatchBytes);
-        chunk_buffer_.reset(new std::byte[chunk_buffer_capacity_]);  // uninitialised
+    if (handlers_.ViewFetchChunk(plan, index, views).ok()) {
+      writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
+      writer_.AddCopy(framing.head());
+      for (absl::Span<const std::byte> piece : views.keys) writer_.AddReference(piece);
+      writer_.AddCopy(framing.middle());
+      for (absl::Span<const std::byte> piece : views.values) writer_.AddReference(piece);
+    } else {
+      if (used + frame_bytes > chunk_buffer_capacity_) {
+        RETURN_IF_ERROR(flush());
+        if (frame_bytes > chunk_buffer_capacity_) {
+          chunk_buffer_capacity_ = std::max(frame_bytes, kChunkBatchBytes);
+          chunk_buffer_.reset(new std::byte[chunk_buffer_capacity_]);  // uninitialised
+        }
       }
+      std::byte* frame = chunk_buffer_.get() + used;
+      lane::EncodeHeader({.length = static_cast<uint32_t>(framing.size()),
+                          .kind = v1::LANE_FRAME_FETCH_CHUNK},
+                         frame);
+      std::byte* chunk = frame + lane::kHeaderBytes;
+      framing.Write(reinterpret_cast<uint8_t*>(chunk));
+      RETURN_IF_ERROR(handlers_.ReadFetchChunk(
+          plan, index, {.keys = {chunk + framing.keys_offset(), key_bytes},
+                        .values = {chunk + framing.values_offset(), value_bytes}}));
+      writer_.AddReference({frame, frame_bytes});
+      used += frame_bytes;
     }
-    std::byte* frame = chunk_buffer_.get() + used;
-    lane::EncodeHeader({.length = static_cast<uint32_t>(framing.size()),
-                        .kind = v1::LANE_FRAME_FETCH_CHUNK},
-                       frame);
-    std::byte* chunk = frame + lane::kHeaderBytes;
-    framing.Write(reinterpret_cast<uint8_t*>(chunk));
-    RETURN_IF_ERROR(handlers_.ReadFetchChunk(
-        plan, index, {.keys = {chunk + framing.keys_offset(), key_bytes},
-                      .values = {chunk + framing.values_offset(), value_bytes}}));
-    used += frame_bytes;
+    queued += frame_bytes;
+    if (queued >= kChunkBatchBytes) RETURN_IF_ERROR(flush());
   }
   return flush();
 }

@@ -41,8 +41,15 @@ class FetchChunkFraming {
   uint64_t value_bytes() const { return value_bytes_; }
   // Writes the framing into out[0, size()), leaving the data's bytes as they are.
   void Write(uint8_t* out) const;
+  // The framing before the keys' data, and between the keys' and the values'.
+  absl::Span<const std::byte> head() const { return AsBytes(head_); }
+  absl::Span<const std::byte> middle() const { return AsBytes(middle_); }
 
  private:
+  static absl::Span<const std::byte> AsBytes(const std::string& s) {
+    return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+  }
+
   uint64_t key_bytes_;
   uint64_t value_bytes_;
   std::string head_;    // the scalars, then the keys' field prefix and Tensor header
