@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "fetch_view.h"
 #include "lane_client.h"
 #include "update_encoding.h"
 #include "update_transport.h"
@@ -36,6 +37,19 @@ constexpr char kServiceConfig[] = R"({
     }
   }]
 })";
+
+// A FetchResponse from a data-lane frame's bytes.
+bool ParseChunk(absl::Span<const std::byte> payload, v1::FetchResponse& chunk) {
+  return chunk.ParseFromArray(payload.data(), static_cast<int>(payload.size()));
+}
+
+absl::Status UnreadableChunk() {
+  return absl::DataLossError("data lane: a Fetch chunk is not a FetchResponse");
+}
+
+absl::Span<const std::byte> BytesOf(const std::string& data) {
+  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
+}
 
 template <typename Response, typename Call>
 absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
@@ -280,8 +294,11 @@ void Client::Prepare(grpc::ClientContext& context) const {
 absl::Status Client::Fetch(const v1::FetchRequest& request,
                            const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk) {
   if (uses_data_lane()) {
-    return internal::LaneFetch(*lanes_, request,
-                               [&](v1::FetchResponse& chunk) { return on_chunk(chunk); });
+    v1::FetchResponse chunk;
+    return internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
+      if (!ParseChunk(payload, chunk)) return UnreadableChunk();
+      return on_chunk(chunk);
+    });
   }
   grpc::ClientContext context;
   Prepare(context);
@@ -299,15 +316,38 @@ absl::Status Client::Fetch(const v1::FetchRequest& request,
   return sink_status.ok() ? FromGrpc(status) : sink_status;
 }
 
+absl::Status Client::FetchViews(const v1::FetchRequest& request,
+                               const std::function<absl::Status(const FetchChunkView&)>& on_chunk) {
+  FetchChunkView view;
+  if (!uses_data_lane()) {
+    return Fetch(request, [&](const v1::FetchResponse& chunk) {
+      view = {.header = &chunk, .keys = BytesOf(chunk.keys().data()),
+              .values = BytesOf(chunk.values().data())};
+      return on_chunk(view);
+    });
+  }
+  v1::FetchResponse header;
+  return internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
+    view.header = &header;
+    if (!internal::ParseTokenChunk(payload, header, view.keys, view.values)) {
+      // Packed and recurrent chunks: the whole message.
+      if (!ParseChunk(payload, header)) return UnreadableChunk();
+      view.keys = BytesOf(header.keys().data());
+      view.values = BytesOf(header.values().data());
+    }
+    return on_chunk(view);
+  });
+}
+
 absl::StatusOr<std::vector<v1::FetchResponse>> Client::FetchAll(const v1::FetchRequest& request) {
   // Read straight into the list (not through Fetch's callback, which would
   // copy every chunk once more).
   if (uses_data_lane()) {
     std::vector<v1::FetchResponse> chunks;
-    const absl::Status status = internal::LaneFetch(*lanes_, request, [&](v1::FetchResponse& chunk) {
-      chunks.push_back(std::move(chunk));
-      return absl::OkStatus();
-    });
+    const absl::Status status =
+        internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
+          return ParseChunk(payload, chunks.emplace_back()) ? absl::OkStatus() : UnreadableChunk();
+        });
     if (!status.ok()) return status;
     return chunks;
   }

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "fetch_view.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
 namespace kvcache {
@@ -105,6 +106,11 @@ class Client {
   // Streams the chunks of `request` to `on_chunk`, in order; stops at its first error.
   absl::Status Fetch(const v1::FetchRequest& request,
                      const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk);
+  // Fetch for callers that copy the tensors into buffers of their own: on the
+  // data lane the keys and values are views of the bytes as received, not
+  // copied into a FetchResponse first (fetch_view.h).
+  absl::Status FetchViews(const v1::FetchRequest& request,
+                          const std::function<absl::Status(const FetchChunkView&)>& on_chunk);
   // One layer's whole history (of the live cache, or of snapshot_id if set).
   absl::StatusOr<LayerHistory> FetchLayer(const std::string& cache_id,
                                           const std::string& snapshot_id, uint32_t layer);

@@ -168,19 +168,17 @@ class LaneUpdate final : public UpdateTransport {
 // One attempt of LaneFetch on `connection`. `delivered`: some chunk reached
 // on_chunk; `clean`: the call ended with its STATUS frame.
 absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request,
-                     const std::function<absl::Status(v1::FetchResponse&)>& on_chunk,
+                     const std::function<absl::Status(absl::Span<const std::byte>)>& on_chunk,
                      bool& delivered, bool& clean) {
   connection.writer.AddMessage(v1::LANE_FRAME_FETCH, request);
   if (absl::Status sent = connection.writer.Send(); !sent.ok()) return sent;
-  v1::FetchResponse chunk;
   while (true) {
     absl::StatusOr<lane::Frame> frame = connection.reader.Next();
     if (!frame.ok()) return Lost(frame.status());
     const auto& [header, payload] = *frame;
-    if (header.kind == v1::LANE_FRAME_FETCH_CHUNK &&
-        chunk.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    if (header.kind == v1::LANE_FRAME_FETCH_CHUNK) {
       delivered = true;
-      if (absl::Status taken = on_chunk(chunk); !taken.ok()) return taken;
+      if (absl::Status taken = on_chunk(payload); !taken.ok()) return taken;
       continue;
     }
     v1::LaneStatus status;
@@ -259,7 +257,7 @@ std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cach
 }
 
 absl::Status LaneFetch(LanePool& pool, const v1::FetchRequest& request,
-                       const std::function<absl::Status(v1::FetchResponse&)>& on_chunk) {
+                       const std::function<absl::Status(absl::Span<const std::byte>)>& on_chunk) {
   for (int attempt = 0;; ++attempt) {
     absl::StatusOr<std::unique_ptr<LaneConnection>> connection = pool.Take();
     if (!connection.ok()) return connection.status();

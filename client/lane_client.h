@@ -59,10 +59,11 @@ class LanePool {
 // An Update call on the lane, for requests of `cache_id`.
 std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cache_id);
 
-// A Fetch call on the lane: each chunk to `on_chunk`, in order, until it
-// fails. Retried once on a fresh connection when a kept one turns out closed
-// before any chunk arrived (a Fetch is safe to repeat).
+// A Fetch call on the lane: each chunk's FetchResponse bytes to `on_chunk`
+// (valid during the call), in order, until it fails. Retried once on a fresh
+// connection when a kept one turns out closed before any chunk arrived (a
+// Fetch is safe to repeat).
 absl::Status LaneFetch(LanePool& pool, const v1::FetchRequest& request,
-                       const std::function<absl::Status(v1::FetchResponse&)>& on_chunk);
+                       const std::function<absl::Status(absl::Span<const std::byte>)>& on_chunk);
 
 }  // namespace kvcache::internal

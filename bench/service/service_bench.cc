@@ -125,13 +125,16 @@ void UpdateWorker(const std::string& address, uint64_t chunk_bytes, WorkerContex
   (void)client->DeleteCache(cache->cache_id());
 }
 
-// FetchWorker's loop through Client::Fetch, on the data lane.
+// FetchWorker's loop on the data lane, through Client::FetchViews: each
+// chunk's tensors as views of the bytes received, from which a worker copies
+// them into tensors of its own (hiredis, on the Redis rows, copies each value
+// into a reply object first).
 void FetchOverLane(Client& client, const std::string& cache_id, const v1::FetchRequest& request,
                    uint64_t chunk_bytes, WorkerContext& context) {
   const absl::Status stopped = absl::CancelledError("stopped");
   while (!context.stop.load(std::memory_order_relaxed) && context.error.empty()) {
-    const absl::Status status = client.Fetch(request, [&](const v1::FetchResponse& chunk) {
-      if (chunk.keys().data().size() + chunk.values().data().size() != chunk_bytes) {
+    const absl::Status status = client.FetchViews(request, [&](const FetchChunkView& chunk) {
+      if (chunk.keys.size() + chunk.values.size() != chunk_bytes) {
         context.error = "Fetch: a chunk is not chunk_bytes long";
       }
       context.messages.fetch_add(1, std::memory_order_relaxed);

@@ -180,6 +180,31 @@ TEST_F(E2eDataLaneTest, UpdatesAndFetchesEqualGrpcs) {
     EXPECT_EQ(over_lane->keys, over_grpc->keys);
     EXPECT_EQ(over_lane->values, over_grpc->values);
     EXPECT_EQ(over_lane->tokens, 15u);
+
+    // FetchViews: the same chunks, their data as views, on both transports.
+    v1::FetchRequest request;
+    request.set_cache_id(cache_id_);
+    request.add_layers(layer);
+    request.set_max_chunk_tokens(4);
+    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(request);
+    ASSERT_TRUE(chunks.ok());
+    ASSERT_GT(chunks->size(), 1u);
+    for (Client* client : {lane_client_.get(), &server_->client()}) {
+      size_t index = 0;
+      const absl::Status status = client->FetchViews(request, [&](const FetchChunkView& view) {
+        const v1::FetchResponse& expected = (*chunks)[index++];
+        EXPECT_EQ(view.header->start(), expected.start());
+        EXPECT_EQ(view.header->keys().shape(2), expected.keys().shape(2));
+        EXPECT_EQ(std::string(reinterpret_cast<const char*>(view.keys.data()), view.keys.size()),
+                  expected.keys().data());
+        EXPECT_EQ(std::string(reinterpret_cast<const char*>(view.values.data()),
+                              view.values.size()),
+                  expected.values().data());
+        return absl::OkStatus();
+      });
+      EXPECT_TRUE(status.ok()) << status;
+      EXPECT_EQ(index, chunks->size());
+    }
   }
 }
 

@@ -1,0 +1,108 @@
+#include "fetch_view.h"
+
+#include <cstdint>
+
+namespace kvcache::internal {
+namespace {
+
+constexpr int kVarint = 0, kLengthDelimited = 2;
+
+// Protobuf's wire format over one contiguous span. Every read returns false
+// when the input ends too soon or a varint runs past 10 bytes.
+class WireReader {
+ public:
+  explicit WireReader(absl::Span<const std::byte> bytes) : bytes_(bytes) {}
+
+  bool done() const { return at_ == bytes_.size(); }
+  bool Varint(uint64_t& value) {
+    value = 0;
+    for (int shift = 0; shift < 70; shift += 7) {
+      if (at_ == bytes_.size()) return false;
+      const uint8_t byte = std::to_integer<uint8_t>(bytes_[at_++]);
+      value |= uint64_t{byte & 0x7fu} << shift;
+      if ((byte & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  bool Bytes(absl::Span<const std::byte>& out) {
+    uint64_t length = 0;
+    if (!Varint(length) || length > bytes_.size() - at_) return false;
+    out = bytes_.subspan(at_, length);
+    at_ += length;
+    return true;
+  }
+
+ private:
+  absl::Span<const std::byte> bytes_;
+  size_t at_ = 0;
+};
+
+// A Tensor: dtype and shape into `tensor`, the data as a view.
+bool ParseTensor(absl::Span<const std::byte> bytes, v1::Tensor& tensor,
+                 absl::Span<const std::byte>& data) {
+  WireReader reader(bytes);
+  data = {};
+  while (!reader.done()) {
+    uint64_t tag = 0, value = 0;
+    if (!reader.Varint(tag)) return false;
+    const uint64_t field = tag >> 3;
+    const int wire = static_cast<int>(tag & 7);
+    absl::Span<const std::byte> body;
+    if (field == 1 && wire == kVarint) {
+      if (!reader.Varint(value)) return false;
+      tensor.set_dtype(static_cast<v1::DType>(static_cast<int32_t>(value)));
+    } else if (field == 2 && wire == kVarint) {
+      if (!reader.Varint(value)) return false;
+      tensor.add_shape(value);
+    } else if (field == 2 && wire == kLengthDelimited) {  // packed
+      if (!reader.Bytes(body)) return false;
+      WireReader packed(body);
+      while (!packed.done()) {
+        if (!packed.Varint(value)) return false;
+        tensor.add_shape(value);
+      }
+    } else if (field == 3 && wire == kLengthDelimited && data.empty()) {
+      if (!reader.Bytes(data)) return false;
+    } else {
+      return false;  // anything else: protobuf's parser decides
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool ParseTokenChunk(absl::Span<const std::byte> payload, v1::FetchResponse& header,
+                     absl::Span<const std::byte>& keys, absl::Span<const std::byte>& values) {
+  header.Clear();
+  keys = values = {};
+  bool has_keys = false, has_values = false;
+  WireReader reader(payload);
+  while (!reader.done()) {
+    uint64_t tag = 0, value = 0;
+    if (!reader.Varint(tag)) return false;
+    const uint64_t field = tag >> 3;
+    const int wire = static_cast<int>(tag & 7);
+    absl::Span<const std::byte> body;
+    if (field == 1 && wire == kVarint) {
+      if (!reader.Varint(value)) return false;
+      header.set_layer(static_cast<uint32_t>(value));
+    } else if (field == 2 && wire == kVarint) {
+      if (!reader.Varint(value)) return false;
+      header.set_start(value);
+    } else if (field == 3 && wire == kLengthDelimited && !has_keys) {
+      has_keys = true;
+      if (!reader.Bytes(body) || !ParseTensor(body, *header.mutable_keys(), keys)) return false;
+    } else if (field == 4 && wire == kLengthDelimited && !has_values) {
+      has_values = true;
+      if (!reader.Bytes(body) || !ParseTensor(body, *header.mutable_values(), values)) {
+        return false;
+      }
+    } else {
+      return false;
+    }
+  }
+  return has_keys && has_values;
+}
+
+}  // namespace kvcache::internal

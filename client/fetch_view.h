@@ -1,0 +1,34 @@
+// A Fetch chunk read without copying its tensors: the data lane hands over
+// each chunk's bytes in its receive buffer, and a caller that moves keys and
+// values into tensors of its own needs no FetchResponse in between (which
+// would copy them once more).
+#pragma once
+
+#include <cstddef>
+
+#include "absl/types/span.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcache {
+
+// Valid only during the callback that receives it (Client::FetchViews).
+struct FetchChunkView {
+  // Every field of the chunk but the keys' and values' data (which read empty
+  // there): layer, start, the tensors' dtypes and shapes; for packed and
+  // recurrent chunks, the whole message.
+  const v1::FetchResponse* header = nullptr;
+  absl::Span<const std::byte> keys;
+  absl::Span<const std::byte> values;
+};
+
+namespace internal {
+
+// Parses a FetchResponse of keys and values from `payload` into `header`
+// (its tensors' data left out) and views of the data in `payload`. False for
+// anything else (packed or recurrent chunks, encodings it does not take):
+// the caller then parses with protobuf.
+bool ParseTokenChunk(absl::Span<const std::byte> payload, v1::FetchResponse& header,
+                     absl::Span<const std::byte>& keys, absl::Span<const std::byte>& values);
+
+}  // namespace internal
+}  // namespace kvcache
