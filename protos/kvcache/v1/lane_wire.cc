@@ -211,8 +211,8 @@ void FrameWriter::AddReference(absl::Span<const std::byte> bytes) {
 }
 
 absl::Status FrameWriter::Send() {
-  std::vector<iovec> iov;
-  iov.reserve(parts_.size());
+  std::vector<iovec>& iov = iov_;
+  iov.clear();
   for (const Part& part : parts_) {
     const std::byte* data = part.owned ? reinterpret_cast<const std::byte*>(owned_.data()) + part.offset
                                        : part.data;

@@ -99,6 +99,7 @@ class FrameWriter {
   int fd_;
   std::string owned_;
   std::vector<Part> parts_;
+  std::vector<iovec> iov_;  // Send's, kept to spare an allocation per send
 };
 
 // A v1::LaneStatus frame's payload as an absl::Status, and back.
