@@ -14,6 +14,14 @@ class WireReader {
   explicit WireReader(absl::Span<const std::byte> bytes) : bytes_(bytes) {}
 
   bool done() const { return at_ == bytes_.size(); }
+  // A field's number and wire type.
+  bool Tag(uint64_t& field, int& wire) {
+    uint64_t tag = 0;
+    if (!Varint(tag)) return false;
+    field = tag >> 3;
+    wire = static_cast<int>(tag & 7);
+    return true;
+  }
   bool Varint(uint64_t& value) {
     value = 0;
     for (int shift = 0; shift < 70; shift += 7) {
@@ -43,10 +51,9 @@ bool ParseTensor(absl::Span<const std::byte> bytes, v1::Tensor& tensor,
   WireReader reader(bytes);
   data = {};
   while (!reader.done()) {
-    uint64_t tag = 0, value = 0;
-    if (!reader.Varint(tag)) return false;
-    const uint64_t field = tag >> 3;
-    const int wire = static_cast<int>(tag & 7);
+    uint64_t field = 0, value = 0;
+    int wire = 0;
+    if (!reader.Tag(field, wire)) return false;
     absl::Span<const std::byte> body;
     if (field == 1 && wire == kVarint) {
       if (!reader.Varint(value)) return false;
@@ -61,7 +68,7 @@ bool ParseTensor(absl::Span<const std::byte> bytes, v1::Tensor& tensor,
         if (!packed.Varint(value)) return false;
         tensor.add_shape(value);
       }
-    } else if (field == 3 && wire == kLengthDelimited && data.empty()) {
+    } else if (field == 3 && wire == kLengthDelimited) {  // a repeat replaces it, as in protobuf
       if (!reader.Bytes(data)) return false;
     } else {
       return false;  // anything else: protobuf's parser decides
@@ -79,10 +86,9 @@ bool ParseTokenChunk(absl::Span<const std::byte> payload, v1::FetchResponse& hea
   bool has_keys = false, has_values = false;
   WireReader reader(payload);
   while (!reader.done()) {
-    uint64_t tag = 0, value = 0;
-    if (!reader.Varint(tag)) return false;
-    const uint64_t field = tag >> 3;
-    const int wire = static_cast<int>(tag & 7);
+    uint64_t field = 0, value = 0;
+    int wire = 0;
+    if (!reader.Tag(field, wire)) return false;
     absl::Span<const std::byte> body;
     if (field == 1 && wire == kVarint) {
       if (!reader.Varint(value)) return false;
