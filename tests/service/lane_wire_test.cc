@@ -1,11 +1,16 @@
-// The data lane's frames over a socket pair: headers both ways, frames that
-// arrive many to a read or a byte at a time, payloads larger than the
-// reader's buffer, sends the kernel takes in parts, and each way a
+// The data lane's frames over a Unix socket pair and over loopback TCP (where
+// the reader waits for large frames with SO_RCVLOWAT): headers both ways,
+// frames that arrive many to a read or a byte at a time, payloads larger than
+// the reader's buffer, sends the kernel takes in parts, and each way a
 // connection can end.
 #include "kvcache/v1/lane_wire.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <chrono>
 
 #include <random>
 #include <string>
@@ -20,13 +25,38 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class LaneWireTest : public ::testing::Test {
+enum class Transport { kUnixPair, kTcpLoopback };
+
+class LaneWireTest : public ::testing::TestWithParam<Transport> {
  protected:
   void SetUp() override {
-    int fds[2];
-    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
-    near_ = OwnedFd(fds[0]);
-    far_ = OwnedFd(fds[1]);
+    if (GetParam() == Transport::kUnixPair) {
+      int fds[2];
+      ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+      near_ = OwnedFd(fds[0]);
+      far_ = OwnedFd(fds[1]);
+      return;
+    }
+    int port = 0;
+    absl::StatusOr<int> listener = Listen("127.0.0.1:0", port);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    OwnedFd listening(*listener);
+    absl::StatusOr<int> near = Connect("127.0.0.1:" + std::to_string(port), absl::ZeroDuration());
+    ASSERT_TRUE(near.ok()) << near.status();
+    near_ = OwnedFd(*near);
+    far_ = OwnedFd(accept(listening.get(), nullptr, nullptr));
+    ASSERT_GE(far_.get(), 0);
+    const int one = 1;
+    setsockopt(far_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    char preamble[sizeof(kMagic)];  // Connect's, not part of any test's stream
+    ASSERT_EQ(recv(far_.get(), preamble, sizeof(preamble), MSG_WAITALL), ssize_t{sizeof(preamble)});
+  }
+  // A receive timeout on the near end, so that a reader that waits for bytes
+  // which never come fails instead of hanging the test.
+  void SetReceiveTimeout(std::chrono::milliseconds timeout) {
+    const timeval tv{.tv_sec = static_cast<time_t>(timeout.count() / 1000),
+                     .tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+    ASSERT_EQ(setsockopt(near_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
   }
   // Writes `bytes` to the far end, `step` bytes per write (0: all at once).
   void Feed(const std::string& bytes, size_t step = 0) {
@@ -72,7 +102,7 @@ TEST(LaneHeaderTest, RoundTripsAndRefusesReservedBytes) {
 
 // All at once, a byte per write, and in odd cuts; mostly small frames, and
 // (but for the byte-a-write round) some far larger than the reader's buffer.
-TEST_F(LaneWireTest, ReadsFramesWhateverCutsTheyArriveIn) {
+TEST_P(LaneWireTest, ReadsFramesWhateverCutsTheyArriveIn) {
   std::mt19937_64 rng(1);
   for (size_t step : {size_t{0}, size_t{1}, size_t{4093}}) {
     SCOPED_TRACE(step);
@@ -96,7 +126,7 @@ TEST_F(LaneWireTest, ReadsFramesWhateverCutsTheyArriveIn) {
   }
 }
 
-TEST_F(LaneWireTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
+TEST_P(LaneWireTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
   FrameReader reader(near_.get(), 1 << 20);
   absl::StatusOr<std::optional<Frame>> polled = reader.Poll();
   ASSERT_TRUE(polled.ok());
@@ -117,7 +147,7 @@ TEST_F(LaneWireTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
   EXPECT_TRUE(absl::IsOutOfRange(reader.Poll().status()));
 }
 
-TEST_F(LaneWireTest, RefusesFramesOverTheLimit) {
+TEST_P(LaneWireTest, RefusesFramesOverTheLimit) {
   FrameReader reader(near_.get(), 100);
   Feed(Framed(v1::LANE_FRAME_UPDATE, std::string(101, 'x')));
   absl::StatusOr<Frame> frame = reader.Next();
@@ -125,7 +155,7 @@ TEST_F(LaneWireTest, RefusesFramesOverTheLimit) {
   EXPECT_THAT(frame.status().message(), HasSubstr("101 bytes"));
 }
 
-TEST_F(LaneWireTest, TellsACleanEndFromOneWithinAFrame) {
+TEST_P(LaneWireTest, TellsACleanEndFromOneWithinAFrame) {
   FrameReader reader(near_.get(), 1 << 20);
   Feed(Framed(v1::LANE_FRAME_UPDATE, "whole"));
   ASSERT_TRUE(reader.Next().ok());
@@ -141,16 +171,60 @@ TEST_F(LaneWireTest, TellsACleanEndFromOneWithinAFrame) {
   EXPECT_THAT(frame.status().message(), HasSubstr("within a frame"));
 }
 
-TEST_F(LaneWireTest, ReceiveTimeoutIsDeadlineExceeded) {
-  const timeval timeout{.tv_sec = 0, .tv_usec = 50000};
-  setsockopt(near_.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+TEST_P(LaneWireTest, ReceiveTimeoutIsDeadlineExceeded) {
+  SetReceiveTimeout(std::chrono::milliseconds(50));
   FrameReader reader(near_.get(), 1 << 20);
   EXPECT_TRUE(absl::IsDeadlineExceeded(reader.Next().status()));
+  // Also while the most of a large frame is still to come.
+  Feed(Framed(v1::LANE_FRAME_UPDATE, std::string(600 << 10, 'x')).substr(0, 70 << 10));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(reader.Next().status()));
+}
+
+// A large frame whose bytes come in pieces with pauses between, then a frame
+// far smaller than the large one's wait: both arrive whole, none waits for
+// bytes that are not coming, and a close within a large frame is told. (A
+// reader that waited for bytes that never come would sit out the receive
+// timeout, after which a recv hands over what it has: the frames would still
+// arrive, so the test looks at how long they took against that timeout.)
+TEST_P(LaneWireTest, LargeFramesInPiecesThenSmallOnes) {
+  const auto timeout = std::chrono::seconds(20);
+  SetReceiveTimeout(timeout);
+  std::mt19937_64 rng(3);
+  FrameReader reader(near_.get(), 4 << 20);
+  for (size_t large : {size_t{40 << 10}, size_t{300 << 10}, size_t{3 << 20}}) {
+    SCOPED_TRACE(large);
+    const std::string payload = RandomBytes(large, rng);
+    const std::string stream = Framed(v1::LANE_FRAME_FETCH_CHUNK, payload) +
+                               Framed(v1::LANE_FRAME_STATUS, "ok");
+    // Half at once (so a read finds part of the frame there), then quarters.
+    std::thread feeder([&] {
+      const size_t quarter = stream.size() / 4;
+      Feed(stream.substr(0, 2 * quarter));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      Feed(stream.substr(2 * quarter, quarter));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      Feed(stream.substr(3 * quarter));
+    });
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<Frame> frame = reader.Next();
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_TRUE(PayloadOf(*frame) == payload);
+    frame = reader.Next();
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(PayloadOf(*frame), "ok");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, timeout / 2) << "a read waited for bytes not coming";
+    feeder.join();
+  }
+  Feed(Framed(v1::LANE_FRAME_FETCH_CHUNK, std::string(500 << 10, 'x')).substr(0, 200 << 10));
+  far_ = OwnedFd();
+  absl::StatusOr<Frame> frame = reader.Next();
+  EXPECT_TRUE(absl::IsUnavailable(frame.status())) << frame.status();
+  EXPECT_THAT(frame.status().message(), HasSubstr("within a frame"));
 }
 
 // A small send buffer makes the kernel take each send in parts: every byte
 // of every part (copied or referenced) still arrives, in order.
-TEST_F(LaneWireTest, WriterSendsEverythingThroughPartialSends) {
+TEST_P(LaneWireTest, WriterSendsEverythingThroughPartialSends) {
   const int small = 4096;
   setsockopt(near_.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
   std::mt19937_64 rng(2);
@@ -184,14 +258,27 @@ TEST_F(LaneWireTest, WriterSendsEverythingThroughPartialSends) {
   EXPECT_TRUE(received == expected);
 }
 
-TEST_F(LaneWireTest, SendingToAClosedPeerIsUnavailable) {
+// Over TCP the first send after the peer's close may still be taken (the
+// peer's reset comes back to it); the one after that is refused.
+TEST_P(LaneWireTest, SendingToAClosedPeerIsUnavailable) {
   far_ = OwnedFd();
   FrameWriter writer(near_.get());
   writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
-  const absl::Status status = writer.Send();
-  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  absl::Status status = writer.Send();
   EXPECT_TRUE(writer.empty());
+  if (GetParam() == Transport::kTcpLoopback && status.ok()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
+    status = writer.Send();
+  }
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, LaneWireTest,
+                         ::testing::Values(Transport::kUnixPair, Transport::kTcpLoopback),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kUnixPair ? "UnixPair" : "TcpLoopback";
+                         });
 
 TEST(LaneStatusTest, CarriesCodeAndMessage) {
   const absl::Status status = absl::NotFoundError("cache_id: no cache");

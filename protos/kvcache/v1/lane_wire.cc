@@ -3,11 +3,13 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
@@ -19,6 +21,24 @@ namespace {
 // A read asks for at least this much, so small frames come many per call.
 constexpr size_t kGreedyRead = 128 << 10;
 constexpr size_t kInitialCapacity = 256 << 10;
+// A read that still needs at least kLowWaterFloor bytes of a frame first
+// waits in poll() with the socket's SO_RCVLOWAT at that many (at most
+// kLowWaterCap), so the kernel wakes it once they are all there instead of
+// once per arriving segment: on loopback every wake-up costs the sending side
+// an inter-processor interrupt. (A blocking recv cannot wait this way: the
+// kernel measures the low-water mark against the bytes not yet copied, so a
+// recv that copied part of a frame could sleep forever.)
+constexpr size_t kLowWaterFloor = 32 << 10;
+constexpr size_t kLowWaterCap = 1 << 20;
+
+// The socket's receive timeout in milliseconds, -1 for none (poll's forever).
+int ReceiveTimeoutMs(int fd) {
+  timeval tv{};
+  socklen_t size = sizeof(tv);
+  if (getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &size) != 0) return -1;
+  const int64_t ms = int64_t{tv.tv_sec} * 1000 + (tv.tv_usec + 999) / 1000;
+  return ms == 0 ? -1 : static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
+}
 
 absl::Status SocketError(const char* what) {
   const int error = errno;
@@ -85,8 +105,8 @@ FrameHeader DecodeHeader(const std::byte in[kHeaderBytes]) {
 }
 
 FrameReader::FrameReader(int fd, uint64_t max_payload)
-    : fd_(fd), max_payload_(max_payload), buffer_(new std::byte[kInitialCapacity]),
-      capacity_(kInitialCapacity) {}
+    : fd_(fd), max_payload_(max_payload), receive_timeout_ms_(ReceiveTimeoutMs(fd)),
+      buffer_(new std::byte[kInitialCapacity]), capacity_(kInitialCapacity) {}
 
 bool FrameReader::HasBufferedFrame() const {
   const size_t start = start_ + consumed_;
@@ -114,18 +134,42 @@ absl::Status FrameReader::Fill(size_t bytes) {
   }
   while (end_ - start_ < bytes) {
     const size_t need = start_ + bytes - end_;
-    const size_t want = std::min(capacity_ - end_, std::max(need, kGreedyRead));
-    const ssize_t got = recv(fd_, buffer_.get() + end_, want, 0);
+    size_t want = std::min(capacity_ - end_, std::max(need, kGreedyRead));
+    int flags = 0;
+    if (need >= kLowWaterFloor) {
+      if (absl::Status ready = AwaitReadable(std::min(need, kLowWaterCap)); !ready.ok()) return ready;
+      flags = MSG_DONTWAIT;
+      want = capacity_ - end_;  // whatever else is there, the next frame's start too
+    } else {
+      SetLowWater(1);  // a blocking recv returns once this much is there
+    }
+    const ssize_t got = recv(fd_, buffer_.get() + end_, want, flags);
     if (got > 0) {
       end_ += static_cast<size_t>(got);
     } else if (got == 0) {
       if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
       return absl::UnavailableError("data lane: the peer closed the connection within a frame");
-    } else if (errno != EINTR) {
+    } else if (errno != EINTR && !(flags == MSG_DONTWAIT && (errno == EAGAIN || errno == EWOULDBLOCK))) {
       return SocketError("receive");
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status FrameReader::AwaitReadable(size_t bytes) {
+  SetLowWater(bytes);
+  pollfd readable{.fd = fd_, .events = POLLIN, .revents = 0};
+  const int ready = poll(&readable, 1, receive_timeout_ms_);
+  if (ready == 0) return absl::DeadlineExceededError("data lane: receive timed out");
+  if (ready < 0 && errno != EINTR) return SocketError("poll");
+  return absl::OkStatus();  // errors and the peer's close show in the recv that follows
+}
+
+void FrameReader::SetLowWater(size_t bytes) {
+  if (bytes == low_water_) return;
+  const int value = static_cast<int>(bytes);
+  // Best effort: where it fails, reads wake on every segment as before.
+  if (setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof(value)) == 0) low_water_ = bytes;
 }
 
 absl::StatusOr<absl::Span<const std::byte>> FrameReader::ReadRaw(size_t bytes) {

@@ -42,7 +42,8 @@ struct Frame {
 // to a system call and a large one's payload lands contiguous. Blocking.
 class FrameReader {
  public:
-  // Frames longer than `max_payload` are refused (INVALID_ARGUMENT).
+  // Frames longer than `max_payload` are refused (INVALID_ARGUMENT). The
+  // socket's receive timeout (SO_RCVTIMEO) must be set before.
   FrameReader(int fd, uint64_t max_payload);
 
   // Whether a whole frame is already buffered (Next will not block).
@@ -60,14 +61,21 @@ class FrameReader {
  private:
   // Makes `bytes` bytes past start_ available, reading as needed.
   absl::Status Fill(size_t bytes);
+  // Waits until `bytes` can be read without blocking, or the peer closed or
+  // failed (DEADLINE_EXCEEDED past the receive timeout).
+  absl::Status AwaitReadable(size_t bytes);
+  // The socket's SO_RCVLOWAT, set only when it changes.
+  void SetLowWater(size_t bytes);
 
   int fd_;
   uint64_t max_payload_;
+  int receive_timeout_ms_;  // the socket's SO_RCVTIMEO when the reader was made; -1: none
   std::unique_ptr<std::byte[]> buffer_;
   size_t capacity_ = 0;
   size_t start_ = 0;  // the first unread byte
   size_t end_ = 0;    // one past the last received byte
   size_t consumed_ = 0;  // bytes of the last returned frame, dropped on the next read
+  size_t low_water_ = 1;
 };
 
 // Frames queued for sending; Send writes them all in one system call where
