@@ -313,25 +313,34 @@ TEST_F(E2eDataLaneTest, ProtocolErrorsCloseTheConnectionAndChangeNothing) {
   ExpectHealthy();
 }
 
+// Half of a small message, then a quarter of a large one (whose rest the
+// server waits for in poll, not in recv): each time the connection drops,
+// and what was acknowledged stays.
 TEST_F(E2eDataLaneTest, AClientLostMidFrameLeavesWhatWasAcknowledged) {
-  auto raw = OpenRaw();
-  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 2));
-  raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(1, 2));
-  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
-  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
-  // Half of a third message, then the connection drops.
-  const std::string third = NewUpdate(0, 4).SerializeAsString();
-  std::byte header[lane::kHeaderBytes];
-  lane::EncodeHeader({.length = static_cast<uint32_t>(third.size()), .kind = v1::LANE_FRAME_UPDATE},
-                     header);
-  raw->SendBytes(std::string(reinterpret_cast<const char*>(header), 8) +
-                 third.substr(0, third.size() / 2));
-  raw->Close();
   service::DataLane& lane = *server_->server().data_lane();
-  for (int i = 0; i < 500 && lane.open_connections() > 1; ++i) absl::SleepFor(absl::Milliseconds(10));
-  EXPECT_EQ(lane.open_connections(), 1);  // lane_client_'s probe connection only
-  EXPECT_EQ(Offsets(), (std::vector<uint64_t>{2, 2}));
-  ExpectHealthy();
+  for (const uint64_t tokens : {uint64_t{4}, uint64_t{4000}}) {  // 256 B, 256 KiB of K+V
+    SCOPED_TRACE(tokens);
+    const std::vector<uint64_t> before = Offsets();
+    auto raw = OpenRaw();
+    raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 2));
+    raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(1, 2));
+    EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
+    EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_UPDATE_ACK);
+    const std::string third = NewUpdate(0, tokens).SerializeAsString();
+    std::byte header[lane::kHeaderBytes];
+    lane::EncodeHeader(
+        {.length = static_cast<uint32_t>(third.size()), .kind = v1::LANE_FRAME_UPDATE}, header);
+    raw->SendBytes(std::string(reinterpret_cast<const char*>(header), 8) +
+                   third.substr(0, tokens > 4 ? third.size() / 4 : third.size() / 2));
+    absl::SleepFor(absl::Milliseconds(20));  // the server is waiting for the rest
+    raw->Close();
+    for (int i = 0; i < 500 && lane.open_connections() > 1; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(lane.open_connections(), 1);  // lane_client_'s probe connection only
+    EXPECT_EQ(Offsets(), (std::vector<uint64_t>{before[0] + 2, before[1] + 2}));
+    ExpectHealthy();
+  }
 }
 
 TEST_F(E2eDataLaneTest, ShutdownLetsAnOpenUpdateFinishAndCutsAStalledOne) {
@@ -371,6 +380,33 @@ TEST(E2eDataLaneShutdownTest, AStalledUpdateIsCutAfterTheGrace) {
   absl::StatusOr<std::vector<v1::UpdateResponse>> finished = stalled->Finish();
   EXPECT_FALSE(finished.ok());
   EXPECT_EQ(stalled->acknowledged().size(), 1u);
+  EXPECT_EQ(server->server().engine().GetCache(info->cache_id())->offset, 2u);
+  server->CleanUpAndCheck();
+}
+
+// The same within a large frame, whose rest the server waits for in poll.
+TEST(E2eDataLaneShutdownTest, AStallWithinALargeFrameIsCutAfterTheGrace) {
+  auto server = TestServer::Start({});
+  ASSERT_NE(server, nullptr);
+  const v1::CacheSpec spec = ProtoSpec(1, 1, 8);  // 64 B of K+V a token
+  absl::StatusOr<v1::CacheInfo> info = server->client().CreateCache(spec);
+  ASSERT_TRUE(info.ok());
+  std::mt19937_64 rng(6);
+  RawLane raw(server->server().data_lane_address(), "KVLANE01");
+  raw.Send(v1::LANE_FRAME_UPDATE, RandomUpdate(info->cache_id(), spec, 0, 2, rng));
+  EXPECT_EQ(raw.Read().first, v1::LANE_FRAME_UPDATE_ACK);
+  const std::string large = RandomUpdate(info->cache_id(), spec, 0, 4000, rng).SerializeAsString();
+  std::byte header[lane::kHeaderBytes];
+  lane::EncodeHeader({.length = static_cast<uint32_t>(large.size()), .kind = v1::LANE_FRAME_UPDATE},
+                     header);
+  raw.SendBytes(std::string(reinterpret_cast<const char*>(header), 8) + large.substr(0, large.size() / 4));
+  absl::SleepFor(absl::Milliseconds(20));  // the server is waiting for the rest
+  const absl::Time start = absl::Now();
+  server->Shutdown(absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(250));
+  EXPECT_LT(took, absl::Seconds(5));
+  EXPECT_TRUE(raw.Closed());
   EXPECT_EQ(server->server().engine().GetCache(info->cache_id())->offset, 2u);
   server->CleanUpAndCheck();
 }
