@@ -399,7 +399,8 @@ TEST(E2eDataLaneShutdownTest, AStallWithinALargeFrameIsCutAfterTheGrace) {
   std::byte header[lane::kHeaderBytes];
   lane::EncodeHeader({.length = static_cast<uint32_t>(large.size()), .kind = v1::LANE_FRAME_UPDATE},
                      header);
-  raw.SendBytes(std::string(reinterpret_cast<const char*>(header), 8) + large.substr(0, large.size() / 4));
+  raw.SendBytes(std::string(reinterpret_cast<const char*>(header), 8) +
+                large.substr(0, large.size() / 4));
   absl::SleepFor(absl::Milliseconds(20));  // the server is waiting for the rest
   const absl::Time start = absl::Now();
   server->Shutdown(absl::Milliseconds(300));

@@ -212,7 +212,8 @@ TEST_P(LaneWireTest, LargeFramesInPiecesThenSmallOnes) {
     frame = reader.Next();
     ASSERT_TRUE(frame.ok()) << frame.status();
     EXPECT_EQ(PayloadOf(*frame), "ok");
-    EXPECT_LT(std::chrono::steady_clock::now() - start, timeout / 2) << "a read waited for bytes not coming";
+    EXPECT_LT(std::chrono::steady_clock::now() - start, timeout / 2)
+        << "a read waited for bytes not coming";
     feeder.join();
   }
   Feed(Framed(v1::LANE_FRAME_FETCH_CHUNK, std::string(500 << 10, 'x')).substr(0, 200 << 10));

@@ -40,9 +40,11 @@ int ReceiveTimeoutMs(int fd) {
   return ms == 0 ? -1 : static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
 }
 
+bool WouldBlock(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
+
 absl::Status SocketError(const char* what) {
   const int error = errno;
-  if (error == EAGAIN || error == EWOULDBLOCK) {
+  if (WouldBlock(error)) {
     return absl::DeadlineExceededError(absl::StrCat("data lane: ", what, " timed out"));
   }
   return absl::UnavailableError(absl::StrCat("data lane: ", what, ": ", std::strerror(error)));
@@ -137,7 +139,8 @@ absl::Status FrameReader::Fill(size_t bytes) {
     size_t want = std::min(capacity_ - end_, std::max(need, kGreedyRead));
     int flags = 0;
     if (need >= kLowWaterFloor) {
-      if (absl::Status ready = AwaitReadable(std::min(need, kLowWaterCap)); !ready.ok()) return ready;
+      absl::Status ready = AwaitReadable(std::min(need, kLowWaterCap));
+      if (!ready.ok()) return ready;
       flags = MSG_DONTWAIT;
       want = capacity_ - end_;  // whatever else is there, the next frame's start too
     } else {
@@ -149,8 +152,8 @@ absl::Status FrameReader::Fill(size_t bytes) {
     } else if (got == 0) {
       if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
       return absl::UnavailableError("data lane: the peer closed the connection within a frame");
-    } else if (errno != EINTR && !(flags == MSG_DONTWAIT && (errno == EAGAIN || errno == EWOULDBLOCK))) {
-      return SocketError("receive");
+    } else if (errno != EINTR && !(flags == MSG_DONTWAIT && WouldBlock(errno))) {
+      return SocketError("receive");  // else interrupted, or poll's readiness went to nothing
     }
   }
   return absl::OkStatus();
@@ -211,7 +214,7 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
       end_ += static_cast<size_t>(got);
     } else if (got == 0) {
       return absl::OutOfRangeError("data lane: the peer closed the connection");
-    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    } else if (!WouldBlock(errno) && errno != EINTR) {
       return SocketError("receive");
     }
   }
