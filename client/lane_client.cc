@@ -2,6 +2,8 @@
 
 #include <sys/socket.h>
 
+#include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "update_encoding.h"
@@ -165,18 +167,73 @@ class LaneUpdate final : public UpdateTransport {
   std::optional<absl::Status> write_error_;  // the writer's own
 };
 
+// What a server sent instead of answering KVLANE02: the STATUS of a server
+// that refuses the connection (too many open), else something broken.
+absl::Status Refusal(lane::FrameReader& reader, absl::Span<const std::byte> answer) {
+  const lane::FrameHeader header = lane::DecodeHeader(answer.data());
+  if (header.kind == v1::LANE_FRAME_STATUS && header.length <= (64 << 10)) {
+    absl::StatusOr<absl::Span<const std::byte>> payload = reader.ReadRaw(header.length);
+    v1::LaneStatus status;
+    if (payload.ok() &&
+        status.ParseFromArray(payload->data(), static_cast<int>(payload->size())) &&
+        status.code() != 0) {
+      return lane::StatusFromLane(status);
+    }
+  }
+  return absl::DataLossError("data lane: the server answered KVLANE02 with other bytes");
+}
+
+// A Fetch's FETCH_CHUNK frames against the length its server announced
+// (FETCH_LENGTH, on KVLANE02 connections; none: nothing to check).
+class AnnouncedLength {
+ public:
+  absl::Status Announce(lane::FrameReader& reader, absl::Span<const std::byte> payload) {
+    v1::LaneFetchLength length;
+    if (announced_.has_value() || received_ > 0 ||
+        !length.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+      return absl::DataLossError("data lane: an unreadable or misplaced FETCH_LENGTH frame");
+    }
+    announced_ = length.chunk_frame_bytes();
+    reader.Expect(*announced_);
+    return absl::OkStatus();
+  }
+  absl::Status Count(absl::Span<const std::byte> payload) {
+    received_ += lane::kHeaderBytes + payload.size();
+    if (announced_.has_value() && received_ > *announced_) {
+      return absl::DataLossError(absl::StrCat("data lane: the Fetch's chunks ran past the ",
+                                              *announced_, " bytes its FETCH_LENGTH announced"));
+    }
+    return absl::OkStatus();
+  }
+  // At the STATUS: whether the server kept its word (else it closes the connection).
+  bool kept() const { return !announced_.has_value() || received_ == *announced_; }
+
+ private:
+  std::optional<uint64_t> announced_;
+  uint64_t received_ = 0;
+};
+
 // One attempt of LaneFetch on `connection`. `delivered`: some chunk reached
-// on_chunk; `clean`: the call ended with its STATUS frame.
+// on_chunk; `reusable`: the call ended as the protocol says, with its STATUS
+// frame and every chunk it announced, so the connection can serve another.
 absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request,
                      const std::function<absl::Status(absl::Span<const std::byte>)>& on_chunk,
-                     bool& delivered, bool& clean) {
+                     bool& delivered, bool& reusable) {
   connection.writer.AddMessage(v1::LANE_FRAME_FETCH, request);
   if (absl::Status sent = connection.writer.Send(); !sent.ok()) return sent;
+  AnnouncedLength length;
   while (true) {
     absl::StatusOr<lane::Frame> frame = connection.reader.Next();
     if (!frame.ok()) return Lost(frame.status());
     const auto& [header, payload] = *frame;
+    if (header.kind == v1::LANE_FRAME_FETCH_LENGTH) {
+      if (absl::Status announced = length.Announce(connection.reader, payload); !announced.ok()) {
+        return announced;
+      }
+      continue;
+    }
     if (header.kind == v1::LANE_FRAME_FETCH_CHUNK) {
+      if (absl::Status counted = length.Count(payload); !counted.ok()) return counted;
       delivered = true;
       if (absl::Status taken = on_chunk(payload); !taken.ok()) return taken;
       continue;
@@ -184,7 +241,8 @@ absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request
     v1::LaneStatus status;
     if (header.kind == v1::LANE_FRAME_STATUS &&
         status.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-      clean = true;
+      connection.reader.Expect(0);
+      reusable = length.kept();
       return lane::StatusFromLane(status);
     }
     return absl::DataLossError(
@@ -200,8 +258,25 @@ LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration
       max_payload_(max_payload), ask_server_(std::move(ask_server)) {}
 
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
-  absl::StatusOr<int> fd = lane::Connect(address, timeout_);
+  if (!first_version_only_.load(std::memory_order_relaxed)) {
+    absl::StatusOr<int> fd = lane::Connect(address, timeout_);
+    if (!fd.ok()) return fd.status();
+    auto connection = std::make_unique<LaneConnection>(*fd, max_payload_);
+    absl::StatusOr<absl::Span<const std::byte>> answer =
+        connection->reader.ReadRaw(sizeof(lane::kMagic));
+    if (answer.ok() && std::memcmp(answer->data(), lane::kMagic, sizeof(lane::kMagic)) == 0) {
+      return connection;
+    }
+    if (answer.ok()) return Refusal(connection->reader, *answer);
+    // Closed unanswered: a server of the first version (else the next connect says why).
+    if (!absl::IsOutOfRange(answer.status()) && !absl::IsUnavailable(answer.status())) {
+      return answer.status();
+    }
+  }
+  absl::StatusOr<int> fd =
+      lane::Connect(address, timeout_, {lane::kMagicV1, sizeof(lane::kMagicV1)});
   if (!fd.ok()) return fd.status();
+  first_version_only_.store(true, std::memory_order_relaxed);
   return std::make_unique<LaneConnection>(*fd, max_payload_);
 }
 
@@ -261,15 +336,15 @@ absl::Status LaneFetch(LanePool& pool, const v1::FetchRequest& request,
   for (int attempt = 0;; ++attempt) {
     absl::StatusOr<std::unique_ptr<LaneConnection>> connection = pool.Take();
     if (!connection.ok()) return connection.status();
-    bool delivered = false, clean = false;
-    const absl::Status status = FetchOn(**connection, request, on_chunk, delivered, clean);
+    bool delivered = false, reusable = false;
+    const absl::Status status = FetchOn(**connection, request, on_chunk, delivered, reusable);
     const bool reused = (*connection)->reused;
-    if (clean) {
+    if (reusable) {
       (*connection)->reused = true;
       pool.Give(*std::move(connection));
     }
     // A kept connection the server closed since (a restart, an idle cut).
-    if (!clean && !delivered && reused && attempt == 0 && absl::IsUnavailable(status)) continue;
+    if (!reusable && !delivered && reused && attempt == 0 && absl::IsUnavailable(status)) continue;
     return status;
   }
 }

@@ -2,6 +2,7 @@
 // connections kept between calls, Update calls and Fetch calls on them.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -44,6 +45,7 @@ class LanePool {
   void Give(std::unique_ptr<LaneConnection> connection);
 
  private:
+  // A new connection: KVLANE02, or KVLANE01 where the server does not speak it.
   absl::StatusOr<std::unique_ptr<LaneConnection>> Open(const std::string& address);
 
   const std::string setting_;
@@ -51,6 +53,7 @@ class LanePool {
   const absl::Duration timeout_;
   const uint64_t max_payload_;
   std::function<absl::StatusOr<std::string>()> ask_server_;
+  std::atomic<bool> first_version_only_{false};  // the server closed a KVLANE02 connection
   absl::Mutex mutex_;
   std::optional<std::string> address_ ABSL_GUARDED_BY(mutex_);  // resolved; "" when off
   std::vector<std::unique_ptr<LaneConnection>> idle_ ABSL_GUARDED_BY(mutex_);

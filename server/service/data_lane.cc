@@ -85,8 +85,9 @@ void DataLane::Serve(Handlers& handlers, lane::OwnedFd fd) {
     const absl::Status status = connection.session->Run();
     // The client sees the end now; the descriptor closes when reaped.
     shutdown(connection.fd.get(), SHUT_RDWR);
-    // A client that broke the protocol is worth a line; one that left is not.
-    if (absl::IsInvalidArgument(status)) {
+    // A client that broke the protocol, or a Fetch that broke its announced
+    // length, is worth a line; a client that left is not.
+    if (absl::IsInvalidArgument(status) || absl::IsAborted(status)) {
       LogError("data lane: closed a connection: %s", status.message());
     }
     absl::MutexLock lock(&mutex_);

@@ -36,8 +36,17 @@ LaneSession::LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes)
 
 absl::Status LaneSession::Run() {
   ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));
-  if (std::memcmp(magic.data(), lane::kMagic, sizeof(lane::kMagic)) != 0) {
-    return absl::InvalidArgumentError("data lane: the connection did not open with KVLANE01");
+  const auto opened_with = [&](const char (&preamble)[sizeof(lane::kMagic)]) {
+    return std::memcmp(magic.data(), preamble, sizeof(preamble)) == 0;
+  };
+  announces_lengths_ = opened_with(lane::kMagic);
+  if (!announces_lengths_ && !opened_with(lane::kMagicV1)) {
+    return absl::InvalidArgumentError(
+        "data lane: the connection did not open with KVLANE02 or KVLANE01");
+  }
+  if (announces_lengths_) {  // the client waits for this before its first call
+    writer_.AddCopy(magic);
+    RETURN_IF_ERROR(writer_.Send());
   }
   while (true) {
     // Acknowledge what is applied before waiting for more.
@@ -57,6 +66,11 @@ absl::Status LaneSession::Run() {
       QueueStatus(status);
       (void)writer_.Send();
       return status;
+    }
+    if (broke_announcement_) {
+      // The client waits for the announced bytes; only the connection's end wakes it.
+      return absl::AbortedError(
+          "data lane: a Fetch failed after announcing its length; closed its connection");
     }
   }
 }
@@ -118,20 +132,48 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
   }
   absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
   absl::Status status = plan.status();
+  bool announced = false;
   if (plan.ok()) {
-    status = SendChunks(*plan);
+    status = SendChunks(*plan, announced);
     // A socket that failed cannot carry the status either.
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) return status;
   }
+  broke_announcement_ = announced && !status.ok();
   QueueStatus(status);
   return writer_.Send();
+}
+
+uint64_t LaneSession::ChunkFrameBytes(const FetchPlan& plan) const {
+  uint64_t bytes = 0;
+  for (size_t index = 0; index < plan.chunks.size(); ++index) {
+    if (plan.chunks[index].form != FetchPlan::Form::kTokens) return 0;
+    bytes += lane::kHeaderBytes + FramingOf(plan, index).size();
+  }
+  return bytes;
+}
+
+FetchChunkFraming LaneSession::FramingOf(const FetchPlan& plan, size_t index) const {
+  v1::FetchResponse header;
+  uint64_t key_bytes = 0, value_bytes = 0;
+  handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
+  return FetchChunkFraming(header, key_bytes, value_bytes);
 }
 
 // A chunk of keys and values goes out from the pages it lies in where they
 // are host-mapped (the kernel's copy into the socket is the only one), else
 // read into chunk_buffer_ first. Small chunks go out many to a send: up to
-// kChunkBatchBytes of frames are queued before they are written.
-absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
+// kChunkBatchBytes of frames are queued before they are written. On a
+// KVLANE02 connection the chunks' length goes first where every chunk is
+// keys and values (their sizes known before their data is read).
+absl::Status LaneSession::SendChunks(const FetchPlan& plan, bool& announced) {
+  if (announces_lengths_) {
+    if (const uint64_t bytes = ChunkFrameBytes(plan); bytes > 0) {
+      v1::LaneFetchLength length;
+      length.set_chunk_frame_bytes(bytes);
+      writer_.AddMessage(v1::LANE_FRAME_FETCH_LENGTH, length);
+      announced = true;
+    }
+  }
   size_t queued = 0;  // bytes of frames queued in writer_
   size_t used = 0;    // bytes of chunk_buffer_ they use
   const auto flush = [&] {
@@ -147,10 +189,8 @@ absl::Status LaneSession::SendChunks(const FetchPlan& plan) {
       RETURN_IF_ERROR(flush());
       continue;
     }
-    v1::FetchResponse header;
-    uint64_t key_bytes = 0, value_bytes = 0;
-    handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
-    const FetchChunkFraming framing(header, key_bytes, value_bytes);
+    const FetchChunkFraming framing = FramingOf(plan, index);
+    const uint64_t key_bytes = framing.key_bytes(), value_bytes = framing.value_bytes();
     const size_t frame_bytes = lane::kHeaderBytes + framing.size();
     if (handlers_.ViewFetchChunk(plan, index, views).ok()) {
       writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));

@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "kvcache/v1/lane_wire.h"
 #include "service/handlers.h"
+#include "service/wire_format.h"
 
 namespace kvcache::service {
 
@@ -32,8 +33,13 @@ class LaneSession {
   absl::Status OnFrame(const lane::Frame& frame);
   void OnUpdate(absl::Span<const std::byte> payload);
   absl::Status OnFetch(absl::Span<const std::byte> payload);
-  // The Fetch's chunks, written one at a time.
-  absl::Status SendChunks(const FetchPlan& plan);
+  // The Fetch's chunks, written one at a time; `announced`: their length
+  // went first (FETCH_LENGTH).
+  absl::Status SendChunks(const FetchPlan& plan, bool& announced);
+  // The bytes of the plan's FETCH_CHUNK frames; 0 where a chunk's size is
+  // only known once it is filled (not keys and values).
+  uint64_t ChunkFrameBytes(const FetchPlan& plan) const;
+  FetchChunkFraming FramingOf(const FetchPlan& plan, size_t index) const;
   void QueueStatus(const absl::Status& status);
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 
@@ -49,6 +55,8 @@ class LaneSession {
   std::atomic<bool> in_call_{false};
   bool updating_ = false;    // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
   bool discarding_ = false;  // it failed: its frames are skipped until UPDATE_END
+  bool announces_lengths_ = false;  // the client opened with KVLANE02
+  bool broke_announcement_ = false;  // a Fetch failed after its FETCH_LENGTH
 };
 
 }  // namespace kvcache::service

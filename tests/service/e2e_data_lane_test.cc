@@ -6,10 +6,12 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
@@ -46,6 +48,11 @@ class RawLane {
   explicit RawLane(const std::string& address, const std::string& magic = "KVLANE01")
       : fd_(ConnectPlain(address)), reader_(fd_.get(), 64 << 20) {
     SendBytes(magic);
+    if (magic == "KVLANE02") {  // answered in kind
+      absl::StatusOr<absl::Span<const std::byte>> answer = reader_.ReadRaw(8);
+      EXPECT_TRUE(answer.ok() && std::string(reinterpret_cast<const char*>(answer->data()),
+                                             answer->size()) == magic);
+    }
   }
 
   void SendBytes(const std::string& bytes) {
@@ -311,6 +318,208 @@ TEST_F(E2eDataLaneTest, ProtocolErrorsCloseTheConnectionAndChangeNothing) {
   stranger->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 1));
   EXPECT_TRUE(stranger->Closed());
   ExpectHealthy();
+}
+
+// On a KVLANE02 connection a Fetch of keys and values announces the bytes
+// of its chunk frames first; on a KVLANE01 one the frames come alone. A
+// Fetch refused before any chunk is a STATUS alone, the connection kept.
+TEST_F(E2eDataLaneTest, Kvlane02FetchesAnnounceTheirLength) {
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const v1::UpdateRequest request = NewUpdate(layer, 15);
+    const LayerUpdate update = ToLayerUpdate(request);
+    ASSERT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
+  }
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache_id_);
+  fetch.add_layers(0);
+  fetch.add_layers(1);
+  fetch.set_max_chunk_tokens(4);
+  for (const std::string magic : {"KVLANE02", "KVLANE01"}) {
+    SCOPED_TRACE(magic);
+    const bool announces = magic == "KVLANE02";
+    auto raw = OpenRaw(magic);
+    raw->Send(v1::LANE_FRAME_FETCH, fetch);
+    auto [kind, payload] = raw->Read();
+    std::optional<uint64_t> announced;
+    if (kind == v1::LANE_FRAME_FETCH_LENGTH) {
+      v1::LaneFetchLength length;
+      ASSERT_TRUE(length.ParseFromString(payload));
+      announced = length.chunk_frame_bytes();
+      std::tie(kind, payload) = raw->Read();
+    }
+    uint64_t bytes = 0;
+    int chunks = 0;
+    for (; kind == v1::LANE_FRAME_FETCH_CHUNK; std::tie(kind, payload) = raw->Read()) {
+      bytes += lane::kHeaderBytes + payload.size();
+      ++chunks;
+    }
+    ASSERT_EQ(kind, v1::LANE_FRAME_STATUS) << payload;
+    EXPECT_EQ(chunks, 8);  // 2 layers of 15 tokens, 4 to a chunk
+    EXPECT_EQ(announced.has_value(), announces);
+    if (announced.has_value()) {
+      EXPECT_EQ(*announced, bytes);
+    }
+
+    v1::FetchRequest unknown = fetch;
+    unknown.set_cache_id("no-such-cache");
+    raw->Send(v1::LANE_FRAME_FETCH, unknown);
+    const absl::Status refused = raw->ReadStatus();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(refused.message(), HasSubstr("cache_id"));
+    raw->Send(v1::LANE_FRAME_FETCH, fetch);
+    EXPECT_EQ(raw->Read().first,
+              announces ? v1::LANE_FRAME_FETCH_LENGTH : v1::LANE_FRAME_FETCH_CHUNK);
+  }
+  ExpectHealthy();
+}
+
+// A lane server of the test's own. Each connection: a KVLANE02 preamble
+// answered as `answer` says, then a FETCH read, `frames` sent and the
+// connection closed.
+class FakeLane {
+ public:
+  enum class Answer {
+    kInKind,  // a server of today
+    kClose,   // a server of the first version: closed unanswered
+    kFrames,  // a busy server: `frames` at once
+  };
+  explicit FakeLane(std::string frames, Answer answer = Answer::kInKind)
+      : frames_(std::move(frames)), answer_(answer) {
+    int port = 0;
+    absl::StatusOr<int> listener = lane::Listen("127.0.0.1:0", port);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    listener_ = lane::OwnedFd(listener.value_or(-1));
+    address_ = "127.0.0.1:" + std::to_string(port);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~FakeLane() {
+    shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
+    thread_.join();
+  }
+  const std::string& address() const { return address_; }
+  // The preambles of the connections so far.
+  std::vector<std::string> preambles() {
+    absl::MutexLock lock(&mutex_);
+    return preambles_;
+  }
+
+ private:
+  void Serve() {
+    while (true) {
+      lane::OwnedFd connection(accept(listener_.get(), nullptr, nullptr));
+      if (connection.get() < 0) return;
+      lane::FrameReader reader(connection.get(), 1 << 20);
+      absl::StatusOr<absl::Span<const std::byte>> preamble = reader.ReadRaw(8);
+      if (!preamble.ok()) continue;
+      const std::string magic(reinterpret_cast<const char*>(preamble->data()), 8);
+      {
+        absl::MutexLock lock(&mutex_);
+        preambles_.push_back(magic);
+      }
+      if (magic == "KVLANE02" && answer_ == Answer::kClose) continue;
+      lane::FrameWriter writer(connection.get());
+      if (magic == "KVLANE02" && answer_ == Answer::kInKind) {
+        writer.AddCopy(*preamble);
+        if (!writer.Send().ok()) continue;
+      }
+      if (answer_ != Answer::kFrames && !reader.Next().ok()) continue;
+      writer.AddCopy({reinterpret_cast<const std::byte*>(frames_.data()), frames_.size()});
+      (void)writer.Send();
+    }
+  }
+
+  const std::string frames_;
+  const Answer answer_;
+  lane::OwnedFd listener_;
+  std::string address_;
+  std::thread thread_;
+  absl::Mutex mutex_;
+  std::vector<std::string> preambles_ ABSL_GUARDED_BY(mutex_);
+};
+
+std::string Framed(int kind, const google::protobuf::MessageLite& message) {
+  const std::string payload = message.SerializeAsString();
+  std::byte header[lane::kHeaderBytes];
+  lane::EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
+  return std::string(reinterpret_cast<const char*>(header), sizeof(header)) + payload;
+}
+
+// A server that announced more than it sent and then failed closes the
+// connection: the client returns its status at once, not at the deadline
+// (30 s) of a wait for the rest. Chunks past an announcement are DATA_LOSS.
+TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
+  const v1::UpdateRequest request = NewUpdate(0, 15);
+  const LayerUpdate update = ToLayerUpdate(request);
+  ASSERT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache_id_);
+  fetch.add_layers(0);
+  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(fetch);
+  ASSERT_TRUE(chunks.ok() && chunks->size() == 1);
+  const std::string chunk = Framed(v1::LANE_FRAME_FETCH_CHUNK, chunks->front());
+  v1::LaneFetchLength length;
+
+  length.set_chunk_frame_bytes(2 << 20);
+  FakeLane failing(Framed(v1::LANE_FRAME_FETCH_LENGTH, length) + chunk +
+                   Framed(v1::LANE_FRAME_STATUS,
+                          lane::LaneStatusOf(absl::InternalError("reading the pages failed"))));
+  auto client = server_->Connect(/*dedicated=*/true, failing.address());
+  for (int call = 0; call < 2; ++call) {
+    int seen = 0;
+    const absl::Time start = absl::Now();
+    const absl::Status status = client->FetchViews(fetch, [&](const FetchChunkView&) {
+      ++seen;
+      return absl::OkStatus();
+    });
+    EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+    EXPECT_THAT(status.message(), HasSubstr("reading the pages failed"));
+    EXPECT_EQ(seen, 1);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  }
+
+  length.set_chunk_frame_bytes(chunk.size());
+  FakeLane overlong(Framed(v1::LANE_FRAME_FETCH_LENGTH, length) + chunk + chunk +
+                    Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())));
+  client = server_->Connect(/*dedicated=*/true, overlong.address());
+  const absl::Status status =
+      client->FetchViews(fetch, [](const FetchChunkView&) { return absl::OkStatus(); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr("ran past"));
+  EXPECT_EQ(failing.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE02"}));
+}
+
+// A server of the first version closes a KVLANE02 connection unanswered:
+// the client opens another with KVLANE01, and keeps to it from then on.
+TEST_F(E2eDataLaneTest, TheClientFallsBackToServersOfTheFirstVersion) {
+  const v1::UpdateRequest request = NewUpdate(0, 15);
+  const LayerUpdate update = ToLayerUpdate(request);
+  ASSERT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache_id_);
+  fetch.add_layers(0);
+  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(fetch);
+  ASSERT_TRUE(chunks.ok() && chunks->size() == 1);
+  FakeLane old(Framed(v1::LANE_FRAME_FETCH_CHUNK, chunks->front()) +
+                   Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())),
+               FakeLane::Answer::kClose);
+  auto client = server_->Connect(/*dedicated=*/true, old.address());
+  for (int call = 0; call < 2; ++call) {
+    absl::StatusOr<LayerHistory> history = client->FetchLayer(cache_id_, "", 0);
+    ASSERT_TRUE(history.ok()) << history.status();
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()),
+                          history->keys.size()),
+              chunks->front().keys().data());
+  }
+  EXPECT_EQ(old.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE01", "KVLANE01"}));
+
+  // A server with too many connections answers with its STATUS instead.
+  FakeLane busy(Framed(v1::LANE_FRAME_STATUS,
+                       lane::LaneStatusOf(absl::ResourceExhaustedError("1024 connections"))),
+                FakeLane::Answer::kFrames);
+  client = server_->Connect(/*dedicated=*/true, busy.address());
+  const absl::Status refused = client->FetchLayer(cache_id_, "", 0).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("1024 connections"));
 }
 
 // Half of a small message, then a quarter of a large one (whose rest the

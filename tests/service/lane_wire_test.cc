@@ -223,6 +223,79 @@ TEST_P(LaneWireTest, LargeFramesInPiecesThenSmallOnes) {
   EXPECT_THAT(frame.status().message(), HasSubstr("within a frame"));
 }
 
+// A Fetch's chunks after its FETCH_LENGTH, in pieces with pauses between:
+// every frame arrives whole, and the reader, waiting for many at once,
+// never waits past what was promised (the STATUS after them comes too).
+TEST_P(LaneWireTest, PromisedBytesArriveAsWholeFrames) {
+  const auto timeout = std::chrono::seconds(20);
+  SetReceiveTimeout(timeout);
+  std::mt19937_64 rng(4);
+  FrameReader reader(near_.get(), 4 << 20);
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    std::vector<std::string> payloads;
+    std::string chunks;
+    for (int i = 0; i < 12; ++i) {
+      payloads.push_back(RandomBytes(i % 4 == 3 ? 5000 : (200 << 10) + rng() % 1000, rng));
+      chunks += Framed(v1::LANE_FRAME_FETCH_CHUNK, payloads.back());
+    }
+    v1::LaneFetchLength length;
+    length.set_chunk_frame_bytes(chunks.size());
+    // Its announcement and the first bytes of its chunks in one write.
+    const std::string head = Framed(v1::LANE_FRAME_FETCH_LENGTH, length.SerializeAsString());
+    std::thread feeder([&] {
+      Feed(head + chunks.substr(0, 70 << 10));
+      for (size_t at = 70 << 10; at < chunks.size(); at += 300 << 10) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        Feed(chunks.substr(at, 300 << 10));
+      }
+      Feed(Framed(v1::LANE_FRAME_STATUS, "ok"));
+    });
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<Frame> frame = reader.Next();
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    ASSERT_EQ(frame->header.kind, v1::LANE_FRAME_FETCH_LENGTH);
+    reader.Expect(length.chunk_frame_bytes());
+    for (size_t i = 0; i < payloads.size(); ++i) {
+      frame = reader.Next();
+      ASSERT_TRUE(frame.ok()) << frame.status();
+      ASSERT_TRUE(PayloadOf(*frame) == payloads[i]) << "frame " << i;
+    }
+    frame = reader.Next();
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(PayloadOf(*frame), "ok");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, timeout / 2)
+        << "a read waited for bytes not coming";
+    feeder.join();
+  }
+}
+
+// A peer that promised more than it sends: over TCP the reader waits for
+// the promise (here until its receive timeout), and the peer's close ends
+// the wait with every frame that did come. (A Unix socket's poll ignores
+// SO_RCVLOWAT, so there it does not wait at all. The frames are small: TCP
+// also wakes a reader whose receive window is nearly full.)
+TEST_P(LaneWireTest, ABrokenPromiseWaitsUntilThePeerCloses) {
+  SetReceiveTimeout(std::chrono::milliseconds(300));
+  FrameReader reader(near_.get(), 4 << 20);
+  const std::string payload(1000, 'c');
+  Feed(Framed(v1::LANE_FRAME_FETCH_CHUNK, payload) + Framed(v1::LANE_FRAME_STATUS, "failed"));
+  reader.Expect(1 << 20);
+  absl::StatusOr<Frame> frame = reader.Next();
+  if (GetParam() == Transport::kTcpLoopback) {
+    EXPECT_TRUE(absl::IsDeadlineExceeded(frame.status())) << frame.status();
+    far_ = OwnedFd();
+    frame = reader.Next();
+  }
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_TRUE(PayloadOf(*frame) == payload);
+  frame = reader.Next();
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_EQ(PayloadOf(*frame), "failed");
+  far_ = OwnedFd();
+  EXPECT_TRUE(absl::IsOutOfRange(reader.Next().status()));
+}
+
 // A small send buffer makes the kernel take each send in parts: every byte
 // of every part (copied or referenced) still arrives, in order.
 TEST_P(LaneWireTest, WriterSendsEverythingThroughPartialSends) {
@@ -300,7 +373,7 @@ TEST(LaneConnectTest, ListensOnAFreePortAndSendsThePreamble) {
   FrameReader reader(accepted.get(), 1 << 20);
   absl::StatusOr<absl::Span<const std::byte>> magic = reader.ReadRaw(sizeof(kMagic));
   ASSERT_TRUE(magic.ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(magic->data()), magic->size()), "KVLANE01");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(magic->data()), magic->size()), "KVLANE02");
 
   EXPECT_TRUE(absl::IsInvalidArgument(Connect("no-port", absl::Seconds(1)).status()));
   EXPECT_FALSE(Listen("127.0.0.1:" + std::to_string(port), port).ok());  // taken

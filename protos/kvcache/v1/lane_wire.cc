@@ -21,15 +21,17 @@ namespace {
 // A read asks for at least this much, so small frames come many per call.
 constexpr size_t kGreedyRead = 128 << 10;
 constexpr size_t kInitialCapacity = 256 << 10;
-// A read that still needs at least kLowWaterFloor bytes of a frame first
-// waits in poll() with the socket's SO_RCVLOWAT at that many (at most
-// kLowWaterCap), so the kernel wakes it once they are all there instead of
-// once per arriving segment: on loopback every wake-up costs the sending side
-// an inter-processor interrupt. (A blocking recv cannot wait this way: the
-// kernel measures the low-water mark against the bytes not yet copied, so a
-// recv that copied part of a frame could sleep forever.)
+// A read that still needs at least kLowWaterFloor bytes of a frame, or is
+// promised that many (Expect), first waits in poll() with the socket's
+// SO_RCVLOWAT at that many (at most kLowWaterCap), so the kernel wakes it
+// once they are all there instead of once per arriving segment or frame: on
+// loopback every wake-up costs the sending side an inter-processor
+// interrupt. (A blocking recv cannot wait this way: the kernel measures the
+// low-water mark against the bytes not yet copied, so a recv that copied
+// part of a frame could sleep forever.)
 constexpr size_t kLowWaterFloor = 32 << 10;
 constexpr size_t kLowWaterCap = 1 << 20;
+constexpr size_t kPromisedCapacity = 2 * kLowWaterCap;
 
 // The socket's receive timeout in milliseconds, -1 for none (poll's forever).
 int ReceiveTimeoutMs(int fd) {
@@ -119,27 +121,17 @@ bool FrameReader::HasBufferedFrame() const {
 absl::Status FrameReader::Fill(size_t bytes) {
   if (end_ - start_ >= bytes) return absl::OkStatus();
   if (start_ == end_) start_ = end_ = 0;
-  if (start_ + bytes > capacity_) {
-    // Move what is unread to the front, into a larger buffer if it must grow.
-    const size_t unread = end_ - start_;
-    if (bytes > capacity_) {
-      const size_t capacity = std::max(bytes, 2 * capacity_);
-      std::unique_ptr<std::byte[]> grown(new std::byte[capacity]);
-      std::memcpy(grown.get(), buffer_.get() + start_, unread);
-      buffer_ = std::move(grown);
-      capacity_ = capacity;
-    } else {
-      std::memmove(buffer_.get(), buffer_.get() + start_, unread);
-    }
-    start_ = 0;
-    end_ = unread;
-  }
+  Reserve(start_ + bytes - end_);  // the frame lands contiguous
   while (end_ - start_ < bytes) {
     const size_t need = start_ + bytes - end_;
+    // Bytes sure to come: the rest of this frame, or more that were promised
+    // as far as the buffer has room for them where they land.
+    const size_t promised = static_cast<size_t>(std::min<uint64_t>(promised_, capacity_ - end_));
+    const size_t awaited = std::min(std::max(need, promised), kLowWaterCap);
     size_t want = std::min(capacity_ - end_, std::max(need, kGreedyRead));
     int flags = 0;
-    if (need >= kLowWaterFloor) {
-      absl::Status ready = AwaitReadable(std::min(need, kLowWaterCap));
+    if (awaited >= kLowWaterFloor) {
+      absl::Status ready = AwaitReadable(awaited);
       if (!ready.ok()) return ready;
       flags = MSG_DONTWAIT;
       want = capacity_ - end_;  // whatever else is there, the next frame's start too
@@ -148,7 +140,7 @@ absl::Status FrameReader::Fill(size_t bytes) {
     }
     const ssize_t got = recv(fd_, buffer_.get() + end_, want, flags);
     if (got > 0) {
-      end_ += static_cast<size_t>(got);
+      Received(static_cast<size_t>(got));
     } else if (got == 0) {
       if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
       return absl::UnavailableError("data lane: the peer closed the connection within a frame");
@@ -157,6 +149,37 @@ absl::Status FrameReader::Fill(size_t bytes) {
     }
   }
   return absl::OkStatus();
+}
+
+void FrameReader::Reserve(size_t room) {
+  if (capacity_ - end_ >= room) return;
+  const size_t unread = end_ - start_;
+  if (unread + room > capacity_) return Regrow(std::max(unread + room, 2 * capacity_));
+  std::memmove(buffer_.get(), buffer_.get() + start_, unread);
+  start_ = 0;
+  end_ = unread;
+}
+
+void FrameReader::Regrow(size_t capacity) {
+  const size_t unread = end_ - start_;
+  std::unique_ptr<std::byte[]> grown(new std::byte[capacity]);
+  std::memcpy(grown.get(), buffer_.get() + start_, unread);
+  buffer_ = std::move(grown);
+  capacity_ = capacity;
+  start_ = 0;
+  end_ = unread;
+}
+
+void FrameReader::Received(size_t bytes) {
+  end_ += bytes;
+  promised_ -= std::min<uint64_t>(promised_, bytes);
+}
+
+void FrameReader::Expect(uint64_t bytes) {
+  const size_t buffered = end_ - (start_ + consumed_);  // past the frame last returned
+  promised_ = bytes > buffered ? bytes - buffered : 0;
+  // Room for the frame being read and the longest wait's bytes after it.
+  if (promised_ >= kLowWaterFloor && capacity_ < kPromisedCapacity) Regrow(kPromisedCapacity);
 }
 
 absl::Status FrameReader::AwaitReadable(size_t bytes) {
@@ -211,7 +234,7 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
   if (!HasBufferedFrame() && end_ < capacity_) {
     const ssize_t got = recv(fd_, buffer_.get() + end_, capacity_ - end_, MSG_DONTWAIT);
     if (got > 0) {
-      end_ += static_cast<size_t>(got);
+      Received(static_cast<size_t>(got));
     } else if (got == 0) {
       return absl::OutOfRangeError("data lane: the peer closed the connection");
     } else if (!WouldBlock(errno) && errno != EINTR) {
@@ -303,7 +326,8 @@ v1::LaneStatus LaneStatusOf(const absl::Status& status) {
   return lane;
 }
 
-absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout) {
+absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
+                            absl::string_view preamble) {
   auto found = Resolve(address, /*passive=*/false);
   if (!found.ok()) return found.status();
   absl::Status last = absl::UnavailableError(absl::StrCat("data lane: no address for ", address));
@@ -316,9 +340,9 @@ absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout) 
     const int one = 1;
     setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     SetTimeouts(fd.get(), timeout);
-    FrameWriter preamble(fd.get());
-    preamble.AddCopy(absl::Span<const std::byte>(reinterpret_cast<const std::byte*>(kMagic), 8));
-    if (absl::Status sent = preamble.Send(); !sent.ok()) {
+    FrameWriter writer(fd.get());
+    writer.AddCopy({reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
+    if (absl::Status sent = writer.Send(); !sent.ok()) {
       last = sent;
       continue;
     }

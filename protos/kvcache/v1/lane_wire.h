@@ -14,14 +14,18 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvcache::lane {
 
-// What a client sends first on a connection.
-inline constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '1'};
+// What a client sends first on a connection: the current version, whose
+// Fetch calls announce their length (FETCH_LENGTH) and which the server
+// answers with the same 8 bytes, and the first, which it still serves.
+inline constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '2'};
+inline constexpr char kMagicV1[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '1'};
 inline constexpr size_t kHeaderBytes = 8;
 
 struct FrameHeader {
@@ -57,10 +61,22 @@ class FrameReader {
   // The next frame if it is buffered or arrives whole without waiting, else
   // nullopt; errors as Next.
   absl::StatusOr<std::optional<Frame>> Poll();
+  // The peer promises `bytes` more bytes after the frame last returned (a
+  // Fetch's FETCH_LENGTH), so reads may wait for many frames at once; a peer
+  // that breaks the promise must close the connection. 0 withdraws it. The
+  // last frame's payload may move: read it before.
+  void Expect(uint64_t bytes);
 
  private:
   // Makes `bytes` bytes past start_ available, reading as needed.
   absl::Status Fill(size_t bytes);
+  // At least `room` bytes free after end_, moving the unread bytes to the
+  // front or into a larger buffer.
+  void Reserve(size_t room);
+  // A buffer of `capacity` bytes holding the unread ones at its front.
+  void Regrow(size_t capacity);
+  // `bytes` more were received.
+  void Received(size_t bytes);
   // Waits until `bytes` can be read without blocking, or the peer closed or
   // failed (DEADLINE_EXCEEDED past the receive timeout).
   absl::Status AwaitReadable(size_t bytes);
@@ -76,6 +92,7 @@ class FrameReader {
   size_t end_ = 0;    // one past the last received byte
   size_t consumed_ = 0;  // bytes of the last returned frame, dropped on the next read
   size_t low_water_ = 1;
+  uint64_t promised_ = 0;  // bytes the peer promised that are not received yet
 };
 
 // Frames queued for sending; Send writes them all in one system call where
@@ -114,9 +131,11 @@ class FrameWriter {
 absl::Status StatusFromLane(const v1::LaneStatus& status);
 v1::LaneStatus LaneStatusOf(const absl::Status& status);
 
-// A connected TCP socket to host:port, with TCP_NODELAY, the preamble sent,
-// and send / receive timeouts of `timeout` (0: none). The caller closes it.
-absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout);
+// A connected TCP socket to host:port, with TCP_NODELAY, `preamble` (8
+// bytes) sent, and send / receive timeouts of `timeout` (0: none). The
+// caller closes it.
+absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
+                            absl::string_view preamble = {kMagic, sizeof(kMagic)});
 // A listening TCP socket on host:port (port 0: any free one); `port` is set
 // to the port bound.
 absl::StatusOr<int> Listen(const std::string& address, int& port);
