@@ -130,11 +130,20 @@ class Lane:
     """The data lane from Python: a socket, 8-byte frame headers (payload
     length, kind) and the generated messages, as the .proto describes it."""
 
-    def __init__(self, address):
+    def __init__(self, address, preamble=b"KVLANE01"):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=30)
-        self.sock.sendall(b"KVLANE01")
+        self.sock.sendall(preamble)
         self.buffer = b""
+        if preamble == b"KVLANE02":  # answered in kind
+            while len(self.buffer) < 8:
+                data = self.sock.recv(8 - len(self.buffer))
+                if not data:
+                    raise ConnectionError("the data lane closed")
+                self.buffer += data
+            if self.buffer != preamble:
+                raise AssertionError("KVLANE02 answered with %r" % self.buffer)
+            self.buffer = b""
 
     def send(self, kind, message=None):
         payload = message.SerializeToString() if message is not None else b""
@@ -287,21 +296,14 @@ class InteropTest(unittest.TestCase):
         self.assertEqual(acks, expected)
         self.assertEqual(lane.read_status().code, 0)
 
+        # KVLANE02: each Fetch says first how many bytes of chunk frames follow.
+        announcing = Lane(address, b"KVLANE02")
         for layer in range(3):
-            lane.send(pb.LANE_FRAME_FETCH, pb.FetchRequest(cache_id=cache_id, layers=[layer],
-                                                           max_chunk_tokens=3))
-            held = []
-            while True:
-                kind, payload = lane.read()
-                if kind == pb.LANE_FRAME_STATUS:
-                    self.assertEqual(pb.LaneStatus.FromString(payload).code, 0)
-                    break
-                chunk = pb.FetchResponse.FromString(payload)
-                tokens = chunk.keys.shape[2]
-                ks = split_tokens(chunk.keys.data, tokens, chunk.start)
-                vs = split_tokens(chunk.values.data, tokens, chunk.start)
-                held += [(k[0], k[1], v[1]) for k, v in zip(ks, vs)]
-            self.assertEqual(held, mirror.layers[layer], "layer %d" % layer)
+            for fetching in (lane, announcing):
+                held, announced, chunk_bytes = self.lane_fetch(fetching, cache_id, layer)
+                self.assertEqual(held, mirror.layers[layer], "layer %d" % layer)
+                self.assertEqual(announced, chunk_bytes if fetching is announcing else None)
+        announcing.sock.close()
         self.assert_holds(cache_id, mirror)  # and over gRPC
 
         # A bad request: INVALID_ARGUMENT naming the field, nothing changed.
@@ -315,6 +317,29 @@ class InteropTest(unittest.TestCase):
         self.assert_holds(cache_id, mirror)
         lane.sock.close()
         self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=cache_id))
+
+    def lane_fetch(self, lane, cache_id, layer):
+        """One layer's tokens over the lane in 3-token chunks, the length the
+        server announced (None: none) and the chunk frames' bytes."""
+        lane.send(pb.LANE_FRAME_FETCH, pb.FetchRequest(cache_id=cache_id, layers=[layer],
+                                                       max_chunk_tokens=3))
+        held, announced, chunk_bytes = [], None, 0
+        while True:
+            kind, payload = lane.read()
+            if kind == pb.LANE_FRAME_STATUS:
+                self.assertEqual(pb.LaneStatus.FromString(payload).code, 0)
+                return held, announced, chunk_bytes
+            if kind == pb.LANE_FRAME_FETCH_LENGTH:
+                self.assertIsNone(announced)
+                announced = pb.LaneFetchLength.FromString(payload).chunk_frame_bytes
+                continue
+            self.assertEqual(kind, pb.LANE_FRAME_FETCH_CHUNK)
+            chunk_bytes += 8 + len(payload)
+            chunk = pb.FetchResponse.FromString(payload)
+            tokens = chunk.keys.shape[2]
+            ks = split_tokens(chunk.keys.data, tokens, chunk.start)
+            vs = split_tokens(chunk.values.data, tokens, chunk.start)
+            held += [(k[0], k[1], v[1]) for k, v in zip(ks, vs)]
 
     def test_errors_map_to_status_codes(self):
         cache_id, _ = self.create_cache()
