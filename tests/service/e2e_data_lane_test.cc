@@ -41,6 +41,16 @@ lane::OwnedFd ConnectPlain(const std::string& address) {
   return fd;
 }
 
+// A frame: its 8-byte header, then `payload`.
+std::string Framed(int kind, const std::string& payload) {
+  std::byte header[lane::kHeaderBytes];
+  lane::EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
+  return std::string(reinterpret_cast<const char*>(header), sizeof(header)) + payload;
+}
+std::string Framed(int kind, const google::protobuf::MessageLite& message) {
+  return Framed(kind, message.SerializeAsString());
+}
+
 // A socket to the lane, written and read frame by frame.
 class RawLane {
  public:
@@ -60,13 +70,9 @@ class RawLane {
     writer.AddCopy({reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()});
     EXPECT_TRUE(writer.Send().ok());
   }
-  void Send(int kind, const std::string& payload) {
-    std::byte header[lane::kHeaderBytes];
-    lane::EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
-    SendBytes(std::string(reinterpret_cast<const char*>(header), sizeof(header)) + payload);
-  }
+  void Send(int kind, const std::string& payload) { SendBytes(Framed(kind, payload)); }
   void Send(int kind, const google::protobuf::MessageLite& message) {
-    Send(kind, message.SerializeAsString());
+    SendBytes(Framed(kind, message));
   }
 
   // The next frame's kind and payload; kind -1 when the connection ended.
@@ -123,6 +129,18 @@ class E2eDataLaneTest : public ::testing::Test {
     return info.ok() ? std::vector<uint64_t>(info->layer_offsets().begin(),
                                              info->layer_offsets().end())
                      : std::vector<uint64_t>();
+  }
+  // Layer 0 given 15 tokens, a Fetch of it, and the one chunk that answers it.
+  std::pair<v1::FetchRequest, v1::FetchResponse> OneChunkFetch() {
+    const v1::UpdateRequest request = NewUpdate(0, 15);
+    const LayerUpdate update = ToLayerUpdate(request);
+    EXPECT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
+    v1::FetchRequest fetch;
+    fetch.set_cache_id(cache_id_);
+    fetch.add_layers(0);
+    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(fetch);
+    EXPECT_TRUE(chunks.ok() && chunks->size() == 1);
+    return {fetch, chunks.ok() && !chunks->empty() ? chunks->front() : v1::FetchResponse()};
   }
   // The server still serves both ways, and no lane session is left behind.
   void ExpectHealthy() {
@@ -437,26 +455,12 @@ class FakeLane {
   std::vector<std::string> preambles_ ABSL_GUARDED_BY(mutex_);
 };
 
-std::string Framed(int kind, const google::protobuf::MessageLite& message) {
-  const std::string payload = message.SerializeAsString();
-  std::byte header[lane::kHeaderBytes];
-  lane::EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
-  return std::string(reinterpret_cast<const char*>(header), sizeof(header)) + payload;
-}
-
 // A server that announced more than it sent and then failed closes the
 // connection: the client returns its status at once, not at the deadline
 // (30 s) of a wait for the rest. Chunks past an announcement are DATA_LOSS.
 TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
-  const v1::UpdateRequest request = NewUpdate(0, 15);
-  const LayerUpdate update = ToLayerUpdate(request);
-  ASSERT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
-  v1::FetchRequest fetch;
-  fetch.set_cache_id(cache_id_);
-  fetch.add_layers(0);
-  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(fetch);
-  ASSERT_TRUE(chunks.ok() && chunks->size() == 1);
-  const std::string chunk = Framed(v1::LANE_FRAME_FETCH_CHUNK, chunks->front());
+  const auto [fetch, answer] = OneChunkFetch();
+  const std::string chunk = Framed(v1::LANE_FRAME_FETCH_CHUNK, answer);
   v1::LaneFetchLength length;
 
   length.set_chunk_frame_bytes(2 << 20);
@@ -491,15 +495,8 @@ TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
 // A server of the first version closes a KVLANE02 connection unanswered:
 // the client opens another with KVLANE01, and keeps to it from then on.
 TEST_F(E2eDataLaneTest, TheClientFallsBackToServersOfTheFirstVersion) {
-  const v1::UpdateRequest request = NewUpdate(0, 15);
-  const LayerUpdate update = ToLayerUpdate(request);
-  ASSERT_TRUE(lane_client_->Update(cache_id_, {&update, 1}).ok());
-  v1::FetchRequest fetch;
-  fetch.set_cache_id(cache_id_);
-  fetch.add_layers(0);
-  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = server_->client().FetchAll(fetch);
-  ASSERT_TRUE(chunks.ok() && chunks->size() == 1);
-  FakeLane old(Framed(v1::LANE_FRAME_FETCH_CHUNK, chunks->front()) +
+  const v1::FetchResponse answer = OneChunkFetch().second;
+  FakeLane old(Framed(v1::LANE_FRAME_FETCH_CHUNK, answer) +
                    Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())),
                FakeLane::Answer::kClose);
   auto client = server_->Connect(/*dedicated=*/true, old.address());
@@ -508,7 +505,7 @@ TEST_F(E2eDataLaneTest, TheClientFallsBackToServersOfTheFirstVersion) {
     ASSERT_TRUE(history.ok()) << history.status();
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()),
                           history->keys.size()),
-              chunks->front().keys().data());
+              answer.keys().data());
   }
   EXPECT_EQ(old.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE01", "KVLANE01"}));
 
