@@ -490,6 +490,15 @@ TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
   EXPECT_THAT(status.message(), HasSubstr("ran past"));
   EXPECT_EQ(failing.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE02"}));
+
+  // An announcement after a chunk has come is no announcement.
+  FakeLane late(chunk + Framed(v1::LANE_FRAME_FETCH_LENGTH, length) +
+                Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())));
+  client = server_->Connect(/*dedicated=*/true, late.address());
+  const absl::Status misplaced =
+      client->FetchViews(fetch, [](const FetchChunkView&) { return absl::OkStatus(); });
+  EXPECT_EQ(misplaced.code(), absl::StatusCode::kDataLoss) << misplaced;
+  EXPECT_THAT(misplaced.message(), HasSubstr("misplaced FETCH_LENGTH"));
 }
 
 // A server of the first version closes a KVLANE02 connection unanswered:
