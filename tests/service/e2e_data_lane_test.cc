@@ -481,24 +481,25 @@ TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
     EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   }
 
-  length.set_chunk_frame_bytes(chunk.size());
-  FakeLane overlong(Framed(v1::LANE_FRAME_FETCH_LENGTH, length) + chunk + chunk +
-                    Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())));
-  client = server_->Connect(/*dedicated=*/true, overlong.address());
-  const absl::Status status =
-      client->FetchViews(fetch, [](const FetchChunkView&) { return absl::OkStatus(); });
-  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
-  EXPECT_THAT(status.message(), HasSubstr("ran past"));
   EXPECT_EQ(failing.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE02"}));
 
-  // An announcement after a chunk has come is no announcement.
-  FakeLane late(chunk + Framed(v1::LANE_FRAME_FETCH_LENGTH, length) +
-                Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())));
-  client = server_->Connect(/*dedicated=*/true, late.address());
-  const absl::Status misplaced =
-      client->FetchViews(fetch, [](const FetchChunkView&) { return absl::OkStatus(); });
-  EXPECT_EQ(misplaced.code(), absl::StatusCode::kDataLoss) << misplaced;
-  EXPECT_THAT(misplaced.message(), HasSubstr("misplaced FETCH_LENGTH"));
+  // Frames that break the protocol: DATA_LOSS, saying how.
+  length.set_chunk_frame_bytes(chunk.size());
+  const std::string ok = Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus()));
+  const std::string announced = Framed(v1::LANE_FRAME_FETCH_LENGTH, length);
+  const std::pair<std::string, const char*> broken[] = {
+      {announced + chunk + chunk + ok, "ran past"},
+      {chunk + announced + ok, "misplaced FETCH_LENGTH"},  // after a chunk
+  };
+  for (const auto& [frames, says] : broken) {
+    SCOPED_TRACE(says);
+    FakeLane fake(frames);
+    client = server_->Connect(/*dedicated=*/true, fake.address());
+    const absl::Status status =
+        client->FetchViews(fetch, [](const FetchChunkView&) { return absl::OkStatus(); });
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    EXPECT_THAT(status.message(), HasSubstr(says));
+  }
 }
 
 // A server of the first version closes a KVLANE02 connection unanswered:
