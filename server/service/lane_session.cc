@@ -130,17 +130,21 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
         "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)"));
     return writer_.Send();
   }
-  absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
-  absl::Status status = plan.status();
   bool announced = false;
-  if (plan.ok()) {
-    status = SendChunks(*plan, announced);
-    // A socket that failed cannot carry the status either.
-    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) return status;
-  }
+  const absl::Status status = SendPlannedFetch(request, announced);
+  // A socket that failed cannot carry the status either.
+  if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) return status;
   broke_announcement_ = announced && !status.ok();
   QueueStatus(status);
   return writer_.Send();
+}
+
+// The plan pins the pages it reads; it is gone before the call's STATUS goes
+// out, so a client that frees the cache next finds every page back.
+absl::Status LaneSession::SendPlannedFetch(const v1::FetchRequest& request, bool& announced) {
+  absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
+  if (!plan.ok()) return plan.status();
+  return SendChunks(*plan, announced);
 }
 
 uint64_t LaneSession::ChunkFrameBytes(const FetchPlan& plan) const {

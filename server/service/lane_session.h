@@ -33,6 +33,8 @@ class LaneSession {
   absl::Status OnFrame(const lane::Frame& frame);
   void OnUpdate(absl::Span<const std::byte> payload);
   absl::Status OnFetch(absl::Span<const std::byte> payload);
+  // Plans the Fetch and sends its chunks; the plan's pages are let go on return.
+  absl::Status SendPlannedFetch(const v1::FetchRequest& request, bool& announced);
   // The Fetch's chunks, written one at a time; `announced`: their length
   // went first (FETCH_LENGTH).
   absl::Status SendChunks(const FetchPlan& plan, bool& announced);

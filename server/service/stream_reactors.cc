@@ -96,8 +96,7 @@ FetchReactor::FetchReactor(Handlers& handlers, const grpc::ByteBuffer& raw_reque
 
 void FetchReactor::WriteNext() {
   if (next_ == plan_.chunks.size()) {
-    plan_.view.reset();  // drop the page references before the stream closes
-    Finish(grpc::Status::OK);
+    FinishFetch(grpc::Status::OK);
     return;
   }
   if (plan_.chunks[next_].form != FetchPlan::Form::kTokens) {
@@ -111,7 +110,7 @@ void FetchReactor::WriteNext() {
   const absl::Status status =
       handlers_.ReadFetchChunk(plan_, next_++, {.keys = chunk.keys(), .values = chunk.values()});
   if (!status.ok()) {
-    Finish(ToGrpcStatus(status));
+    FinishFetch(ToGrpcStatus(status));
     return;
   }
   response_ = chunk.Finish();
@@ -122,7 +121,7 @@ void FetchReactor::WriteEncoded() {
   v1::FetchResponse chunk;
   const absl::Status status = handlers_.FillFetchChunk(plan_, next_++, &chunk);
   if (!status.ok()) {
-    Finish(ToGrpcStatus(status));
+    FinishFetch(ToGrpcStatus(status));
     return;
   }
   bool own_buffer = false;
@@ -132,15 +131,22 @@ void FetchReactor::WriteEncoded() {
   const grpc::Status encoded =
       grpc::SerializationTraits<v1::FetchResponse>::Serialize(chunk, &response_, &own_buffer);
   if (!encoded.ok()) {
-    Finish(encoded);
+    FinishFetch(encoded);
     return;
   }
   StartWrite(&response_);
 }
 
+// The plan's page references go before the status: a client that frees the
+// cache on seeing it finds every page back.
+void FetchReactor::FinishFetch(const grpc::Status& status) {
+  plan_.view.reset();
+  Finish(status);
+}
+
 void FetchReactor::OnWriteDone(bool ok) {
   if (!ok) {
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+    FinishFetch(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
     return;
   }
   WriteNext();

@@ -65,6 +65,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void WriteNext();
   // A packed or state chunk, encoded by protobuf.
   void WriteEncoded();
+  void FinishFetch(const grpc::Status& status);
 
   Handlers& handlers_;
   FetchPlan plan_;
