@@ -257,9 +257,17 @@ LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration
     : setting_(std::move(setting)), grpc_address_(std::move(grpc_address)), timeout_(timeout),
       max_payload_(max_payload), ask_server_(std::move(ask_server)) {}
 
+// The fallback to KVLANE01 lasts until a connect fails: a server that went
+// away may come back of either version (and a current one that reset a
+// connection while it stopped is asked again).
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
+  const auto connect = [&](absl::string_view preamble) {
+    absl::StatusOr<int> fd = lane::Connect(address, timeout_, preamble);
+    if (!fd.ok()) first_version_only_.store(false, std::memory_order_relaxed);
+    return fd;
+  };
   if (!first_version_only_.load(std::memory_order_relaxed)) {
-    absl::StatusOr<int> fd = lane::Connect(address, timeout_);
+    absl::StatusOr<int> fd = connect({lane::kMagic, sizeof(lane::kMagic)});
     if (!fd.ok()) return fd.status();
     auto connection = std::make_unique<LaneConnection>(*fd, max_payload_);
     absl::StatusOr<absl::Span<const std::byte>> answer =
@@ -273,8 +281,7 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string
       return answer.status();
     }
   }
-  absl::StatusOr<int> fd =
-      lane::Connect(address, timeout_, {lane::kMagicV1, sizeof(lane::kMagicV1)});
+  absl::StatusOr<int> fd = connect({lane::kMagicV1, sizeof(lane::kMagicV1)});
   if (!fd.ok()) return fd.status();
   first_version_only_.store(true, std::memory_order_relaxed);
   return std::make_unique<LaneConnection>(*fd, max_payload_);

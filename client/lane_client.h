@@ -53,7 +53,8 @@ class LanePool {
   const absl::Duration timeout_;
   const uint64_t max_payload_;
   std::function<absl::StatusOr<std::string>()> ask_server_;
-  std::atomic<bool> first_version_only_{false};  // the server closed a KVLANE02 connection
+  // The server closed a KVLANE02 connection unanswered (and no connect failed since).
+  std::atomic<bool> first_version_only_{false};
   absl::Mutex mutex_;
   std::optional<std::string> address_ ABSL_GUARDED_BY(mutex_);  // resolved; "" when off
   std::vector<std::unique_ptr<LaneConnection>> idle_ ABSL_GUARDED_BY(mutex_);

@@ -429,10 +429,10 @@ class FakeLane {
     kClose,   // a server of the first version: closed unanswered
     kFrames,  // a busy server: `frames` at once
   };
-  explicit FakeLane(std::string frames, Answer answer = Answer::kInKind)
+  // `port`: 0 for any free one.
+  explicit FakeLane(std::string frames, Answer answer = Answer::kInKind, int port = 0)
       : frames_(std::move(frames)), answer_(answer) {
-    int port = 0;
-    absl::StatusOr<int> listener = lane::Listen("127.0.0.1:0", port);
+    absl::StatusOr<int> listener = lane::Listen("127.0.0.1:" + std::to_string(port), port);
     EXPECT_TRUE(listener.ok()) << listener.status();
     listener_ = lane::OwnedFd(listener.value_or(-1));
     address_ = "127.0.0.1:" + std::to_string(port);
@@ -531,21 +531,33 @@ TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
 }
 
 // A server of the first version closes a KVLANE02 connection unanswered:
-// the client opens another with KVLANE01, and keeps to it from then on.
+// the client opens another with KVLANE01, and keeps to it until a connect
+// fails. A server that comes back on that address is asked for KVLANE02 again.
 TEST_F(E2eDataLaneTest, TheClientFallsBackToServersOfTheFirstVersion) {
   const v1::FetchResponse answer = OneChunkFetch().second;
-  FakeLane old(Framed(v1::LANE_FRAME_FETCH_CHUNK, answer) +
-                   Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus())),
-               FakeLane::Answer::kClose);
-  auto client = server_->Connect(/*dedicated=*/true, old.address());
-  for (int call = 0; call < 2; ++call) {
+  const std::string frames =
+      Framed(v1::LANE_FRAME_FETCH_CHUNK, answer) +
+      Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus()));
+  auto old = std::make_unique<FakeLane>(frames, FakeLane::Answer::kClose);
+  const std::string address = old->address();
+  auto client = server_->Connect(/*dedicated=*/true, address);
+  const auto expect_the_answer = [&] {
     absl::StatusOr<LayerHistory> history = client->FetchLayer(cache_id_, "", 0);
     ASSERT_TRUE(history.ok()) << history.status();
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()),
                           history->keys.size()),
               answer.keys().data());
-  }
-  EXPECT_EQ(old.preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE01", "KVLANE01"}));
+  };
+  for (int call = 0; call < 2; ++call) expect_the_answer();
+  EXPECT_EQ(old->preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE01", "KVLANE01"}));
+
+  old.reset();
+  EXPECT_EQ(client->FetchLayer(cache_id_, "", 0).status().code(),
+            absl::StatusCode::kUnavailable);
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  FakeLane current(frames, FakeLane::Answer::kInKind, port);
+  expect_the_answer();
+  EXPECT_EQ(current.preambles(), (std::vector<std::string>{"KVLANE02"}));
 
   // A server with too many connections answers with its STATUS instead.
   FakeLane busy(Framed(v1::LANE_FRAME_STATUS,
