@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 #include "update_transport.h"
 
 namespace kvcache::internal {

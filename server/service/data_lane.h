@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 #include "service/handlers.h"
 
 namespace kvcache::service {

@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 #include "service/handlers.h"
 #include "service/wire_format.h"
 

@@ -16,7 +16,7 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 #include "service/data_lane.h"
 #include "service_test_util.h"
 

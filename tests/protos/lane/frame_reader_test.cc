@@ -3,7 +3,7 @@
 // frames that arrive many to a read or a byte at a time, payloads larger than
 // the reader's buffer, sends the kernel takes in parts, and each way a
 // connection can end.
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>

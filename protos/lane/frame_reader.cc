@@ -1,4 +1,4 @@
-#include "kvcache/v1/lane_wire.h"
+#include "lane/frame_reader.h"
 
 #include <netdb.h>
 #include <netinet/in.h>
