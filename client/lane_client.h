@@ -14,7 +14,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "lane/frame.h"
 #include "lane/frame_reader.h"
+#include "lane/frame_writer.h"
+#include "lane/socket.h"
 #include "update_transport.h"
 
 namespace kvcache::internal {

@@ -1,19 +1,15 @@
 #include "lane/frame_reader.h"
 
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "lane/socket.h"
 
 namespace kvcache::lane {
 namespace {
@@ -42,71 +38,7 @@ int ReceiveTimeoutMs(int fd) {
   return ms == 0 ? -1 : static_cast<int>(std::min<int64_t>(ms, INT32_MAX));
 }
 
-bool WouldBlock(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
-
-absl::Status SocketError(const char* what) {
-  const int error = errno;
-  if (WouldBlock(error)) {
-    return absl::DeadlineExceededError(absl::StrCat("data lane: ", what, " timed out"));
-  }
-  return absl::UnavailableError(absl::StrCat("data lane: ", what, ": ", std::strerror(error)));
-}
-
-absl::StatusOr<std::pair<std::string, std::string>> SplitAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data lane address \"", address, "\" is not host:port"));
-  }
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return std::make_pair(host, address.substr(colon + 1));
-}
-
-// The addresses of host:port, for connecting or (passive) for listening.
-absl::StatusOr<addrinfo*> Resolve(const std::string& address, bool passive) {
-  auto host_port = SplitAddress(address);
-  if (!host_port.ok()) return host_port.status();
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  if (passive) hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const char* host = host_port->first.empty() ? nullptr : host_port->first.c_str();
-  if (const int error = getaddrinfo(host, host_port->second.c_str(), &hints, &found); error != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("data lane: cannot resolve \"", address, "\": ", gai_strerror(error)));
-  }
-  return found;
-}
-
-void SetTimeouts(int fd, absl::Duration timeout) {
-  if (timeout <= absl::ZeroDuration()) return;
-  const timeval tv = absl::ToTimeval(timeout);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-}
-
 }  // namespace
-
-void EncodeHeader(const FrameHeader& header, std::byte out[kHeaderBytes]) {
-  for (int i = 0; i < 4; ++i) out[i] = std::byte((header.length >> (8 * i)) & 0xff);
-  out[4] = std::byte(header.kind & 0xff);
-  out[5] = out[6] = out[7] = std::byte{0};
-}
-
-FrameHeader DecodeHeader(const std::byte in[kHeaderBytes]) {
-  FrameHeader header;
-  for (int i = 0; i < 4; ++i) header.length |= std::to_integer<uint32_t>(in[i]) << (8 * i);
-  header.kind = std::to_integer<int>(in[4]);
-  // Reserved bytes set make the kind unknown, so they are refused, not ignored.
-  if (in[5] != std::byte{0} || in[6] != std::byte{0} || in[7] != std::byte{0}) header.kind = -1;
-  return header;
-}
 
 FrameReader::FrameReader(int fd, uint64_t max_payload)
     : fd_(fd), max_payload_(max_payload), receive_timeout_ms_(ReceiveTimeoutMs(fd)),
@@ -246,154 +178,6 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
   absl::StatusOr<Frame> frame = Next();
   if (!frame.ok()) return frame.status();
   return std::optional<Frame>(*frame);
-}
-
-void FrameWriter::AddMessage(v1::LaneFrameKind kind, const google::protobuf::MessageLite& message) {
-  const size_t length = message.ByteSizeLong();
-  AddHeader(kind, static_cast<uint32_t>(length));
-  const size_t at = owned_.size();
-  owned_.resize(at + length);
-  message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(owned_.data() + at));
-  parts_.back().size += length;  // AddHeader's part, owned and just before
-}
-
-void FrameWriter::AddHeader(v1::LaneFrameKind kind, uint32_t length) {
-  std::byte header[kHeaderBytes];
-  EncodeHeader({.length = length, .kind = kind}, header);
-  AddCopy(header);
-}
-
-void FrameWriter::AddCopy(absl::Span<const std::byte> bytes) {
-  const size_t at = owned_.size();
-  owned_.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  // Adjacent copies form one part (many acknowledgements, one iovec).
-  if (!parts_.empty() && parts_.back().owned &&
-      parts_.back().offset + parts_.back().size == at) {
-    parts_.back().size += bytes.size();
-    return;
-  }
-  parts_.push_back({.owned = true, .offset = at, .data = nullptr, .size = bytes.size()});
-}
-
-void FrameWriter::AddReference(absl::Span<const std::byte> bytes) {
-  if (bytes.empty()) return;
-  parts_.push_back({.owned = false, .offset = 0, .data = bytes.data(), .size = bytes.size()});
-}
-
-absl::Status FrameWriter::Send() {
-  std::vector<iovec>& iov = iov_;
-  iov.clear();
-  for (const Part& part : parts_) {
-    const std::byte* data = part.owned ? reinterpret_cast<const std::byte*>(owned_.data()) + part.offset
-                                       : part.data;
-    iov.push_back({const_cast<std::byte*>(data), part.size});
-  }
-  // Forgotten on every way out; owned_ only after the sends, which read it.
-  parts_.clear();
-  struct ClearOnExit {
-    std::string& owned;
-    ~ClearOnExit() { owned.clear(); }
-  } clear_on_exit{owned_};
-  size_t first = 0;
-  while (first < iov.size()) {
-    msghdr message{};
-    message.msg_iov = iov.data() + first;
-    message.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
-    const ssize_t sent = sendmsg(fd_, &message, MSG_NOSIGNAL);
-    if (sent < 0) {
-      if (errno == EINTR) continue;
-      return SocketError("send");
-    }
-    // Skip what went out; the first part left may have gone partly.
-    size_t left = static_cast<size_t>(sent);
-    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-    if (left > 0) {
-      iov[first].iov_base = static_cast<std::byte*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status StatusFromLane(const v1::LaneStatus& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.code()), status.message());
-}
-
-v1::LaneStatus LaneStatusOf(const absl::Status& status) {
-  v1::LaneStatus lane;
-  lane.set_code(static_cast<int>(status.code()));
-  lane.set_message(std::string(status.message()));
-  return lane;
-}
-
-absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
-                            absl::string_view preamble) {
-  auto found = Resolve(address, /*passive=*/false);
-  if (!found.ok()) return found.status();
-  absl::Status last = absl::UnavailableError(absl::StrCat("data lane: no address for ", address));
-  for (addrinfo* at = *found; at != nullptr; at = at->ai_next) {
-    OwnedFd fd(socket(at->ai_family, at->ai_socktype | SOCK_CLOEXEC, at->ai_protocol));
-    if (fd.get() < 0 || connect(fd.get(), at->ai_addr, at->ai_addrlen) != 0) {
-      last = SocketError(absl::StrCat("connect to ", address).c_str());
-      continue;
-    }
-    const int one = 1;
-    setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    SetTimeouts(fd.get(), timeout);
-    FrameWriter writer(fd.get());
-    writer.AddCopy({reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
-    if (absl::Status sent = writer.Send(); !sent.ok()) {
-      last = sent;
-      continue;
-    }
-    freeaddrinfo(*found);
-    return fd.release();
-  }
-  freeaddrinfo(*found);
-  return last;
-}
-
-absl::StatusOr<int> Listen(const std::string& address, int& port) {
-  auto found = Resolve(address, /*passive=*/true);
-  if (!found.ok()) return found.status();
-  absl::Status last = absl::UnavailableError(absl::StrCat("data lane: no address for ", address));
-  for (addrinfo* at = *found; at != nullptr; at = at->ai_next) {
-    OwnedFd fd(socket(at->ai_family, at->ai_socktype | SOCK_CLOEXEC, at->ai_protocol));
-    const int one = 1;
-    if (fd.get() >= 0) setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (fd.get() < 0 || bind(fd.get(), at->ai_addr, at->ai_addrlen) != 0 ||
-        listen(fd.get(), 128) != 0) {
-      last = SocketError(absl::StrCat("listen on ", address).c_str());
-      continue;
-    }
-    sockaddr_storage bound{};
-    socklen_t length = sizeof(bound);
-    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &length);
-    port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6&>(bound).sin6_port
-                                             : reinterpret_cast<sockaddr_in&>(bound).sin_port);
-    freeaddrinfo(*found);
-    return fd.release();
-  }
-  freeaddrinfo(*found);
-  return last;
-}
-
-OwnedFd& OwnedFd::operator=(OwnedFd&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) close(fd_);
-    fd_ = other.release();
-  }
-  return *this;
-}
-
-OwnedFd::~OwnedFd() {
-  if (fd_ >= 0) close(fd_);
-}
-
-int OwnedFd::release() {
-  const int fd = fd_;
-  fd_ = -1;
-  return fd;
 }
 
 }  // namespace kvcache::lane

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "lane/frame.h"
+#include "lane/frame_writer.h"
 #include "service/lane_session.h"
 
 namespace kvcache::service {

@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "lane/frame_reader.h"
+#include "lane/socket.h"
 #include "service/handlers.h"
 
 namespace kvcache::service {

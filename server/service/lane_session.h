@@ -11,7 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "lane/frame.h"
 #include "lane/frame_reader.h"
+#include "lane/frame_writer.h"
 #include "service/handlers.h"
 #include "service/wire_format.h"
 

@@ -1,17 +1,11 @@
-// The data lane's frames over a Unix socket pair and over loopback TCP (where
-// the reader waits for large frames with SO_RCVLOWAT): headers both ways,
-// frames that arrive many to a read or a byte at a time, payloads larger than
-// the reader's buffer, sends the kernel takes in parts, and each way a
-// connection can end.
+// Reading frames over a Unix socket pair and over loopback TCP (where the
+// reader waits for large frames with SO_RCVLOWAT): frames that arrive many to
+// a read or a byte at a time, payloads larger than the reader's buffer, and
+// each way a connection can end.
 #include "lane/frame_reader.h"
 
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
-
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -19,97 +13,18 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "socket_pair.h"
 
 namespace kvcache::lane {
 namespace {
 
 using ::testing::HasSubstr;
 
-enum class Transport { kUnixPair, kTcpLoopback };
-
-class LaneWireTest : public ::testing::TestWithParam<Transport> {
- protected:
-  void SetUp() override {
-    if (GetParam() == Transport::kUnixPair) {
-      int fds[2];
-      ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
-      near_ = OwnedFd(fds[0]);
-      far_ = OwnedFd(fds[1]);
-      return;
-    }
-    int port = 0;
-    absl::StatusOr<int> listener = Listen("127.0.0.1:0", port);
-    ASSERT_TRUE(listener.ok()) << listener.status();
-    OwnedFd listening(*listener);
-    absl::StatusOr<int> near = Connect("127.0.0.1:" + std::to_string(port), absl::ZeroDuration());
-    ASSERT_TRUE(near.ok()) << near.status();
-    near_ = OwnedFd(*near);
-    far_ = OwnedFd(accept(listening.get(), nullptr, nullptr));
-    ASSERT_GE(far_.get(), 0);
-    const int one = 1;
-    setsockopt(far_.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    char preamble[sizeof(kMagic)];  // Connect's, not part of any test's stream
-    ASSERT_EQ(recv(far_.get(), preamble, sizeof(preamble), MSG_WAITALL), ssize_t{sizeof(preamble)});
-  }
-  // A receive timeout on the near end, so that a reader that waits for bytes
-  // which never come fails instead of hanging the test.
-  void SetReceiveTimeout(std::chrono::milliseconds timeout) {
-    const timeval tv{.tv_sec = static_cast<time_t>(timeout.count() / 1000),
-                     .tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
-    ASSERT_EQ(setsockopt(near_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
-  }
-  // Writes `bytes` to the far end, `step` bytes per write (0: all at once).
-  void Feed(const std::string& bytes, size_t step = 0) {
-    for (size_t at = 0; at < bytes.size();) {
-      const size_t n = step == 0 ? bytes.size() - at : std::min(step, bytes.size() - at);
-      const ssize_t wrote = write(far_.get(), bytes.data() + at, n);
-      ASSERT_GT(wrote, 0);
-      at += static_cast<size_t>(wrote);
-    }
-  }
-
-  OwnedFd near_;
-  OwnedFd far_;
-};
-
-std::string Framed(int kind, const std::string& payload) {
-  std::byte header[kHeaderBytes];
-  EncodeHeader({.length = static_cast<uint32_t>(payload.size()), .kind = kind}, header);
-  return std::string(reinterpret_cast<const char*>(header), kHeaderBytes) + payload;
-}
-
-std::string RandomBytes(size_t size, std::mt19937_64& rng) {
-  std::string bytes(size, '\0');
-  for (char& c : bytes) c = static_cast<char>(rng());
-  return bytes;
-}
-
-std::string PayloadOf(const Frame& frame) {
-  return std::string(reinterpret_cast<const char*>(frame.payload.data()), frame.payload.size());
-}
-
-// The next frame's payload; a failure (and "") where it cannot be read.
-std::string NextPayload(FrameReader& reader) {
-  absl::StatusOr<Frame> frame = reader.Next();
-  EXPECT_TRUE(frame.ok()) << frame.status();
-  return frame.ok() ? PayloadOf(*frame) : std::string();
-}
-
-TEST(LaneHeaderTest, RoundTripsAndRefusesReservedBytes) {
-  std::byte header[kHeaderBytes];
-  EncodeHeader({.length = 0x01020304, .kind = v1::LANE_FRAME_FETCH_CHUNK}, header);
-  EXPECT_EQ(std::to_integer<int>(header[0]), 0x04);  // little-endian
-  EXPECT_EQ(std::to_integer<int>(header[3]), 0x01);
-  const FrameHeader decoded = DecodeHeader(header);
-  EXPECT_EQ(decoded.length, 0x01020304u);
-  EXPECT_EQ(decoded.kind, v1::LANE_FRAME_FETCH_CHUNK);
-  header[6] = std::byte{1};
-  EXPECT_EQ(DecodeHeader(header).kind, -1);
-}
+using FrameReaderTest = SocketPairTest;
 
 // All at once, a byte per write, and in odd cuts; mostly small frames, and
 // (but for the byte-a-write round) some far larger than the reader's buffer.
-TEST_P(LaneWireTest, ReadsFramesWhateverCutsTheyArriveIn) {
+TEST_P(FrameReaderTest, ReadsFramesWhateverCutsTheyArriveIn) {
   std::mt19937_64 rng(1);
   for (size_t step : {size_t{0}, size_t{1}, size_t{4093}}) {
     SCOPED_TRACE(step);
@@ -133,7 +48,7 @@ TEST_P(LaneWireTest, ReadsFramesWhateverCutsTheyArriveIn) {
   }
 }
 
-TEST_P(LaneWireTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
+TEST_P(FrameReaderTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
   FrameReader reader(near_.get(), 1 << 20);
   absl::StatusOr<std::optional<Frame>> polled = reader.Poll();
   ASSERT_TRUE(polled.ok());
@@ -154,7 +69,7 @@ TEST_P(LaneWireTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
   EXPECT_TRUE(absl::IsOutOfRange(reader.Poll().status()));
 }
 
-TEST_P(LaneWireTest, RefusesFramesOverTheLimit) {
+TEST_P(FrameReaderTest, RefusesFramesOverTheLimit) {
   FrameReader reader(near_.get(), 100);
   Feed(Framed(v1::LANE_FRAME_UPDATE, std::string(101, 'x')));
   absl::StatusOr<Frame> frame = reader.Next();
@@ -162,7 +77,7 @@ TEST_P(LaneWireTest, RefusesFramesOverTheLimit) {
   EXPECT_THAT(frame.status().message(), HasSubstr("101 bytes"));
 }
 
-TEST_P(LaneWireTest, TellsACleanEndFromOneWithinAFrame) {
+TEST_P(FrameReaderTest, TellsACleanEndFromOneWithinAFrame) {
   FrameReader reader(near_.get(), 1 << 20);
   Feed(Framed(v1::LANE_FRAME_UPDATE, "whole"));
   ASSERT_TRUE(reader.Next().ok());
@@ -178,7 +93,7 @@ TEST_P(LaneWireTest, TellsACleanEndFromOneWithinAFrame) {
   EXPECT_THAT(frame.status().message(), HasSubstr("within a frame"));
 }
 
-TEST_P(LaneWireTest, ReceiveTimeoutIsDeadlineExceeded) {
+TEST_P(FrameReaderTest, ReceiveTimeoutIsDeadlineExceeded) {
   SetReceiveTimeout(std::chrono::milliseconds(50));
   FrameReader reader(near_.get(), 1 << 20);
   EXPECT_TRUE(absl::IsDeadlineExceeded(reader.Next().status()));
@@ -193,7 +108,7 @@ TEST_P(LaneWireTest, ReceiveTimeoutIsDeadlineExceeded) {
 // reader that waited for bytes that never come would sit out the receive
 // timeout, after which a recv hands over what it has: the frames would still
 // arrive, so the test looks at how long they took against that timeout.)
-TEST_P(LaneWireTest, LargeFramesInPiecesThenSmallOnes) {
+TEST_P(FrameReaderTest, LargeFramesInPiecesThenSmallOnes) {
   const auto timeout = std::chrono::seconds(20);
   SetReceiveTimeout(timeout);
   std::mt19937_64 rng(3);
@@ -229,7 +144,7 @@ TEST_P(LaneWireTest, LargeFramesInPiecesThenSmallOnes) {
 // A Fetch's chunks after its FETCH_LENGTH, in pieces with pauses between:
 // every frame arrives whole, and the reader, waiting for many at once,
 // never waits past what was promised (the STATUS after them comes too).
-TEST_P(LaneWireTest, PromisedBytesArriveAsWholeFrames) {
+TEST_P(FrameReaderTest, PromisedBytesArriveAsWholeFrames) {
   const auto timeout = std::chrono::seconds(20);
   SetReceiveTimeout(timeout);
   std::mt19937_64 rng(4);
@@ -274,7 +189,7 @@ TEST_P(LaneWireTest, PromisedBytesArriveAsWholeFrames) {
 // the wait with every frame that did come. (A Unix socket's poll ignores
 // SO_RCVLOWAT, so there it does not wait at all. The frames are small: TCP
 // also wakes a reader whose receive window is nearly full.)
-TEST_P(LaneWireTest, ABrokenPromiseWaitsUntilThePeerCloses) {
+TEST_P(FrameReaderTest, ABrokenPromiseWaitsUntilThePeerCloses) {
   SetReceiveTimeout(std::chrono::milliseconds(300));
   FrameReader reader(near_.get(), 4 << 20);
   const std::string payload(1000, 'c');
@@ -293,88 +208,9 @@ TEST_P(LaneWireTest, ABrokenPromiseWaitsUntilThePeerCloses) {
   EXPECT_TRUE(absl::IsOutOfRange(reader.Next().status()));
 }
 
-// A small send buffer makes the kernel take each send in parts: every byte
-// of every part (copied or referenced) still arrives, in order.
-TEST_P(LaneWireTest, WriterSendsEverythingThroughPartialSends) {
-  const int small = 4096;
-  setsockopt(near_.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
-  std::mt19937_64 rng(2);
-  const std::string referenced = RandomBytes(300 << 10, rng);
-  v1::LaneStatus status;
-  status.set_code(3);
-  status.set_message("a message");
-  std::string expected;
-  FrameWriter writer(near_.get());
-  for (int i = 0; i < 40; ++i) {
-    writer.AddMessage(v1::LANE_FRAME_STATUS, status);
-    expected += Framed(v1::LANE_FRAME_STATUS, status.SerializeAsString());
-  }
-  writer.AddHeader(v1::LANE_FRAME_UPDATE, static_cast<uint32_t>(referenced.size() + 3));
-  writer.AddCopy({reinterpret_cast<const std::byte*>("abc"), 3});
-  writer.AddReference({reinterpret_cast<const std::byte*>(referenced.data()), referenced.size()});
-  expected += Framed(v1::LANE_FRAME_UPDATE, "abc" + referenced);
-
-  std::string received;
-  std::thread reader([&] {
-    char buffer[8192];
-    while (received.size() < expected.size()) {
-      const ssize_t got = read(far_.get(), buffer, sizeof(buffer));
-      if (got <= 0) break;
-      received.append(buffer, static_cast<size_t>(got));
-    }
-  });
-  ASSERT_TRUE(writer.Send().ok());
-  EXPECT_TRUE(writer.empty());
-  reader.join();
-  EXPECT_TRUE(received == expected);
-}
-
-// Over TCP the first send after the peer's close may still be taken (the
-// peer's reset comes back to it); the one after that is refused.
-TEST_P(LaneWireTest, SendingToAClosedPeerIsUnavailable) {
-  far_ = OwnedFd();
-  FrameWriter writer(near_.get());
-  writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
-  absl::Status status = writer.Send();
-  EXPECT_TRUE(writer.empty());
-  if (GetParam() == Transport::kTcpLoopback && status.ok()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
-    status = writer.Send();
-  }
-  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
-}
-
-INSTANTIATE_TEST_SUITE_P(Transports, LaneWireTest,
+INSTANTIATE_TEST_SUITE_P(Transports, FrameReaderTest,
                          ::testing::Values(Transport::kUnixPair, Transport::kTcpLoopback),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return info.param == Transport::kUnixPair ? "UnixPair" : "TcpLoopback";
-                         });
-
-TEST(LaneStatusTest, CarriesCodeAndMessage) {
-  const absl::Status status = absl::NotFoundError("cache_id: no cache");
-  EXPECT_EQ(StatusFromLane(LaneStatusOf(status)), status);
-  EXPECT_TRUE(StatusFromLane(LaneStatusOf(absl::OkStatus())).ok());
-}
-
-TEST(LaneConnectTest, ListensOnAFreePortAndSendsThePreamble) {
-  int port = 0;
-  absl::StatusOr<int> listener = Listen("127.0.0.1:0", port);
-  ASSERT_TRUE(listener.ok()) << listener.status();
-  OwnedFd listening(*listener);
-  EXPECT_GT(port, 0);
-  absl::StatusOr<int> client = Connect("127.0.0.1:" + std::to_string(port), absl::Seconds(5));
-  ASSERT_TRUE(client.ok()) << client.status();
-  OwnedFd connected(*client);
-  OwnedFd accepted(accept(listening.get(), nullptr, nullptr));
-  FrameReader reader(accepted.get(), 1 << 20);
-  absl::StatusOr<absl::Span<const std::byte>> magic = reader.ReadRaw(sizeof(kMagic));
-  ASSERT_TRUE(magic.ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(magic->data()), magic->size()), "KVLANE02");
-
-  EXPECT_TRUE(absl::IsInvalidArgument(Connect("no-port", absl::Seconds(1)).status()));
-  EXPECT_FALSE(Listen("127.0.0.1:" + std::to_string(port), port).ok());  // taken
-}
+                         TransportName);
 
 }  // namespace
 }  // namespace kvcache::lane

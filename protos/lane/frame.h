@@ -1,0 +1,41 @@
+// The data lane's frames (kvcache.proto, LaneFrameKind): the preambles a
+// connection opens with, the 8-byte header before every payload, and the
+// LaneStatus frame's payload as an absl::Status. The server (service/data_lane.h)
+// and the client library each build their calls on these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcache::lane {
+
+// What a client sends first on a connection: the current version, whose
+// Fetch calls announce their length (FETCH_LENGTH) and which the server
+// answers with the same 8 bytes, and the first, which it still serves.
+inline constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '2'};
+inline constexpr char kMagicV1[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '1'};
+inline constexpr size_t kHeaderBytes = 8;
+
+struct FrameHeader {
+  uint32_t length = 0;  // payload bytes
+  int kind = 0;         // a v1::LaneFrameKind, as received
+};
+
+void EncodeHeader(const FrameHeader& header, std::byte out[kHeaderBytes]);
+FrameHeader DecodeHeader(const std::byte in[kHeaderBytes]);
+
+// A frame as read: its header and payload, valid until the next read.
+struct Frame {
+  FrameHeader header;
+  absl::Span<const std::byte> payload;
+};
+
+// A v1::LaneStatus frame's payload as an absl::Status, and back.
+absl::Status StatusFromLane(const v1::LaneStatus& status);
+v1::LaneStatus LaneStatusOf(const absl::Status& status);
+
+}  // namespace kvcache::lane

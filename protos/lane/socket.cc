@@ -1,0 +1,141 @@
+#include "lane/socket.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "lane/frame_writer.h"
+
+namespace kvcache::lane {
+namespace {
+
+absl::StatusOr<std::pair<std::string, std::string>> SplitAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data lane address \"", address, "\" is not host:port"));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return std::make_pair(host, address.substr(colon + 1));
+}
+
+// The addresses of host:port, for connecting or (passive) for listening.
+absl::StatusOr<addrinfo*> Resolve(const std::string& address, bool passive) {
+  auto host_port = SplitAddress(address);
+  if (!host_port.ok()) return host_port.status();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const char* host = host_port->first.empty() ? nullptr : host_port->first.c_str();
+  if (const int error = getaddrinfo(host, host_port->second.c_str(), &hints, &found); error != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("data lane: cannot resolve \"", address, "\": ", gai_strerror(error)));
+  }
+  return found;
+}
+
+void SetTimeouts(int fd, absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return;
+  const timeval tv = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace
+
+bool WouldBlock(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
+
+absl::Status SocketError(const char* what) {
+  const int error = errno;
+  if (WouldBlock(error)) {
+    return absl::DeadlineExceededError(absl::StrCat("data lane: ", what, " timed out"));
+  }
+  return absl::UnavailableError(absl::StrCat("data lane: ", what, ": ", std::strerror(error)));
+}
+
+absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
+                            absl::string_view preamble) {
+  auto found = Resolve(address, /*passive=*/false);
+  if (!found.ok()) return found.status();
+  absl::Status last = absl::UnavailableError(absl::StrCat("data lane: no address for ", address));
+  for (addrinfo* at = *found; at != nullptr; at = at->ai_next) {
+    OwnedFd fd(socket(at->ai_family, at->ai_socktype | SOCK_CLOEXEC, at->ai_protocol));
+    if (fd.get() < 0 || connect(fd.get(), at->ai_addr, at->ai_addrlen) != 0) {
+      last = SocketError(absl::StrCat("connect to ", address).c_str());
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    SetTimeouts(fd.get(), timeout);
+    FrameWriter writer(fd.get());
+    writer.AddCopy({reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
+    if (absl::Status sent = writer.Send(); !sent.ok()) {
+      last = sent;
+      continue;
+    }
+    freeaddrinfo(*found);
+    return fd.release();
+  }
+  freeaddrinfo(*found);
+  return last;
+}
+
+absl::StatusOr<int> Listen(const std::string& address, int& port) {
+  auto found = Resolve(address, /*passive=*/true);
+  if (!found.ok()) return found.status();
+  absl::Status last = absl::UnavailableError(absl::StrCat("data lane: no address for ", address));
+  for (addrinfo* at = *found; at != nullptr; at = at->ai_next) {
+    OwnedFd fd(socket(at->ai_family, at->ai_socktype | SOCK_CLOEXEC, at->ai_protocol));
+    const int one = 1;
+    if (fd.get() >= 0) setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (fd.get() < 0 || bind(fd.get(), at->ai_addr, at->ai_addrlen) != 0 ||
+        listen(fd.get(), 128) != 0) {
+      last = SocketError(absl::StrCat("listen on ", address).c_str());
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &length);
+    port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6&>(bound).sin6_port
+                                             : reinterpret_cast<sockaddr_in&>(bound).sin_port);
+    freeaddrinfo(*found);
+    return fd.release();
+  }
+  freeaddrinfo(*found);
+  return last;
+}
+
+OwnedFd& OwnedFd::operator=(OwnedFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+OwnedFd::~OwnedFd() {
+  if (fd_ >= 0) close(fd_);
+}
+
+int OwnedFd::release() {
+  const int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+}  // namespace kvcache::lane
