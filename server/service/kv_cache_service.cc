@@ -28,25 +28,7 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
     return FinishUnary(context, handlers_.Name(*request, response), #Name);                \
   }
 
-KV_UNARY_RPC(CreateCache, CreateCacheRequest, CacheInfo)
-KV_UNARY_RPC(GetCache, GetCacheRequest, CacheInfo)
-KV_UNARY_RPC(ListCaches, ListCachesRequest, ListCachesResponse)
-KV_UNARY_RPC(DeleteCache, DeleteCacheRequest, DeleteCacheResponse)
-KV_UNARY_RPC(Trim, TrimRequest, TrimResponse)
-KV_UNARY_RPC(Snapshot, SnapshotRequest, SnapshotInfo)
-KV_UNARY_RPC(Restore, RestoreRequest, CacheInfo)
-KV_UNARY_RPC(MergeSnapshots, MergeSnapshotsRequest, SnapshotInfo)
-KV_UNARY_RPC(SplitSnapshot, SplitSnapshotRequest, SplitSnapshotResponse)
-KV_UNARY_RPC(ReleaseSnapshot, ReleaseSnapshotRequest, ReleaseSnapshotResponse)
-KV_UNARY_RPC(ListSnapshots, ListSnapshotsRequest, ListSnapshotsResponse)
-KV_UNARY_RPC(ExtractRow, ExtractRowRequest, CacheInfo)
-KV_UNARY_RPC(FilterRows, FilterRowsRequest, CacheInfo)
-KV_UNARY_RPC(MergeCaches, MergeCachesRequest, CacheInfo)
-KV_UNARY_RPC(ExtendCache, ExtendCacheRequest, CacheInfo)
-KV_UNARY_RPC(BeginSpeculation, BeginSpeculationRequest, BeginSpeculationResponse)
-KV_UNARY_RPC(CommitSpeculation, CommitSpeculationRequest, CacheInfo)
-KV_UNARY_RPC(AbortSpeculation, AbortSpeculationRequest, CacheInfo)
-KV_UNARY_RPC(GetStats, GetStatsRequest, Stats)
+KV_FOR_EACH_UNARY_RPC(KV_UNARY_RPC)
 
 #undef KV_UNARY_RPC
 

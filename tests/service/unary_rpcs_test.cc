@@ -1,0 +1,49 @@
+// The unary RPC list that the callback service is built from matches the
+// contract: every method of kvcache.v1.KvCacheService is either in it (unary,
+// with the request and response types the proto gives) or one of the two
+// streaming calls registered raw.
+#include "service/unary_rpcs.h"
+
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcache::service {
+namespace {
+
+using Signature = std::tuple<std::string, std::string, std::string>;
+
+std::set<Signature> ListedUnaryRpcs() {
+  std::set<Signature> listed;
+#define KV_LIST_UNARY_RPC(Name, Request, Response) \
+  listed.insert({#Name, v1::Request::descriptor()->full_name(), v1::Response::descriptor()->full_name()});
+  KV_FOR_EACH_UNARY_RPC(KV_LIST_UNARY_RPC)
+#undef KV_LIST_UNARY_RPC
+  return listed;
+}
+
+TEST(UnaryRpcsTest, EveryMethodOfTheContractIsListedOrStreamsRaw) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::CacheInfo::descriptor()->file()->FindServiceByName("KvCacheService");
+  ASSERT_NE(service, nullptr);
+  std::set<Signature> unary_in_proto;
+  std::set<std::string> streaming_in_proto;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor* method = service->method(i);
+    if (method->client_streaming() || method->server_streaming()) {
+      streaming_in_proto.insert(method->name());
+    } else {
+      unary_in_proto.insert({method->name(), method->input_type()->full_name(),
+                             method->output_type()->full_name()});
+    }
+  }
+  EXPECT_EQ(ListedUnaryRpcs(), unary_in_proto);
+  EXPECT_THAT(streaming_in_proto, testing::UnorderedElementsAre("Update", "Fetch"));
+}
+
+}  // namespace
+}  // namespace kvcache::service
