@@ -314,7 +314,8 @@ TEST_P(HandlersTest, StatsCountWhatIsHeld) {
 // tokens (a recurrent state; a rotating window that has filled) refuses the
 // whole trim, naming itself and why.
 TEST_P(HandlersTest, TrimAnswersWhatEveryLayerDropped) {
-  const engine::CacheSpec chunked = MakeSpec({ChunkedLayerSpec(1, 4, 4, 6), StandardLayerSpec(1, 4)});
+  const engine::CacheSpec chunked =
+      MakeSpec({ChunkedLayerSpec(1, 4, 4, 6), StandardLayerSpec(1, 4)});
   RefCache reference(chunked);
   v1::TrimRequest trim;
   trim.set_cache_id(Create(chunked));
@@ -331,15 +332,19 @@ TEST_P(HandlersTest, TrimAnswersWhatEveryLayerDropped) {
 
   using Code = absl::StatusCode;
   trim.set_n(1);
-  const engine::CacheSpec recurrent = MakeSpec({StandardLayerSpec(1, 4), RecurrentLayerSpec(2, 4, 1, 2, 2)});
+  const engine::CacheSpec recurrent =
+      MakeSpec({StandardLayerSpec(1, 4), RecurrentLayerSpec(2, 4, 1, 2, 2)});
   RefCache recurrent_ref(recurrent);
   trim.set_cache_id(Create(recurrent));
   ASSERT_TRUE(Step(trim.cache_id(), recurrent_ref, 3));
   ExpectRefused(Code::kFailedPrecondition, "layer 1 cannot be trimmed: a recurrent state",
                 [&] { return handlers_->Trim(trim, &trimmed); });
   trim.set_cache_id(cache_id_);
-  for (uint32_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(Update(RandomUpdate(cache_id_, spec_, layer, 3, rng_)).ok());
-  ExpectRefused(Code::kFailedPrecondition, "layer 2 cannot be trimmed: its rotating window has filled",
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    ASSERT_TRUE(Update(RandomUpdate(cache_id_, spec_, layer, 3, rng_)).ok());  // offset 8
+  }
+  ExpectRefused(Code::kFailedPrecondition,
+                "layer 2 cannot be trimmed: its rotating window has filled",
                 [&] { return handlers_->Trim(trim, &trimmed); });
 }
 
