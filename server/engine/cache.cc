@@ -7,40 +7,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
-#include "engine/chunked_layer.h"
-#include "engine/recurrent_layer.h"
-#include "engine/rotating_layer.h"
-#include "engine/standard_layer.h"
+#include "engine/layer_factory.h"
 
 namespace kvcache::engine {
 namespace {
 
 absl::Status InLayer(size_t layer, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("layer ", layer, ": ", status.message()));
-}
-
-// Kinds whose snapshots hold their whole state (rotating: the window; recurrent:
-// the state): in a merge the child supersedes the parent, and either may be null.
-bool ChildSupersedes(const CacheSpec& spec, size_t layer) {
-  return std::holds_alternative<RotatingKind>(spec.layers[layer].kind) ||
-         IsRecurrent(spec.layers[layer]);
-}
-
-// Why layer `layer` refuses a trim, for the message.
-const char* WhyNotTrimmable(const CacheSpec& spec, size_t layer) {
-  if (IsRecurrent(spec.layers[layer])) {
-    return "a recurrent state holds every token it has seen and cannot drop some";
-  }
-  return "its rotating window has filled";
-}
-
-// How many tokens a layer can trim (mlx-lm trim: a chunked layer only what it
-// holds above its start position).
-uint64_t TrimmableTokens(const Layer& layer) {
-  if (const auto* chunked = dynamic_cast<const ChunkedLayer*>(&layer)) {
-    return chunked->offset() - chunked->start_position();
-  }
-  return layer.offset();
 }
 
 }  // namespace
@@ -97,29 +70,9 @@ absl::StatusOr<std::unique_ptr<Cache>> Cache::Create(const CacheSpec& spec, gpu:
                                                      uint32_t page_tokens) {
   std::vector<std::unique_ptr<Layer>> layers;
   for (size_t i = 0; i < spec.layers.size(); ++i) {
-    if (const auto* recurrent = std::get_if<RecurrentKind>(&spec.layers[i].kind)) {
-      const StateGeometry state{.kind = *recurrent, .batch = spec.batch_size,
-                                .elem_bytes = DTypeSize(spec.dtype),
-                                .page_bytes = pool.page_bytes()};
-      layers.push_back(std::make_unique<RecurrentLayer>(pool, state, static_cast<uint32_t>(i)));
-      continue;
-    }
-    ASSIGN_OR_RETURN(PageGeometry geometry, GeometryFor(spec, i, pool.page_bytes(), page_tokens));
-    if (const auto* chunked = std::get_if<ChunkedKind>(&spec.layers[i].kind)) {
-      layers.push_back(std::make_unique<ChunkedLayer>(pool, geometry, *chunked));
-    } else if (const auto* rotating = std::get_if<RotatingKind>(&spec.layers[i].kind)) {
-      layers.push_back(std::make_unique<RotatingLayer>(pool, geometry, *rotating));
-    } else if (geometry.quantized() && pool.page_bytes() % 4 != 0) {
-      // The shaders write packed words: planes must start 4-byte aligned.
-      return InLayer(i, absl::FailedPreconditionError(absl::StrFormat(
-                            "quantized layers need pool pages of a multiple of 4 bytes; this "
-                            "server's pages are %d bytes",
-                            pool.page_bytes())));
-    } else {
-      // Standard and quantized (mlx-lm QuantizedKVCache: a standard layer over
-      // quantized planes; see standard_layer.h).
-      layers.push_back(std::make_unique<StandardLayer>(pool, geometry));
-    }
+    auto layer = MakeLayer(spec, i, pool, page_tokens);
+    if (!layer.ok()) return InLayer(i, layer.status());
+    layers.push_back(*std::move(layer));
   }
   return std::unique_ptr<Cache>(new Cache(spec, std::move(layers)));
 }
@@ -169,19 +122,20 @@ absl::Status Cache::UpdateState(uint32_t layer, const StateInput& state) {
   return layers_[layer]->UpdateState(state);
 }
 
-// mlx-lm trim_prompt_cache: every layer must be trimmable. Unlike mlx-lm, which
-// lets each layer trim what it can, all layers trim the least any can (a chunked
-// layer stops at its start position), so they stay in step.
+// mlx-lm trim_prompt_cache: every layer must be trimmable (mlx-lm answers 0
+// where one is not; this refuses, saying why). Unlike mlx-lm, which lets each
+// layer trim what it can, all layers trim the least any can (a chunked layer
+// stops at its start position), so they stay in step.
 absl::StatusOr<uint64_t> Cache::Trim(uint64_t n) {
   RETURN_IF_ERROR(CommonOffset().status());
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i]->IsTrimmable()) {
+    if (absl::Status why = layers_[i]->CheckTrimmable(); !why.ok()) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "layer %d cannot be trimmed: %s (offset %d); restore from a snapshot instead", i,
-          WhyNotTrimmable(spec_, i), layers_[i]->offset()));
+          why.message(), layers_[i]->offset()));
     }
   }
-  for (const auto& layer : layers_) n = std::min(n, TrimmableTokens(*layer));
+  for (const auto& layer : layers_) n = std::min(n, layer->TrimmableTokens());
   NoteChanged();
   for (auto& layer : layers_) layer->Trim(n);
   return n;
@@ -221,8 +175,9 @@ absl::StatusOr<CacheSnapshotPtr> Cache::View(const std::string& cache_id) const 
   return view;
 }
 
-// Works out every layer's restored state first and swaps them in only when all
-// succeeded, so a refused layer leaves the whole cache as it was. Layers out of
+// Works out every layer's restored state first (each at `target`, or refused)
+// and swaps them in only when all succeeded, so a refused layer leaves the
+// whole cache as it was. Layers out of
 // step are allowed here: restoring is how a worker recovers from a torn step.
 absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
   if (snapshot != nullptr && !SameLayout(spec_, snapshot->spec)) {
@@ -249,14 +204,6 @@ absl::Status Cache::Restore(const CacheSnapshot* snapshot, uint64_t target) {
     auto layer = layers_[i]->Restored(part, target);
     if (!layer.ok()) return InLayer(i, layer.status());
     restored.push_back(*std::move(layer));
-  }
-  // A recurrent layer lands at its snapshot's offset whatever the target.
-  for (size_t i = 1; i < restored.size(); ++i) {
-    if (restored[i]->offset() != restored[0]->offset()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "the layers would land out of step: layer 0 at offset %d, layer %d at %d",
-          restored[0]->offset(), i, restored[i]->offset()));
-    }
   }
   layers_ = std::move(restored);
   NoteChanged();
@@ -299,7 +246,9 @@ absl::StatusOr<CacheSnapshotPtr> MergeSnapshots(const CacheSnapshot& parent,
       auto part = p->MergedWith(*c);
       if (!part.ok()) return InLayer(i, part.status());
       merged->layers.push_back(*std::move(part));
-    } else if (ChildSupersedes(parent.spec, i)) {
+    } else if (p == nullptr && c == nullptr) {
+      merged->layers.push_back(nullptr);  // neither holds anything, nor does the merge
+    } else if ((p ? p : c)->ChildSupersedes()) {
       merged->layers.push_back(c);  // the child's window or state supersedes the parent's
     } else {
       return InLayer(i, absl::FailedPreconditionError("a snapshot holds nothing for this layer"));

@@ -96,18 +96,12 @@ absl::Status ChunkedLayer::Update(const KvInput& kv) {
 }
 
 absl::Status ChunkedLayer::Stage(uint64_t staged, const KvInput& kv) {
-  ClaimBeforeWrite(state_.offset + staged);
+  writes_.ClaimBeforeWrite(table_, geometry_, state_.offset + staged);
   if (staged == 0) {
     staged_into_new_page_ =
         table_.Get(state_.offset / geometry_.page_tokens) == gpu::kNoPage;
   }
-  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &right_);
-}
-
-void ChunkedLayer::ClaimBeforeWrite(uint64_t position) {
-  if (restored_from_.snapshot.expired()) return;
-  ClaimRight(table_, geometry_, position, right_, &restored_from_);
-  restored_from_ = {};
+  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &writes_.right);
 }
 
 LayerSnapshotPtr ChunkedLayer::StagedView(uint64_t staged) const {
@@ -147,13 +141,13 @@ uint64_t ChunkedLayer::Trim(uint64_t n) {
   n = std::min(n, state_.held());
   state_.offset -= n;
   table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
-  right_ = {};
+  writes_.right = {};
   return n;
 }
 
 absl::StatusOr<LayerSnapshotPtr> ChunkedLayer::Snapshot(uint64_t from_offset) const {
   if (state_.offset <= from_offset) return nullptr;
-  ClaimRight(table_, geometry_, state_.offset, right_, &restored_from_);  // before readers share it
+  writes_.ClaimBeforeSharing(table_, geometry_, state_.offset);
   const uint32_t p = geometry_.page_tokens;
   const uint64_t begin = std::max(from_offset, state_.start);
   return std::make_shared<ChunkedSnapshot>(table_.Slice(begin / p, PagesFor(state_.offset, p)),
@@ -215,14 +209,14 @@ absl::StatusOr<std::unique_ptr<Layer>> ChunkedLayer::RestoredFrom(const ChunkedS
 
 std::unique_ptr<Layer> ChunkedLayer::RestoredLayer(const ChunkedSnapshot& snap,
                                                    std::unique_ptr<Layer> layer) {
-  static_cast<ChunkedLayer&>(*layer).restored_from_ = SourceOf(snap);
+  static_cast<ChunkedLayer&>(*layer).writes_.restored_from = SourceOf(snap);
   return layer;
 }
 
 void ChunkedLayer::Free() {
   table_.Clear();
   state_ = ChunkedState{};
-  right_ = {};
+  writes_.right = {};
 }
 
 uint64_t ChunkedLayer::size_bytes() const { return PoolBytes(table_); }

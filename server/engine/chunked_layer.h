@@ -89,11 +89,12 @@ class ChunkedLayer final : public Layer, public StagedAppend {
       : table_(&pool), geometry_(geometry), kind_(kind) {}
 
   uint64_t offset() const override { return state_.offset; }
-  uint64_t start_position() const { return state_.start; }
   absl::Status Update(const KvInput& kv) override;
   std::vector<TokenRange> Ranges() const override;
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  bool IsTrimmable() const override { return true; }
+  absl::Status CheckTrimmable() const override { return absl::OkStatus(); }
+  // mlx-lm trim: only what it holds above its start position.
+  uint64_t TrimmableTokens() const override { return state_.held(); }
   uint64_t Trim(uint64_t n) override;
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
@@ -131,18 +132,12 @@ class ChunkedLayer final : public Layer, public StagedAppend {
   ChunkedKind kind_;
   ChunkedState state_;
   // token_store.h: appending past a snapshot copies nothing. Mutable: taking
-  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
-  mutable AppendRight right_;
-  // The snapshot this layer was restored from, for its first write's
-  // ClaimRight (token_store.h RestoreSource).
-  RestoreSource restored_from_;
+  // a snapshot may claim the right, under the cache's lock like every call.
+  mutable InPlaceWrites writes_;
   // The first staged token went into a page the layer did not hold (an empty
   // chunk's, e.g. in a cache assembled from rows): DropStaged releases it.
   // Adopt clears it, as the page then holds the layer's tokens.
   bool staged_into_new_page_ = false;
-  // ClaimRight at `position` (the first write after a restore may claim
-  // through restored_from_, which it then forgets).
-  void ClaimBeforeWrite(uint64_t position);
 };
 
 }  // namespace kvcache::engine

@@ -166,10 +166,12 @@ absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::View(
   return cache->View(cache_id);
 }
 
-absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n) {
+absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n, CacheInfo* after) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  return cache->Trim(n);
+  ASSIGN_OR_RETURN(const uint64_t trimmed, cache->Trim(n));
+  if (after != nullptr) *after = Describe(cache_id, *cache);
+  return trimmed;
 }
 
 absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint64_t from_offset,

@@ -98,8 +98,12 @@ class Engine {
                                                            const std::string& snapshot_id) const;
 
   // mlx-lm trim on every layer: FAILED_PRECONDITION unless all are trimmable
-  // and in step. Returns the number trimmed, min(offset, n).
-  absl::StatusOr<uint64_t> Trim(const std::string& cache_id, uint64_t n);
+  // and in step. Returns the number trimmed: n, or less where a layer holds
+  // fewer (Layer::TrimmableTokens: the offset; a chunked layer's tokens above
+  // its start position). `after`, when not null, gets the cache as this trim
+  // left it, described under the same lock.
+  absl::StatusOr<uint64_t> Trim(const std::string& cache_id, uint64_t n,
+                                CacheInfo* after = nullptr);
 
   absl::StatusOr<SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
                                         bool pinned = false);

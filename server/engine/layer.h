@@ -1,7 +1,9 @@
 // The one small surface every layer kind implements (mlx-lm's cache.py has the
 // same for each kind): update, temporal-order reads, offset, trim, snapshot,
-// restore, row assembly (batch operations), free, size on the layer; merge and
-// split on its snapshots. Layers are not thread-safe: their Cache
+// restore, row assembly (batch operations), drafts (speculation), free, size
+// on the layer; merge and split on its snapshots. Each kind answers its own
+// rules here, so the Cache never asks which kind a layer is (only
+// engine/layer_factory.h names kinds). Layers are not thread-safe: their Cache
 // serialises calls. Snapshots are immutable and may be read from any thread.
 #pragma once
 
@@ -104,6 +106,7 @@ struct KvViews {
   std::vector<absl::Span<const std::byte>> values;
 };
 
+class LayerDraft;
 class LayerSnapshot;
 class StagedAppend;
 
@@ -149,6 +152,10 @@ class LayerSnapshot : public std::enable_shared_from_this<LayerSnapshot> {
   virtual absl::Status ReadState(const StateOutput& out) const;
   // This [a,b) followed by `child` [b,c) -> [a,c).
   virtual absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const = 0;
+  // Whether, in a merge, the child of this kind supersedes the parent whole
+  // (its snapshots hold the layer's whole state: a rotating window, a
+  // recurrent state), so the merge may go on where one side holds nothing.
+  virtual bool ChildSupersedes() const { return false; }
   // [a,c) at b -> ([a,b), [b,c)); null for a side that holds nothing. Kinds that
   // cannot split return (null, this).
   virtual absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(
@@ -168,16 +175,22 @@ class Layer {
   // The tokens held, in temporal order (rotating: sinks, then the window).
   virtual std::vector<TokenRange> Ranges() const = 0;
   virtual absl::Status Read(TokenRange range, const KvOutput& out) const = 0;
-  virtual bool IsTrimmable() const = 0;
-  // Drops the last min(offset, n) tokens and returns how many; callers check
-  // IsTrimmable first.
+  // mlx-lm is_trimmable, with the reason: OK, or FAILED_PRECONDITION saying
+  // why this layer cannot drop tokens now (the cache names the layer).
+  virtual absl::Status CheckTrimmable() const = 0;
+  // The most tokens Trim can drop: the offset, or what a chunked layer holds
+  // above its start position (mlx-lm trim).
+  virtual uint64_t TrimmableTokens() const = 0;
+  // Drops the last min(TrimmableTokens(), n) tokens and returns how many;
+  // callers check CheckTrimmable first.
   virtual uint64_t Trim(uint64_t n) = 0;
 
   // State from `from_offset` to offset(); nullptr when offset() <= from_offset.
   virtual absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const = 0;
-  // A new layer holding what Restore(snapshot, target) leaves (snapshot may be
-  // null: rewind the live state). This layer is unchanged, so a cache can
-  // restore all layers or none. FAILED_PRECONDITION says why it is unreachable.
+  // A new layer holding what Restore(snapshot, target) leaves, at offset
+  // `target` (snapshot may be null: rewind the live state). This layer is
+  // unchanged, so a cache can restore all layers or none. FAILED_PRECONDITION
+  // says why `target` is unreachable.
   virtual absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                           uint64_t target) const = 0;
   // Fills this empty layer (batch = rows.size()) from other layers' rows, up to
@@ -190,6 +203,11 @@ class Layer {
   // Attention kinds: themselves, for speculation (engine/staged_append.h);
   // others null. A virtual call, not a cross-cast, on every speculation's begin.
   virtual StagedAppend* staged_append() { return nullptr; }
+  // This layer's part of a speculation (engine/layer_draft.h); it must
+  // outlive the draft and not change otherwise while the draft exists. By
+  // default a draft stages tokens (staged_append()); kinds that cannot stage
+  // draft their own way or are FAILED_PRECONDITION.
+  virtual absl::StatusOr<std::unique_ptr<LayerDraft>> MakeDraft(bool isolated);
 };
 
 template <typename Visit>

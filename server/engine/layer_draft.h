@@ -1,5 +1,6 @@
 // One layer's part of a speculation (engine/speculation.h): what the drafted
-// tokens did to it, and how a commit keeps the accepted ones.
+// tokens did to it, and how a commit keeps the accepted ones. Each layer makes
+// its own (Layer::MakeDraft):
 //
 //   attention layers (standard, quantized, chunked, rotating): the drafted
 //     tokens are staged past the layer's offset (engine/staged_append.h), in
@@ -7,11 +8,12 @@
 //     a rotating layer evicts, a chunked one trims its front, as one Update of
 //     the accepted tokens would). Isolated: staged in a copy of the layer that
 //     shares its pages, so the live layer is never touched.
-//   recurrent layers: each drafted state goes into fresh pages of a copy of
-//     the layer and is recorded with the offset it reaches; a commit of n
-//     adopts the state recorded at committed + n (ollama snapshots a
-//     recurrent state per drafted token for the same reason: a state cannot be
-//     cut back). No state recorded there: FAILED_PRECONDITION.
+//   recurrent layers (recurrent_draft.cc): each drafted state goes into fresh
+//     pages of a copy of the layer and is recorded with the offset it
+//     reaches; a commit of n adopts the state recorded at committed + n
+//     (ollama snapshots a recurrent state per drafted token for the same
+//     reason: a state cannot be cut back). No state recorded there:
+//     FAILED_PRECONDITION.
 //
 // Destroying a draft ends it: what only it holds (staged pages past the
 // offset, recorded states) is released. After Commit(n) that drops the
@@ -47,8 +49,5 @@ class LayerDraft {
   virtual void Commit(uint64_t accepted) = 0;
 };
 
-// A draft of `live` (which must outlive it and not change otherwise while it
-// exists). FAILED_PRECONDITION for a kind that cannot speculate.
-absl::StatusOr<std::unique_ptr<LayerDraft>> MakeLayerDraft(Layer& live, bool isolated);
 
 }  // namespace kvcache::engine

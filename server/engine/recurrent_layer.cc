@@ -157,6 +157,11 @@ absl::Status RecurrentLayer::UpdateState(const StateInput& state) {
 
 absl::Status RecurrentLayer::Read(TokenRange, const KvOutput&) const { return NoTokens(); }
 
+absl::Status RecurrentLayer::CheckTrimmable() const {
+  return absl::FailedPreconditionError(
+      "a recurrent state holds every token it has seen and cannot drop some");
+}
+
 absl::StatusOr<LayerSnapshotPtr> RecurrentLayer::Snapshot(uint64_t from_offset) const {
   return std::make_shared<RecurrentSnapshot>(pages_, geometry_, from_offset, offset_);
 }
@@ -178,6 +183,12 @@ absl::StatusOr<std::unique_ptr<Layer>> RecurrentLayer::Restored(const LayerSnaps
     return absl::FailedPreconditionError(absl::StrFormat(
         "target %d is before the recurrent snapshot's offset %d: its state already holds the "
         "tokens after the target",
+        target, snap->to()));
+  }
+  if (target > snap->to()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "target %d is past the recurrent snapshot's offset %d: its state has not seen the "
+        "tokens up to the target",
         target, snap->to()));
   }
   return std::unique_ptr<Layer>(new RecurrentLayer(snap->pages(), geometry_, index_, snap->to()));

@@ -24,8 +24,10 @@
 //   Snapshot(from)   the whole state with its offset; `from` is only recorded
 //                    (a state cannot be cut at a position).
 //   live rewind      only to the current offset (the state holds every token).
-//   Restore(S, t)    refused when t < S.to (the state would hold tokens past
-//                    t); else S's state at S.to, whatever t is.
+//   Restore(S, t)    only to t == S.to: below, the state would hold tokens
+//                    past t; above, it would lack the tokens up to t (ollama
+//                    accepts t > S.to and lands at S.to, but every layer must
+//                    end at t).
 //   Merge(P, C)      C (self-contained; it supersedes P).
 //   Split(S, at)     (none, S): no state exists at `at`.
 //   Trim             never (mlx-lm ArraysCache is not trimmable).
@@ -69,6 +71,7 @@ class RecurrentSnapshot final : public LayerSnapshot {
   absl::Status ReadState(const StateOutput& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
+  bool ChildSupersedes() const override { return true; }
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(uint64_t at) const override;
   const PageTable& pages() const { return pages_; }
   const StateGeometry& geometry() const { return geometry_; }
@@ -92,7 +95,8 @@ class RecurrentLayer final : public Layer {
   absl::Status UpdateState(const StateInput& state) override;
   std::vector<TokenRange> Ranges() const override { return {}; }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  bool IsTrimmable() const override { return false; }
+  absl::Status CheckTrimmable() const override;
+  uint64_t TrimmableTokens() const override { return 0; }
   uint64_t Trim(uint64_t /*n*/) override { return 0; }
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
@@ -104,6 +108,8 @@ class RecurrentLayer final : public Layer {
   // Speculation's commit: takes `snapshot`'s state (of a copy of this layer,
   // advanced by drafted states) and its offset; shares its pages.
   void AdoptState(const RecurrentSnapshot& snapshot);
+  // A copy of the layer takes the drafted states (recurrent_draft.cc).
+  absl::StatusOr<std::unique_ptr<LayerDraft>> MakeDraft(bool isolated) override;
 
  private:
   RecurrentLayer(PageTable pages, const StateGeometry& geometry, uint32_t index, uint64_t offset)

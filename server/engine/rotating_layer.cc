@@ -75,14 +75,8 @@ absl::Status RotatingLayer::Update(const KvInput& kv) {
 }
 
 absl::Status RotatingLayer::Stage(uint64_t staged, const KvInput& kv) {
-  ClaimBeforeWrite(state_.offset + staged);
-  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &right_);
-}
-
-void RotatingLayer::ClaimBeforeWrite(uint64_t position) {
-  if (restored_from_.snapshot.expired()) return;
-  ClaimRight(table_, geometry_, position, right_, &restored_from_);
-  restored_from_ = {};
+  writes_.ClaimBeforeWrite(table_, geometry_, state_.offset + staged);
+  return WriteTokens(table_, geometry_, state_.offset + staged, kv, &writes_.right);
 }
 
 // Sliced at the end: the view holds no page of positions past it.
@@ -107,20 +101,25 @@ absl::Status RotatingLayer::Read(TokenRange range, const KvOutput& out) const {
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
+absl::Status RotatingLayer::CheckTrimmable() const {
+  if (state_.offset < kind_.max_size) return absl::OkStatus();
+  return absl::FailedPreconditionError("its rotating window has filled");
+}
+
 // Only called while nothing has been evicted (offset < max_size).
 uint64_t RotatingLayer::Trim(uint64_t n) {
   n = std::min(n, state_.offset);
   state_.offset -= n;
   state_.ring_idx -= std::min(n, state_.ring_idx);
   table_.Truncate(PagesFor(state_.offset, geometry_.page_tokens));
-  right_ = {};
+  writes_.right = {};
   return n;
 }
 
 // The pages up to the offset: none that only staged tokens (a speculation's) hold.
 absl::StatusOr<LayerSnapshotPtr> RotatingLayer::Snapshot(uint64_t from_offset) const {
   if (state_.offset <= from_offset) return nullptr;
-  ClaimRight(table_, geometry_, state_.offset, right_, &restored_from_);  // before readers share it
+  writes_.ClaimBeforeSharing(table_, geometry_, state_.offset);
   return std::make_shared<RotatingSnapshot>(
       table_.Slice(0, PagesFor(state_.offset, geometry_.page_tokens)), geometry_, kind_, state_,
       from_offset);
@@ -167,7 +166,7 @@ absl::StatusOr<std::unique_ptr<Layer>> RotatingLayer::Restored(const LayerSnapsh
         target, snap->to(), kind_.max_size));
   }
   std::unique_ptr<Layer> layer = TrimmedCopy(snap->table(), snap->state(), target);
-  static_cast<RotatingLayer&>(*layer).restored_from_ = SourceOf(*snap);
+  static_cast<RotatingLayer&>(*layer).writes_.restored_from = SourceOf(*snap);
   return layer;
 }
 
@@ -254,7 +253,7 @@ absl::Status RotatingLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
 void RotatingLayer::Free() {
   table_.Clear();
   state_ = RotatingState{};
-  right_ = {};
+  writes_.right = {};
 }
 
 uint64_t RotatingLayer::size_bytes() const { return PoolBytes(table_); }

@@ -49,6 +49,7 @@ class RotatingSnapshot final : public LayerSnapshot {
   absl::Status View(TokenRange range, KvViews& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
+  bool ChildSupersedes() const override { return true; }
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(
       uint64_t at) const override;
   const PageTable& table() const { return table_; }
@@ -74,7 +75,9 @@ class RotatingLayer final : public Layer, public StagedAppend {
   absl::Status Update(const KvInput& kv) override;
   std::vector<TokenRange> Ranges() const override { return state_.Ranges(kind_.keep); }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  bool IsTrimmable() const override { return state_.offset < kind_.max_size; }
+  // mlx-lm: only until the window fills (nothing evicted or overwritten yet).
+  absl::Status CheckTrimmable() const override;
+  uint64_t TrimmableTokens() const override { return state_.offset; }
   uint64_t Trim(uint64_t n) override;
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
@@ -118,14 +121,8 @@ class RotatingLayer final : public Layer, public StagedAppend {
   RotatingKind kind_;
   RotatingState state_;
   // token_store.h: appending past a snapshot copies nothing. Mutable: taking
-  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
-  mutable AppendRight right_;
-  // The snapshot this layer was restored from, for its first write's
-  // ClaimRight (token_store.h RestoreSource).
-  RestoreSource restored_from_;
-  // ClaimRight at `position` (the first write after a restore may claim
-  // through restored_from_, which it then forgets).
-  void ClaimBeforeWrite(uint64_t position);
+  // a snapshot may claim the right, under the cache's lock like every call.
+  mutable InPlaceWrites writes_;
 };
 
 }  // namespace kvcache::engine

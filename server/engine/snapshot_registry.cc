@@ -63,13 +63,6 @@ absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapsh
   return it->second.snapshot;
 }
 
-absl::StatusOr<SnapshotInfo> SnapshotRegistry::Describe(const std::string& snapshot_id) const {
-  absl::MutexLock lock(&mutex_);
-  auto it = entries_.find(snapshot_id);
-  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
-  return Info(it->first, it->second);
-}
-
 absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
   CacheSnapshotPtr dropped;  // freed outside the lock
   absl::MutexLock lock(&mutex_);

@@ -30,7 +30,6 @@ class SnapshotRegistry {
  public:
   SnapshotInfo Add(CacheSnapshotPtr snapshot, bool pinned);
   absl::StatusOr<CacheSnapshotPtr> Get(const std::string& snapshot_id) const;
-  absl::StatusOr<SnapshotInfo> Describe(const std::string& snapshot_id) const;
   absl::Status Release(const std::string& snapshot_id);
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no
   // change) if any consumed id is gone by now.

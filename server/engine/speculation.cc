@@ -24,8 +24,7 @@ absl::StatusOr<std::unique_ptr<Speculation>> Speculation::Begin(Cache& cache, st
   }
   std::unique_ptr<Speculation> speculation(new Speculation(cache, std::move(id), isolated, *offset));
   for (size_t i = 0; i < cache.num_layers(); ++i) {
-    absl::StatusOr<std::unique_ptr<LayerDraft>> draft =
-        MakeLayerDraft(cache.mutable_layer(i), isolated);
+    absl::StatusOr<std::unique_ptr<LayerDraft>> draft = cache.mutable_layer(i).MakeDraft(isolated);
     if (!draft.ok()) return InLayer(i, draft.status());
     speculation->drafts_.push_back(*std::move(draft));
   }

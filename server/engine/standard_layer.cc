@@ -30,14 +30,8 @@ absl::Status StandardLayer::Update(const KvInput& kv) {
 }
 
 absl::Status StandardLayer::Stage(uint64_t staged, const KvInput& kv) {
-  ClaimBeforeWrite(offset_ + staged);
-  return WriteTokens(table_, geometry_, offset_ + staged, kv, &right_);
-}
-
-void StandardLayer::ClaimBeforeWrite(uint64_t position) {
-  if (restored_from_.snapshot.expired()) return;
-  ClaimRight(table_, geometry_, position, right_, &restored_from_);
-  restored_from_ = {};
+  writes_.ClaimBeforeWrite(table_, geometry_, offset_ + staged);
+  return WriteTokens(table_, geometry_, offset_ + staged, kv, &writes_.right);
 }
 
 LayerSnapshotPtr StandardLayer::StagedView(uint64_t staged) const {
@@ -62,13 +56,13 @@ uint64_t StandardLayer::Trim(uint64_t n) {
   n = std::min(n, offset_);
   offset_ -= n;
   table_.Truncate(PagesFor(offset_, geometry_.page_tokens));
-  right_ = {};
+  writes_.right = {};
   return n;
 }
 
 absl::StatusOr<LayerSnapshotPtr> StandardLayer::Snapshot(uint64_t from_offset) const {
   if (offset_ <= from_offset) return nullptr;
-  ClaimRight(table_, geometry_, offset_, right_, &restored_from_);  // before readers share it
+  writes_.ClaimBeforeSharing(table_, geometry_, offset_);
   const uint32_t p = geometry_.page_tokens;
   return std::make_shared<StandardSnapshot>(table_.Slice(from_offset / p, PagesFor(offset_, p)),
                                             geometry_, from_offset, offset_);
@@ -105,7 +99,7 @@ absl::StatusOr<std::unique_ptr<Layer>> StandardLayer::Restored(const LayerSnapsh
                                             snap->table(), snap->from()));
   joined.Truncate(PagesFor(target, p));
   auto layer = std::unique_ptr<StandardLayer>(new StandardLayer(std::move(joined), geometry_, target));
-  layer->restored_from_ = SourceOf(*snap);
+  layer->writes_.restored_from = SourceOf(*snap);
   return std::unique_ptr<Layer>(std::move(layer));
 }
 
@@ -160,7 +154,7 @@ absl::Status StandardLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
 void StandardLayer::Free() {
   table_.Clear();
   offset_ = 0;
-  right_ = {};
+  writes_.right = {};
 }
 
 uint64_t StandardLayer::size_bytes() const { return PoolBytes(table_); }

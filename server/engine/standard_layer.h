@@ -52,7 +52,8 @@ class StandardLayer final : public Layer, public StagedAppend {
   absl::Status Update(const KvInput& kv) override;
   std::vector<TokenRange> Ranges() const override;
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  bool IsTrimmable() const override { return true; }
+  absl::Status CheckTrimmable() const override { return absl::OkStatus(); }
+  uint64_t TrimmableTokens() const override { return offset_; }
   uint64_t Trim(uint64_t n) override;
   absl::StatusOr<LayerSnapshotPtr> Snapshot(uint64_t from_offset) const override;
   absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
@@ -78,14 +79,8 @@ class StandardLayer final : public Layer, public StagedAppend {
   PageGeometry geometry_;
   uint64_t offset_ = 0;
   // token_store.h: appending past a snapshot copies nothing. Mutable: taking
-  // a snapshot may claim it (ClaimRight), under the cache's lock like every call.
-  mutable AppendRight right_;
-  // The snapshot this layer was restored from, for its first write's
-  // ClaimRight (token_store.h RestoreSource).
-  RestoreSource restored_from_;
-  // ClaimRight at `position` (the first write after a restore may claim
-  // through restored_from_, which it then forgets).
-  void ClaimBeforeWrite(uint64_t position);
+  // a snapshot may claim the right, under the cache's lock like every call.
+  mutable InPlaceWrites writes_;
 };
 
 }  // namespace kvcache::engine

@@ -121,6 +121,13 @@ void ClaimRight(const PageTable& table, const PageGeometry& g, uint64_t offset,
   if (alone) right = {.index = index, .page = table.Get(index), .from = offset};
 }
 
+void InPlaceWrites::ClaimBeforeWrite(const PageTable& table, const PageGeometry& geometry,
+                                     uint64_t position) {
+  if (restored_from.snapshot.expired()) return;
+  ClaimRight(table, geometry, position, right, &restored_from);
+  restored_from = {};
+}
+
 absl::Status WriteTokens(PageTable& table, const PageGeometry& g, uint64_t offset,
                          const KvInput& kv, AppendRight* right) {
   RETURN_IF_ERROR(CheckInput(g, kv));

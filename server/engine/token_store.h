@@ -77,6 +77,22 @@ RestoreSource SourceOf(const Snapshot& snapshot) {
 void ClaimRight(const PageTable& table, const PageGeometry& geometry, uint64_t offset,
                 AppendRight& right, const RestoreSource* source = nullptr);
 
+// What an attention layer keeps to append in place while others share its
+// pages: its AppendRight and, until its first write after a restore, the
+// snapshot it was restored from.
+struct InPlaceWrites {
+  AppendRight right;
+  RestoreSource restored_from;
+
+  // Before a write at `position`: the first write after a restore claims the
+  // right through the snapshot (while it lives), which is then forgotten.
+  void ClaimBeforeWrite(const PageTable& table, const PageGeometry& geometry, uint64_t position);
+  // Before readers share the pages below `offset` (a snapshot, a view).
+  void ClaimBeforeSharing(const PageTable& table, const PageGeometry& geometry, uint64_t offset) {
+    ClaimRight(table, geometry, offset, right, &restored_from);
+  }
+};
+
 // INVALID_ARGUMENT naming keys / values / tokens unless `kv` holds L >= 1
 // tokens of exactly this geometry.
 absl::Status CheckInput(const PageGeometry& geometry, const KvInput& kv);

@@ -29,7 +29,7 @@ BufferSpec SlabSpec(uint64_t bytes, bool host_mapped) {
 
 }  // namespace
 
-absl::StatusOr<PageGeometry> PlanPages(const Device& device, const PoolOptions& options) {
+absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& options) {
   const uint64_t page_bytes = options.page_bytes;
   const uint64_t max_range = device.max_storage_buffer_range();
   if (page_bytes == 0 || page_bytes > max_range) {
@@ -46,28 +46,28 @@ absl::StatusOr<PageGeometry> PlanPages(const Device& device, const PoolOptions& 
   // A slab is bound whole as a storage buffer, so it may not outgrow the range.
   const uint64_t slab_bytes = std::min({options.slab_bytes, max_range, max_pages * page_bytes});
   const uint64_t pages_per_slab = std::max<uint64_t>(1, slab_bytes / page_bytes);
-  return PageGeometry{page_bytes, static_cast<uint32_t>(max_pages),
-                      static_cast<uint32_t>(pages_per_slab)};
+  return PagePlan{page_bytes, static_cast<uint32_t>(max_pages),
+                  static_cast<uint32_t>(pages_per_slab)};
 }
 
-PageAllocator::PageAllocator(const Device& device, const PageGeometry& geometry, bool host_mapped)
+PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped)
     : device_(device),
-      geometry_(geometry),
+      plan_(plan),
       host_mapped_(host_mapped),
-      max_slabs_((geometry.max_pages + geometry.pages_per_slab - 1) / geometry.pages_per_slab),
-      refcounts_(new std::atomic<uint32_t>[geometry.max_pages]),
+      max_slabs_((plan.max_pages + plan.pages_per_slab - 1) / plan.pages_per_slab),
+      refcounts_(new std::atomic<uint32_t>[plan.max_pages]),
       slabs_(new std::unique_ptr<Buffer>[max_slabs_]) {
-  for (uint32_t page = 0; page < geometry.max_pages; ++page) {
+  for (uint32_t page = 0; page < plan.max_pages; ++page) {
     refcounts_[page].store(0, std::memory_order_relaxed);
   }
-  free_.reserve(geometry.max_pages);
+  free_.reserve(plan.max_pages);
 }
 
 PoolStats PageAllocator::stats() const {
   absl::MutexLock lock(&mutex_);
   const uint32_t backed = backed_pages_.load(std::memory_order_relaxed);
-  return PoolStats{.page_bytes = geometry_.page_bytes,
-                   .max_pages = geometry_.max_pages,
+  return PoolStats{.page_bytes = plan_.page_bytes,
+                   .max_pages = plan_.max_pages,
                    .used_pages = backed - static_cast<uint32_t>(free_.size()),
                    .backed_pages = backed,
                    .slabs = slab_count_};
@@ -79,7 +79,7 @@ uint32_t PageAllocator::available_pages() const {
 }
 
 uint32_t PageAllocator::AvailableLocked() const {
-  const uint32_t unbacked = geometry_.max_pages - backed_pages_.load(std::memory_order_relaxed);
+  const uint32_t unbacked = plan_.max_pages - backed_pages_.load(std::memory_order_relaxed);
   return static_cast<uint32_t>(free_.size()) + unbacked;
 }
 
@@ -88,7 +88,7 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
   if (count > AvailableLocked()) {
     return absl::ResourceExhaustedError(absl::StrCat("page pool budget exhausted: ", count,
                                                      " pages requested, ", AvailableLocked(),
-                                                     " of ", geometry_.max_pages, " available"));
+                                                     " of ", plan_.max_pages, " available"));
   }
   // New slabs stay even if a later one fails: their pages wait in free_.
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
@@ -103,10 +103,10 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
 }
 
 absl::Status PageAllocator::AddSlabLocked() {
-  const uint32_t first_page = slab_count_ * geometry_.pages_per_slab;
-  const uint32_t pages = std::min(geometry_.pages_per_slab, geometry_.max_pages - first_page);
+  const uint32_t first_page = slab_count_ * plan_.pages_per_slab;
+  const uint32_t pages = std::min(plan_.pages_per_slab, plan_.max_pages - first_page);
   absl::StatusOr<std::unique_ptr<Buffer>> slab =
-      CreateBuffer(device_, SlabSpec(uint64_t{pages} * geometry_.page_bytes, host_mapped_));
+      CreateBuffer(device_, SlabSpec(uint64_t{pages} * plan_.page_bytes, host_mapped_));
   if (!slab.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot back page-pool slab ", slab_count_, ": ", slab.status().message()));
@@ -118,7 +118,7 @@ absl::Status PageAllocator::AddSlabLocked() {
 }
 
 void PageAllocator::Retain(PageId page) {
-  if (page >= geometry_.max_pages) return ReportMisuse("Retain", page);
+  if (page >= plan_.max_pages) return ReportMisuse("Retain", page);
   std::atomic<uint32_t>& count = refcounts_[page];
   uint32_t seen = count.load(std::memory_order_relaxed);
   do {
@@ -127,7 +127,7 @@ void PageAllocator::Retain(PageId page) {
 }
 
 void PageAllocator::Release(PageId page) {
-  if (page >= geometry_.max_pages) return ReportMisuse("Release", page);
+  if (page >= plan_.max_pages) return ReportMisuse("Release", page);
   std::atomic<uint32_t>& count = refcounts_[page];
   uint32_t seen = count.load(std::memory_order_relaxed);
   do {
@@ -140,7 +140,7 @@ void PageAllocator::Release(PageId page) {
 }
 
 uint32_t PageAllocator::RefCount(PageId page) const {
-  if (page >= geometry_.max_pages) {
+  if (page >= plan_.max_pages) {
     ReportMisuse("RefCount", page);
     return 0;
   }
@@ -148,8 +148,8 @@ uint32_t PageAllocator::RefCount(PageId page) const {
 }
 
 PageLocation PageAllocator::Locate(PageId page) const {
-  const uint32_t slab = page / geometry_.pages_per_slab;
-  const uint64_t offset = uint64_t{page % geometry_.pages_per_slab} * geometry_.page_bytes;
+  const uint32_t slab = page / plan_.pages_per_slab;
+  const uint64_t offset = uint64_t{page % plan_.pages_per_slab} * plan_.page_bytes;
   const Buffer& buffer = *slabs_[slab];
   return {*buffer.buffer, offset, buffer.mapped == nullptr ? nullptr : buffer.mapped + offset};
 }

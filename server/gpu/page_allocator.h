@@ -27,7 +27,9 @@
 
 namespace kvcache::gpu {
 
-struct PageGeometry {
+// How a pool's pages are laid out: their size, how many the budget holds, and
+// how many share one slab (one device buffer).
+struct PagePlan {
   uint64_t page_bytes;
   uint32_t max_pages;
   uint32_t pages_per_slab;
@@ -36,7 +38,7 @@ struct PageGeometry {
 // Validates `options` against `device`: INVALID_ARGUMENT for a zero page, a
 // page larger than maxStorageBufferRange, a budget under one page, or more
 // pages than a PageId can count.
-absl::StatusOr<PageGeometry> PlanPages(const Device& device, const PoolOptions& options);
+absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& options);
 
 // Where a page's bytes are: `offset` into `slab`, and at `host` in the slab's
 // mapping (null for slabs that are not host-mapped).
@@ -50,9 +52,9 @@ class PageAllocator {
  public:
   // `host_mapped` slabs live in host-visible memory mapped for their lifetime;
   // otherwise in device-local memory that only transfer commands reach.
-  PageAllocator(const Device& device, const PageGeometry& geometry, bool host_mapped);
+  PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped);
 
-  const PageGeometry& geometry() const { return geometry_; }
+  const PagePlan& plan() const { return plan_; }
   bool host_mapped() const { return host_mapped_; }
   PoolStats stats() const;
   uint32_t available_pages() const;
@@ -76,7 +78,7 @@ class PageAllocator {
   static void ReportMisuse(std::string_view operation, PageId page);
 
   const Device& device_;
-  const PageGeometry geometry_;
+  const PagePlan plan_;
   const bool host_mapped_;
   const uint32_t max_slabs_;
   const std::unique_ptr<std::atomic<uint32_t>[]> refcounts_;

@@ -29,8 +29,8 @@ namespace {
 // Small pools get a ring no larger than themselves, but never a tiny one.
 constexpr uint64_t kMinStagingRingBytes = 64 << 10;
 
-uint64_t StagingRingBytes(const PageGeometry& geometry) {
-  const uint64_t pool_bytes = uint64_t{geometry.max_pages} * geometry.page_bytes;
+uint64_t StagingRingBytes(const PagePlan& plan) {
+  const uint64_t pool_bytes = uint64_t{plan.max_pages} * plan.page_bytes;
   return std::clamp(pool_bytes, kMinStagingRingBytes, StagedTransfer::kStagingRingBytes);
 }
 
@@ -88,9 +88,9 @@ void StreamingStoresDone() {
 
 class PagePool::Impl {
  public:
-  Impl(const Device& device, const PageGeometry& geometry, QuantKernel quantize_kernel,
+  Impl(const Device& device, const PagePlan& plan, QuantKernel quantize_kernel,
        std::unique_ptr<StagedTransfer> staged)
-      : pages(device, geometry, /*host_mapped=*/staged == nullptr),
+      : pages(device, plan, /*host_mapped=*/staged == nullptr),
         quantizer(device, pages, {.kernel = quantize_kernel}),
         staged_(std::move(staged)) {}
 
@@ -125,7 +125,7 @@ absl::Status PagePool::Impl::CheckRange(absl::string_view call, size_t index, Pa
     return absl::InvalidArgumentError(
         absl::StrCat(call, "[", index, "]: page ", page, " is not a page of this pool"));
   }
-  const uint64_t page_bytes = pages.geometry().page_bytes;
+  const uint64_t page_bytes = pages.plan().page_bytes;
   if (offset > page_bytes || bytes > page_bytes - offset) {
     return absl::InvalidArgumentError(absl::StrCat(call, "[", index, "]: bytes [", offset, ", ",
                                                    offset + bytes, ") cross the end of the ",
@@ -290,7 +290,7 @@ absl::Status PagePool::Impl::CopyStaged(absl::Span<const PageCopy> copies) {
 
 absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
                                                            const PoolOptions& options) {
-  ASSIGN_OR_RETURN(const PageGeometry geometry, PlanPages(device, options));
+  ASSIGN_OR_RETURN(const PagePlan plan, PlanPages(device, options));
   if (options.quantize_kernel == QuantKernel::kHost && !device.direct_host_access()) {
     return absl::InvalidArgumentError(
         "quantize_kernel: the CPU kernels need host-mapped pages, and this device's are not "
@@ -299,17 +299,17 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
   std::unique_ptr<StagedTransfer> staged;
   if (!device.direct_host_access()) {
     ASSIGN_OR_RETURN(staged, StagedTransfer::Create(device, device.options().copy_engine,
-                                                    StagingRingBytes(geometry)));
+                                                    StagingRingBytes(plan)));
   }
   return std::unique_ptr<PagePool>(
-      new PagePool(std::make_unique<Impl>(device, geometry, options.quantize_kernel, std::move(staged))));
+      new PagePool(std::make_unique<Impl>(device, plan, options.quantize_kernel, std::move(staged))));
 }
 
 PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 PagePool::~PagePool() = default;
 
 uint64_t PagePool::page_bytes() const {
-  return impl_->pages.geometry().page_bytes;
+  return impl_->pages.plan().page_bytes;
 }
 PoolStats PagePool::stats() const {
   return impl_->pages.stats();

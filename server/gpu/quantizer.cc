@@ -124,7 +124,7 @@ absl::Status Quantizer::CheckRun(const char* call, size_t job, size_t index, con
     return invalid(absl::StrCat("rows [", run.first_row, ", ", run.first_row + run.rows,
                                 ") are outside the ", tensor_rows, "-row tensor"));
   }
-  const uint64_t page_bytes = pages_.geometry().page_bytes;
+  const uint64_t page_bytes = pages_.plan().page_bytes;
   const uint64_t slab_offset = pages_.Locate(run.page).offset;
   const struct {
     const char* name;

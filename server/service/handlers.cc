@@ -202,8 +202,10 @@ absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,
 
 absl::Status Handlers::Trim(const v1::TrimRequest& request, v1::TrimResponse* response) {
   RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
-  ASSIGN_OR_RETURN(const uint64_t trimmed, engine_.Trim(request.cache_id(), request.n()));
-  ASSIGN_OR_RETURN(engine::CacheInfo info, engine_.GetCache(request.cache_id()));
+  // The cache as the trim left it: a second read could see another client's
+  // update made in between.
+  engine::CacheInfo info;
+  ASSIGN_OR_RETURN(const uint64_t trimmed, engine_.Trim(request.cache_id(), request.n(), &info));
   response->set_trimmed(trimmed);
   ToProto(info, response->mutable_cache());
   return absl::OkStatus();

@@ -108,8 +108,6 @@ class Handlers {
   absl::Status AbortSpeculation(const v1::AbortSpeculationRequest& request,
                                 v1::CacheInfo* response);
 
-  engine::Engine& engine() { return engine_; }
-
  private:
   // An update checked against `spec` (of `cache_id`, the live cache or the
   // cache of request.speculation_id) and applied; the layer's new offset.

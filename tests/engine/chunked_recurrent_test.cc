@@ -188,6 +188,24 @@ TEST_P(ChunkedRecurrentTest, ChunkedMergeAndSplitFollowTheChunk) {
   EXPECT_TRUE(cache.Matches());
 }
 
+// Halves cut below the start position of the state they came from hold
+// nothing for the chunked layer; merged, they hold nothing either (restoring
+// any of them rewinds the live layer alike).
+TEST_P(ChunkedRecurrentTest, ChunkedHalvesHoldingNothingMergeIntoNothing) {
+  HybridCache cache(*engine_, ChunkedSpec(4));
+  ASSERT_TRUE(cache.Step(8));
+  ASSERT_TRUE(cache.Step(1));            // start 4, offset 9
+  const Tracked whole = Take(cache, 0);  // [0, 9), start 4
+  Tracked below2, from2, two_three, from3, merged;
+  Split(whole, 2, &below2, &from2);
+  Split(from2, 3, &two_three, &from3);
+  ASSERT_EQ(below2.ref->layers[0], nullptr);
+  ASSERT_EQ(two_three.ref->layers[0], nullptr);
+  ASSERT_TRUE(Merge(below2, two_three, &merged).ok());
+  EXPECT_EQ(merged.ref->layers[0], nullptr);
+  EXPECT_TRUE(SnapshotRanges(merged.id, 0).empty());
+}
+
 // ---------------------------------------------------------------- recurrent
 
 TEST_P(ChunkedRecurrentTest, RecurrentStateReadsAsZerosUntilTheFirstUpdate) {
@@ -275,6 +293,26 @@ TEST_P(ChunkedRecurrentTest, RecurrentRefusalsChangeNothing) {
   ExpectRefusedUnchanged(cache.Restore(at5.id, at5.ref.get(), 4), before,
                          "before the recurrent snapshot's offset 5");
   EXPECT_TRUE(cache.Restore("", nullptr, 7).ok());  // the current offset
+  EXPECT_TRUE(cache.Matches());
+}
+
+// A recurrent state exists only at its snapshot's offset: any other target is
+// refused, also where every layer is recurrent and none other would refuse
+// it, and nothing changes.
+TEST_P(ChunkedRecurrentTest, RecurrentRestoreReachesOnlyItsSnapshotsOffset) {
+  HybridCache cache(*engine_, MakeSpec({SmallState(), ThreePageState()}, DType::kFloat32));
+  ASSERT_TRUE(cache.Step(8));
+  const Tracked at8 = Take(cache, 0);
+  ASSERT_TRUE(cache.Step(3));
+  const FullFingerprint before = FullFingerprintOf(*engine_);
+  ExpectRefusedUnchanged(cache.Restore(at8.id, at8.ref.get(), 9), before,
+                         "layer 0: target 9 is past the recurrent snapshot's offset 8");
+  ExpectRefusedUnchanged(cache.Restore(at8.id, at8.ref.get(), 11), before,
+                         "layer 0: target 11 is past the recurrent snapshot's offset 8");
+  ExpectRefusedUnchanged(cache.Restore(at8.id, at8.ref.get(), 7), before,
+                         "layer 0: target 7 is before the recurrent snapshot's offset 8");
+  ASSERT_TRUE(cache.Restore(at8.id, at8.ref.get(), 8).ok());
+  EXPECT_EQ(engine_->GetCache(cache.id())->layer_offsets, (std::vector<uint64_t>{8, 8}));
   EXPECT_TRUE(cache.Matches());
 }
 

@@ -2,7 +2,7 @@
 // attention; Llama 4 / Gemma 3: chunked, sliding-window and global attention):
 // Snapshot, Restore and Trim act on all layers as one. A layer that cannot
 // reach the target refuses the whole call and no layer changes; a recurrent
-// layer lands at its snapshot's offset, so the others must land there too.
+// layer reaches only its snapshot's offset, so the whole restore does.
 #include <random>
 #include <string>
 #include <vector>
@@ -34,9 +34,9 @@ TEST_P(MixedLayersTest, RestoreMovesEveryLayerOrNone) {
   EXPECT_EQ(UsedPages(), before_snapshot);  // states and pages are shared, not copied
   ASSERT_TRUE(cache.Step(5));
   const FullFingerprint before = FullFingerprintOf(*engine_);
-  // The recurrent layers could land at 10, the standard one cannot reach 12.
+  // Neither the recurrent layers nor the standard one can reach 12.
   ExpectRefusedUnchanged(cache.Restore(at10.id, at10.ref.get(), 12), before,
-                         "layer 3: target 12 is beyond the snapshot's end 10");
+                         "layer 0: target 12 is past the recurrent snapshot's offset 10");
   // The standard layer could rewind to 8, the recurrent ones cannot.
   ExpectRefusedUnchanged(cache.Restore(at10.id, at10.ref.get(), 8), before,
                          "layer 0: target 8 is before the recurrent snapshot's offset 10");
@@ -123,11 +123,12 @@ TEST_P(MixedLayersTest, SplitAndMergeAcrossKinds) {
   EXPECT_TRUE(cache.Matches());
 }
 
-// Cache-level rule behind "all layers or none": a recurrent layer lands at its
-// snapshot's offset, so a restore that would leave another layer elsewhere is
-// refused. No whole snapshot the engine makes reaches it (its recurrent and
-// rotating parts are null together), so this builds one by hand.
-TEST_P(MixedLayersTest, RestoreThatWouldLeaveLayersOutOfStepIsRefused) {
+// Every layer ends at the target: a recurrent layer beside one that rewinds
+// live (its snapshot part null) refuses a target past its own offset rather
+// than leave the layers out of step. No whole snapshot the engine makes has
+// that shape (its recurrent and rotating parts are null together), so this
+// builds one by hand.
+TEST_P(MixedLayersTest, RestoreEndsEveryLayerAtTheTarget) {
   const CacheSpec spec =
       engine::NormalizeSpec(MakeSpec({SmallState(), RotatingLayerSpec(1, 4, 0, 8, 0)}));
   auto cache = engine::Cache::Create(spec, *pool_, kHybridPageTokens);
@@ -152,7 +153,7 @@ TEST_P(MixedLayersTest, RestoreThatWouldLeaveLayersOutOfStepIsRefused) {
   step(3);
   const absl::Status refused = (*cache)->Restore(&no_window, 6);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-  EXPECT_TRUE(Mentions(refused, "out of step: layer 0 at offset 3, layer 1 at 6"));
+  EXPECT_TRUE(Mentions(refused, "layer 0: target 6 is past the recurrent snapshot's offset 3"));
   EXPECT_FALSE(reference.Restore(&ref_no_window, 6));
   EXPECT_EQ((*cache)->layer_offsets(), (std::vector<uint64_t>{6, 6}));
   ASSERT_TRUE((*cache)->Restore(&no_window, 3).ok());  // the window rewinds live to 3

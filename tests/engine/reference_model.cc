@@ -441,9 +441,7 @@ bool RefCache::Restore(const RefCacheSnapshot* snapshot, uint64_t target) {
     if (!copy->Restore(layer_snapshot, target)) return false;
     restored.push_back(std::move(copy));
   }
-  for (const auto& layer : restored) {
-    if (layer->offset() != restored.front()->offset()) return false;
-  }
+  for (const auto& layer : restored) RefCheck(layer->offset() == target, "restored to the target");
   layers_ = std::move(restored);
   return true;
 }
@@ -457,6 +455,10 @@ RefCacheSnapshotPtr RefCache::Merge(const RefCacheSnapshotPtr& parent,
   merged->from = parent->from;
   merged->to = child->to;
   for (size_t i = 0; i < parent->layers.size(); ++i) {
+    if (parent->layers[i] == nullptr && child->layers[i] == nullptr) {
+      merged->layers.push_back(nullptr);  // neither holds anything, nor does the merge
+      continue;
+    }
     std::unique_ptr<RefLayer> kind = MakeRefLayer(parent->spec, i);
     if (!kind->CanMerge(parent->layers[i], child->layers[i])) return nullptr;
     merged->layers.push_back(kind->Merge(parent->layers[i], child->layers[i]));

@@ -95,14 +95,16 @@ class RefLayer {
   virtual RefLayerSnapshotPtr Snapshot(uint64_t from) const = 0;
   // The tokens a snapshot holds, in temporal order.
   virtual std::vector<RefToken> FetchSnapshot(const RefLayerSnapshot& snapshot) const = 0;
-  // ollama Restore: false (and no change) when `target` is unreachable.
+  // ollama Restore: false (and no change) when `target` is unreachable; else
+  // the layer ends at `target`.
   virtual bool Restore(const RefLayerSnapshot* snapshot, uint64_t target) = 0;
   virtual RefLayerSnapshotPtr Merge(const RefLayerSnapshotPtr& parent,
                                     const RefLayerSnapshotPtr& child) const = 0;
   virtual std::pair<RefLayerSnapshotPtr, RefLayerSnapshotPtr> Split(
       const RefLayerSnapshotPtr& snapshot, uint64_t at) const = 0;
-  // Whether Merge(parent, child) of adjacent snapshots is allowed. By default
-  // both must hold something (a null part is refused, as the engine does).
+  // Whether Merge(parent, child) of adjacent snapshots, one of them null at
+  // most, is allowed. By default both must hold something (a null part is
+  // refused, as the engine does). Both null merge to null (RefCache::Merge).
   virtual bool CanMerge(const RefLayerSnapshotPtr& parent, const RefLayerSnapshotPtr& child) const;
 
   // Recurrent layers only (others abort: a driver bug): replace the state and
@@ -215,9 +217,8 @@ class RefCache {
   std::optional<uint64_t> Trim(uint64_t n);
   // nullptr when refused (from >= offset, or out of step).
   RefCacheSnapshotPtr Snapshot(uint64_t from) const;
-  // snapshot null: live rewind. False (and no change) when any layer refuses,
-  // or when the layers would land out of step (a recurrent layer lands at its
-  // snapshot's offset).
+  // snapshot null: live rewind. False (and no change) when any layer refuses;
+  // else every layer ends at `target`.
   bool Restore(const RefCacheSnapshot* snapshot, uint64_t target);
 
   // nullptr when refused: same snapshot, layouts differ, not adjacent, or a

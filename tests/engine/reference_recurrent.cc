@@ -51,7 +51,7 @@ RefLayerSnapshotPtr RefRecurrentLayer::Snapshot(uint64_t from) const {
 
 bool RefRecurrentLayer::Restore(const RefLayerSnapshot* snapshot, uint64_t target) {
   if (snapshot == nullptr) return target == offset_;
-  if (target < snapshot->to) return false;
+  if (target != snapshot->to) return false;
   state_ = snapshot->state;
   offset_ = snapshot->to;
   return true;

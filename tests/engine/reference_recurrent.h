@@ -6,7 +6,9 @@
 //   UpdateState     SetConvState + SetDeltaState, then Advance(n).
 //   Snapshot        nil without a state, else the whole state and the offset.
 //   Restore(nil, t) true only when t == offset.
-//   Restore(S, t)   false when t < S.offset; else S's state at S.offset.
+//   Restore(S, t)   true only when t == S.offset: S's state. (ollama also
+//                   accepts t > S.offset, landing at S.offset; the service's
+//                   contract is that every layer ends at t.)
 //   Merge / Split   child / (nil, snapshot).
 //   Trim            never (mlx-lm ArraysCache is not trimmable).
 #pragma once

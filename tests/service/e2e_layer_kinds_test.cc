@@ -264,6 +264,21 @@ TEST_P(E2eLayerKindsTest, RestoresARecurrentLayerCannotReachAreRefused) {
   ASSERT_TRUE(LiveMatches());
 }
 
+// Recurrent layers only: none beside them would refuse a target past the
+// snapshot's offset, so they refuse it themselves rather than land elsewhere.
+TEST_P(E2eLayerKindsTest, ARecurrentCacheRestoresOnlyToItsSnapshotsOffset) {
+  Create(MakeSpec({RecurrentLayerSpec(2, 8, 2, 4, 4)}, DType::kBFloat16));
+  Step(8);
+  const auto [snapshot_id, snapshot] = Snapshot(0);
+  Step(3);
+  ExpectRefused(Code::kFailedPrecondition, "layer 0: target 9 is past the recurrent snapshot's",
+                [&] { return client().Restore(cache_id_, snapshot_id, 9).status(); });
+  ASSERT_TRUE(LiveMatches());
+  ASSERT_TRUE(client().Restore(cache_id_, snapshot_id, 8).ok());
+  ASSERT_TRUE(reference_->Restore(snapshot.get(), 8));
+  ASSERT_TRUE(LiveMatches());
+}
+
 // Gemma 3-like (sliding window with sinks + global + quantized): once the
 // window has wrapped, neither a live rewind nor a clamped restore of a
 // wrapped snapshot can rebuild it, so the global and quantized layers, which

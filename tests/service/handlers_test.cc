@@ -308,6 +308,46 @@ TEST_P(HandlersTest, StatsCountWhatIsHeld) {
   EXPECT_EQ(stats.page_bytes(), 64u << 10);
 }
 
+// TrimResponse as the contract says, per kind: every layer drops the least of
+// n and what each can (a chunked layer only what it holds above its start
+// position), and the cache is the one the trim left. A layer that cannot drop
+// tokens (a recurrent state; a rotating window that has filled) refuses the
+// whole trim, naming itself and why.
+TEST_P(HandlersTest, TrimAnswersWhatEveryLayerDropped) {
+  const engine::CacheSpec chunked =
+      MakeSpec({ChunkedLayerSpec(1, 4, 4, 6), StandardLayerSpec(1, 4)});
+  RefCache reference(chunked);
+  v1::TrimRequest trim;
+  trim.set_cache_id(Create(chunked));
+  ASSERT_TRUE(Step(trim.cache_id(), reference, 10));
+  ASSERT_TRUE(Step(trim.cache_id(), reference, 2));  // chunked: start 4, offset 12
+  trim.set_n(100);
+  v1::TrimResponse trimmed;
+  ASSERT_TRUE(handlers_->Trim(trim, &trimmed).ok());
+  EXPECT_EQ(trimmed.trimmed(), 8u);
+  EXPECT_EQ(reference.Trim(100), std::optional<uint64_t>(8));
+  EXPECT_EQ(trimmed.cache().offset(), 4u);
+  EXPECT_THAT(trimmed.cache().layer_offsets(), ::testing::ElementsAre(4u, 4u));
+  EXPECT_TRUE(Matches(trim.cache_id(), reference));
+
+  using Code = absl::StatusCode;
+  trim.set_n(1);
+  const engine::CacheSpec recurrent =
+      MakeSpec({StandardLayerSpec(1, 4), RecurrentLayerSpec(2, 4, 1, 2, 2)});
+  RefCache recurrent_ref(recurrent);
+  trim.set_cache_id(Create(recurrent));
+  ASSERT_TRUE(Step(trim.cache_id(), recurrent_ref, 3));
+  ExpectRefused(Code::kFailedPrecondition, "layer 1 cannot be trimmed: a recurrent state",
+                [&] { return handlers_->Trim(trim, &trimmed); });
+  trim.set_cache_id(cache_id_);
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    ASSERT_TRUE(Update(RandomUpdate(cache_id_, spec_, layer, 3, rng_)).ok());  // offset 8
+  }
+  ExpectRefused(Code::kFailedPrecondition,
+                "layer 2 cannot be trimmed: its rotating window has filled",
+                [&] { return handlers_->Trim(trim, &trimmed); });
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, HandlersTest, ::testing::ValuesIn(kAllTransferPaths),
                          [](const auto& info) { return TransferPathName(info.param); });
 
