@@ -6,6 +6,8 @@ namespace kvcache::internal {
 namespace {
 
 constexpr int kVarint = 0, kLengthDelimited = 2;
+using Chunk = v1::FetchResponse;
+using Tensor = v1::Tensor;
 
 // Protobuf's wire format over one contiguous span. Every read returns false
 // when the input ends too soon or a varint runs past 10 bytes.
@@ -55,20 +57,21 @@ bool ParseTensor(absl::Span<const std::byte> bytes, v1::Tensor& tensor,
     int wire = 0;
     if (!reader.Tag(field, wire)) return false;
     absl::Span<const std::byte> body;
-    if (field == 1 && wire == kVarint) {
+    if (field == Tensor::kDtypeFieldNumber && wire == kVarint) {
       if (!reader.Varint(value)) return false;
       tensor.set_dtype(static_cast<v1::DType>(static_cast<int32_t>(value)));
-    } else if (field == 2 && wire == kVarint) {
+    } else if (field == Tensor::kShapeFieldNumber && wire == kVarint) {
       if (!reader.Varint(value)) return false;
       tensor.add_shape(value);
-    } else if (field == 2 && wire == kLengthDelimited) {  // packed
+    } else if (field == Tensor::kShapeFieldNumber && wire == kLengthDelimited) {  // packed
       if (!reader.Bytes(body)) return false;
       WireReader packed(body);
       while (!packed.done()) {
         if (!packed.Varint(value)) return false;
         tensor.add_shape(value);
       }
-    } else if (field == 3 && wire == kLengthDelimited) {  // a repeat replaces it, as in protobuf
+    } else if (field == Tensor::kDataFieldNumber && wire == kLengthDelimited) {
+      // A repeat replaces it, as in protobuf.
       if (!reader.Bytes(data)) return false;
     } else {
       return false;  // anything else: protobuf's parser decides
@@ -90,22 +93,22 @@ bool ParseTokenChunk(absl::Span<const std::byte> payload, v1::FetchResponse& hea
     int wire = 0;
     if (!reader.Tag(field, wire)) return false;
     absl::Span<const std::byte> body;
-    if (field == 1 && wire == kVarint) {
+    if (field == Chunk::kLayerFieldNumber && wire == kVarint) {
       if (!reader.Varint(value)) return false;
       header.set_layer(static_cast<uint32_t>(value));
-    } else if (field == 2 && wire == kVarint) {
+    } else if (field == Chunk::kStartFieldNumber && wire == kVarint) {
       if (!reader.Varint(value)) return false;
       header.set_start(value);
-    } else if (field == 3 && wire == kLengthDelimited && !has_keys) {
+    } else if (field == Chunk::kKeysFieldNumber && wire == kLengthDelimited && !has_keys) {
       has_keys = true;
       if (!reader.Bytes(body) || !ParseTensor(body, *header.mutable_keys(), keys)) return false;
-    } else if (field == 4 && wire == kLengthDelimited && !has_values) {
+    } else if (field == Chunk::kValuesFieldNumber && wire == kLengthDelimited && !has_values) {
       has_values = true;
       if (!reader.Bytes(body) || !ParseTensor(body, *header.mutable_values(), values)) {
         return false;
       }
     } else {
-      return false;
+      return false;  // a packed or state chunk, or a field not read here: protobuf's
     }
   }
   return has_keys && has_values;

@@ -23,10 +23,23 @@ struct FetchChunkView {
 
 namespace internal {
 
+// The fields ParseTokenChunk reads itself, by message, and the FetchResponse
+// fields that make a chunk something else (packed, or a state), which it
+// leaves to protobuf. A chunk holding any field outside these lists (one
+// added to the schema since) goes to protobuf's parser too.
+inline constexpr int kParsedTokenChunkFields[] = {
+    v1::FetchResponse::kLayerFieldNumber, v1::FetchResponse::kStartFieldNumber,
+    v1::FetchResponse::kKeysFieldNumber, v1::FetchResponse::kValuesFieldNumber};
+inline constexpr int kTokenChunkFieldsLeftToProtobuf[] = {
+    v1::FetchResponse::kPackedKeysFieldNumber, v1::FetchResponse::kPackedValuesFieldNumber,
+    v1::FetchResponse::kStateFieldNumber};
+inline constexpr int kParsedTensorFields[] = {
+    v1::Tensor::kDtypeFieldNumber, v1::Tensor::kShapeFieldNumber, v1::Tensor::kDataFieldNumber};
+
 // Parses a FetchResponse of keys and values from `payload` into `header`
 // (its tensors' data left out) and views of the data in `payload`. False for
-// anything else (packed or recurrent chunks, encodings it does not take):
-// the caller then parses with protobuf.
+// anything else (packed or recurrent chunks, fields outside the lists above,
+// encodings it does not take): the caller then parses with protobuf.
 bool ParseTokenChunk(absl::Span<const std::byte> payload, v1::FetchResponse& header,
                      absl::Span<const std::byte>& keys, absl::Span<const std::byte>& values);
 

@@ -12,11 +12,13 @@ namespace {
 using google::protobuf::io::CodedOutputStream;
 using google::protobuf::internal::WireFormatLite;
 
-// Field numbers of kvcache.v1.UpdateRequest, kvcache.v1.RecurrentState and
-// kvcache.v1.Tensor.
-constexpr int kUpdateKeys = 3, kUpdateValues = 4, kUpdateState = 5;
-constexpr int kStateConv = 1, kStateDelta = 2;
-constexpr int kTensorData = 3;
+// The fields written by hand; the rest go through protobuf's serialiser.
+constexpr int kUpdateKeys = v1::UpdateRequest::kKeysFieldNumber;
+constexpr int kUpdateValues = v1::UpdateRequest::kValuesFieldNumber;
+constexpr int kUpdateState = v1::UpdateRequest::kStateFieldNumber;
+constexpr int kStateConv = v1::RecurrentState::kConvStateFieldNumber;
+constexpr int kStateDelta = v1::RecurrentState::kDeltaStateFieldNumber;
+constexpr int kTensorData = v1::Tensor::kDataFieldNumber;
 
 // A length-delimited field's tag and length, appended to `out`.
 void AppendPrefix(int field, uint64_t length, std::string& out) {
@@ -52,7 +54,7 @@ bool SendsTokens(const LayerUpdate& update) {
          !update.values_shape.empty() || !update.values.empty();
 }
 
-// Field 5 (RecurrentState): its advance, then conv_state and delta_state. The
+// The state field (RecurrentState): its advance, then conv_state and delta_state. The
 // outer length covers both tensors' data, which follow their prefixes.
 void AppendStateRuns(v1::DType dtype, const RecurrentStateUpdate& state, std::vector<Run>& runs) {
   v1::RecurrentState scalars;

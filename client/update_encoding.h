@@ -14,6 +14,20 @@
 
 namespace kvcache::internal {
 
+// The fields FrameUpdate writes, by message: every one a LayerUpdate can
+// carry. Tests hold these lists against the schema, so a field added to it
+// is written here (and given a place in LayerUpdate) or the tests fail.
+inline constexpr int kEncodedUpdateRequestFields[] = {
+    v1::UpdateRequest::kCacheIdFieldNumber,       v1::UpdateRequest::kLayerFieldNumber,
+    v1::UpdateRequest::kKeysFieldNumber,          v1::UpdateRequest::kValuesFieldNumber,
+    v1::UpdateRequest::kStateFieldNumber,         v1::UpdateRequest::kSpeculationIdFieldNumber,
+    v1::UpdateRequest::kExpectedOffsetFieldNumber};
+inline constexpr int kEncodedTensorFields[] = {
+    v1::Tensor::kDtypeFieldNumber, v1::Tensor::kShapeFieldNumber, v1::Tensor::kDataFieldNumber};
+inline constexpr int kEncodedRecurrentStateFields[] = {v1::RecurrentState::kConvStateFieldNumber,
+                                                       v1::RecurrentState::kDeltaStateFieldNumber,
+                                                       v1::RecurrentState::kAdvanceFieldNumber};
+
 // An UpdateRequest as runs of [framing][data]: the framing bytes built here,
 // the data the caller's tensors, where they lie. Their concatenation is the
 // message; the encoders below and the data lane send it from these runs.

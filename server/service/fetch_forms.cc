@@ -6,22 +6,19 @@
 #include <string>
 
 #include "core/status_macros.h"
+#include "core/tensor_size.h"
 #include "service/convert.h"
 #include "service/handlers.h"
 
 namespace kvcache::service {
 namespace {
 
-absl::Span<std::byte> Resized(v1::Tensor* tensor, DType dtype, std::initializer_list<uint64_t> shape,
-                              uint64_t elem_bytes) {
+absl::Span<std::byte> Resized(v1::Tensor* tensor, DType dtype,
+                              std::initializer_list<uint64_t> shape) {
   tensor->set_dtype(ToProto(dtype));
-  uint64_t bytes = elem_bytes;
-  for (uint64_t d : shape) {
-    tensor->add_shape(d);
-    bytes *= d;
-  }
+  for (uint64_t d : shape) tensor->add_shape(d);
   std::string* data = tensor->mutable_data();
-  data->resize(bytes);
+  data->resize(TensorByteSize(dtype, shape));
   return absl::MakeSpan(reinterpret_cast<std::byte*>(data->data()), data->size());
 }
 
@@ -35,12 +32,12 @@ engine::PackedOutput::Side ShapePacked(v1::QuantizedTensor* out, const engine::C
   out->set_bits(q.bits);
   const uint64_t b = spec.batch_size, h = layer.num_kv_heads;
   engine::PackedOutput::Side side;
-  side.wq = Resized(out->mutable_wq(), DType::kFloat32, {b, h, tokens, dim * q.bits / 32}, 4);
+  // Sized as float32, the 4-byte type the words share their size with.
+  side.wq = Resized(out->mutable_wq(), DType::kFloat32, {b, h, tokens, dim * q.bits / 32});
   out->mutable_wq()->set_dtype(v1::DTYPE_UNSPECIFIED);
   const uint64_t groups = dim / q.group_size;
-  const uint64_t elem = DTypeSize(spec.dtype);
-  side.scales = Resized(out->mutable_scales(), spec.dtype, {b, h, tokens, groups}, elem);
-  side.biases = Resized(out->mutable_biases(), spec.dtype, {b, h, tokens, groups}, elem);
+  side.scales = Resized(out->mutable_scales(), spec.dtype, {b, h, tokens, groups});
+  side.biases = Resized(out->mutable_biases(), spec.dtype, {b, h, tokens, groups});
   return side;
 }
 
@@ -90,11 +87,11 @@ absl::Status Handlers::FillStateChunk(const FetchPlan& plan, size_t index,
   response->set_layer(chunk.layer);
   response->set_start(chunk.range.begin);
   v1::RecurrentState* state = response->mutable_state();
-  const uint64_t b = spec.batch_size, elem = DTypeSize(spec.dtype);
+  const uint64_t b = spec.batch_size;
   engine::StateOutput out;
-  out.conv = Resized(state->mutable_conv_state(), spec.dtype, {b, r.conv_tail, r.conv_dim}, elem);
+  out.conv = Resized(state->mutable_conv_state(), spec.dtype, {b, r.conv_tail, r.conv_dim});
   out.delta = Resized(state->mutable_delta_state(), spec.dtype,
-                      {b, r.num_v_heads, r.head_v_dim, r.head_k_dim}, elem);
+                      {b, r.num_v_heads, r.head_v_dim, r.head_k_dim});
   return plan.view->ReadState(chunk.layer, out);
 }
 

@@ -1,9 +1,11 @@
 #include "service/handlers.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "core/tensor_size.h"
 #include "service/convert.h"
 #include "service/validation.h"
 
@@ -101,8 +103,10 @@ absl::Status Handlers::Update(const v1::UpdateRequest& request, KnownSpec* known
 uint64_t Handlers::ChunkTokens(const engine::CacheSpec& spec, uint32_t layer,
                                uint32_t requested) const {
   const engine::LayerSpec& l = spec.layers[layer];
-  const uint64_t token_bytes =
-      uint64_t{spec.batch_size} * l.num_kv_heads * (l.k_head_dim + l.v_head_dim) * DTypeSize(spec.dtype);
+  const uint64_t b = spec.batch_size, h = l.num_kv_heads;
+  // A one-token chunk's keys and values.
+  const uint64_t token_bytes = TensorByteSize(spec.dtype, {b, h, 1, l.k_head_dim}) +
+                               TensorByteSize(spec.dtype, {b, h, 1, l.v_head_dim});
   // Leave room for the message's own fields under the size limit.
   const uint64_t fits = std::max<uint64_t>(1, (options_.max_message_bytes - 4096) / token_bytes);
   const uint64_t wanted =
@@ -152,15 +156,14 @@ void Handlers::FetchChunkHeader(const FetchPlan& plan, size_t index, v1::FetchRe
   const engine::CacheSpec& spec = plan.view->spec;
   const engine::LayerSpec& layer = spec.layers[chunk.layer];
   const uint64_t tokens = chunk.range.size();
-  const uint64_t rows = uint64_t{spec.batch_size} * layer.num_kv_heads * tokens;
-  *key_bytes = rows * layer.k_head_dim * DTypeSize(spec.dtype);
-  *value_bytes = rows * layer.v_head_dim * DTypeSize(spec.dtype);
-  for (auto [tensor, dim] : {std::pair{header->mutable_keys(), layer.k_head_dim},
-                             std::pair{header->mutable_values(), layer.v_head_dim}}) {
+  const std::tuple<v1::Tensor*, uint32_t, uint64_t*> sides[] = {
+      {header->mutable_keys(), layer.k_head_dim, key_bytes},
+      {header->mutable_values(), layer.v_head_dim, value_bytes}};
+  for (auto [tensor, dim, bytes] : sides) {
+    const uint64_t shape[] = {spec.batch_size, layer.num_kv_heads, tokens, dim};
     tensor->set_dtype(ToProto(spec.dtype));
-    for (uint64_t d : {uint64_t{spec.batch_size}, uint64_t{layer.num_kv_heads}, tokens, uint64_t{dim}}) {
-      tensor->add_shape(d);
-    }
+    for (uint64_t d : shape) tensor->add_shape(d);
+    *bytes = TensorByteSize(spec.dtype, shape);
   }
   header->set_layer(chunk.layer);
   header->set_start(chunk.range.begin);

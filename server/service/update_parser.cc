@@ -50,10 +50,6 @@ bool PieceReader::Consume(uint64_t bytes, Visit&& visit) {
   return true;
 }
 
-bool PieceReader::Skip(uint64_t bytes) {
-  return Consume(bytes, [](absl::Span<const std::byte>) {});
-}
-
 bool PieceReader::ReadPieces(uint64_t bytes, engine::TensorBytes& out) {
   return Consume(bytes, [&](absl::Span<const std::byte> part) { out.Append(part); });
 }
@@ -68,8 +64,8 @@ bool PieceReader::ReadString(uint64_t bytes, std::string& out) {
 
 namespace {
 
-// Wire types protobuf can skip without parsing; groups (3, 4) are left to it.
-constexpr int kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5;
+// The wire types of the fields parsed here.
+constexpr int kVarint = 0, kLengthDelimited = 2;
 // Longest encodings protobuf accepts for tags and lengths, and for values.
 constexpr int kTagBytes = 5, kValueBytes = 10;
 
@@ -78,8 +74,13 @@ struct Tag {
   int wire_type = 0;
 };
 
+using Request = v1::UpdateRequest;
+using State = v1::RecurrentState;
+using Tensor = v1::Tensor;
+
 // A recursive-descent parser over the pieces. Every method returns false for
-// what it leaves to protobuf; `end` is where the enclosing message ends.
+// what it leaves to protobuf, a field it does not read included (the fields
+// read are those of kParsed*Fields); `end` is where the enclosing message ends.
 class UpdateParser {
  public:
   explicit UpdateParser(absl::Span<const absl::Span<const std::byte>> pieces) : in_(pieces) {}
@@ -112,46 +113,29 @@ class UpdateParser {
            length <= end - in_.position();
   }
 
-  bool SkipField(const Tag& tag, uint64_t end) {
-    uint64_t value = 0;
-    switch (tag.wire_type) {
-      case kVarint:
-        return ReadValue(end, value);
-      case kFixed64:
-      case kFixed32: {
-        const uint64_t bytes = tag.wire_type == kFixed64 ? 8 : 4;
-        return end - in_.position() >= bytes && in_.Skip(bytes);
-      }
-      case kLengthDelimited:
-        return ReadLength(end, value) && in_.Skip(value);
-      default:
-        return false;
-    }
-  }
-
   bool ParseUpdateField(const Tag& tag, uint64_t end, UpdateView& out) {
     uint64_t value = 0;
     switch (tag.field) {
-      case 1:
+      case Request::kCacheIdFieldNumber:
         return tag.wire_type == kLengthDelimited && ParseAscii(end, out.cache_id);
-      case 2:
+      case Request::kLayerFieldNumber:
         if (tag.wire_type != kVarint || !ReadValue(end, value)) return false;
         out.layer = static_cast<uint32_t>(value);  // protobuf keeps the low 32 bits
         return true;
-      case 3:
+      case Request::kKeysFieldNumber:
         return tag.wire_type == kLengthDelimited && ParseTensorOnce(end, out.keys);
-      case 4:
+      case Request::kValuesFieldNumber:
         return tag.wire_type == kLengthDelimited && ParseTensorOnce(end, out.values);
-      case 5:
+      case Request::kStateFieldNumber:
         return tag.wire_type == kLengthDelimited && ParseStateOnce(end, out.state);
-      case 6:
+      case Request::kSpeculationIdFieldNumber:
         return tag.wire_type == kLengthDelimited && ParseAscii(end, out.speculation_id);
-      case 7:
+      case Request::kExpectedOffsetFieldNumber:
         if (tag.wire_type != kVarint || !ReadValue(end, value)) return false;
         out.expected_offset = value;
         return true;
       default:
-        return SkipField(tag, end);
+        return false;
     }
   }
 
@@ -182,22 +166,20 @@ class UpdateParser {
     Tag tag;
     while (in_.position() < end) {
       if (!NextTag(end, tag)) return false;
-      bool ok = false;
+      bool ok = false;  // stays false for a field not read here
       switch (tag.field) {
-        case 1:
+        case Tensor::kDtypeFieldNumber:
           ok = tag.wire_type == kVarint && ReadValue(end, value);
           out.dtype = static_cast<int32_t>(value);  // an open enum: any int32 is kept
           break;
-        case 2:
+        case Tensor::kShapeFieldNumber:
           ok = ParseShapeField(tag, end, out.shape);
           break;
-        case 3:
+        case Tensor::kDataFieldNumber:
           ok = !seen_data && tag.wire_type == kLengthDelimited && ReadLength(end, value) &&
                in_.ReadPieces(value, out.data);
           seen_data = true;
           break;
-        default:
-          ok = SkipField(tag, end);
       }
       if (!ok) return false;
     }
@@ -227,19 +209,17 @@ class UpdateParser {
     Tag tag;
     while (in_.position() < end) {
       if (!NextTag(end, tag)) return false;
-      bool ok = false;
+      bool ok = false;  // stays false for a field not read here
       switch (tag.field) {
-        case 1:
-        case 2:
+        case State::kConvStateFieldNumber:
+        case State::kDeltaStateFieldNumber:
           ok = tag.wire_type == kLengthDelimited &&
-               ParseTensorOnce(end, tag.field == 1 ? conv : delta);
+               ParseTensorOnce(end, tag.field == State::kConvStateFieldNumber ? conv : delta);
           break;
-        case 3:
+        case State::kAdvanceFieldNumber:
           ok = tag.wire_type == kVarint && ReadValue(end, value);
           out.advance = value;
           break;
-        default:
-          ok = SkipField(tag, end);
       }
       if (!ok) return false;
     }

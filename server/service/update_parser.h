@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/types/span.h"
+#include "kvcache/v1/kvcache.pb.h"
 #include "service/update_view.h"
 
 namespace kvcache::service {
@@ -25,7 +26,6 @@ class PieceReader {
   // A varint of at most `max_bytes` bytes (5 for tags and lengths, 10 for
   // values, whose 10th byte may hold only bit 63).
   bool ReadVarint(int max_bytes, uint64_t& value);
-  bool Skip(uint64_t bytes);
   // The next `bytes` bytes, appended to `out` as spans into the pieces.
   bool ReadPieces(uint64_t bytes, engine::TensorBytes& out);
   bool ReadString(uint64_t bytes, std::string& out);
@@ -43,14 +43,29 @@ class PieceReader {
   uint64_t size_ = 0;
 };
 
+// The fields ParseUpdateRequest reads itself, by message. A message holding
+// any other field (one added to the schema since, or one this build does not
+// know) goes whole to protobuf's parser, so no field is ever skipped here.
+inline constexpr int kParsedUpdateRequestFields[] = {
+    v1::UpdateRequest::kCacheIdFieldNumber,       v1::UpdateRequest::kLayerFieldNumber,
+    v1::UpdateRequest::kKeysFieldNumber,          v1::UpdateRequest::kValuesFieldNumber,
+    v1::UpdateRequest::kStateFieldNumber,         v1::UpdateRequest::kSpeculationIdFieldNumber,
+    v1::UpdateRequest::kExpectedOffsetFieldNumber};
+inline constexpr int kParsedTensorFields[] = {v1::Tensor::kDtypeFieldNumber,
+                                              v1::Tensor::kShapeFieldNumber,
+                                              v1::Tensor::kDataFieldNumber};
+inline constexpr int kParsedRecurrentStateFields[] = {v1::RecurrentState::kConvStateFieldNumber,
+                                                      v1::RecurrentState::kDeltaStateFieldNumber,
+                                                      v1::RecurrentState::kAdvanceFieldNumber};
+
 // Parses an UpdateRequest from `pieces` into `out` (a fresh UpdateView), the
 // tensors' data pointing into the pieces. Returns false, `out` then being
 // unspecified, for what it leaves to protobuf's own parser: malformed input,
-// and the rare encodings whose rules it does not reproduce (a message or bytes
-// field present twice, which protobuf merges; groups; a known field with
-// another wire type; a non-ASCII cache_id, which protobuf checks as UTF-8;
-// varints longer than their canonical limit). Whatever it accepts, it parses
-// to exactly what protobuf would.
+// a field outside the lists above, and the rare encodings whose rules it does
+// not reproduce (a message or bytes field present twice, which protobuf
+// merges; a known field with another wire type; a non-ASCII cache_id, which
+// protobuf checks as UTF-8; varints longer than their canonical limit).
+// Whatever it accepts, it parses to exactly what protobuf would.
 bool ParseUpdateRequest(absl::Span<const absl::Span<const std::byte>> pieces, UpdateView& out);
 
 }  // namespace kvcache::service

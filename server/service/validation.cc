@@ -1,6 +1,5 @@
 #include "service/validation.h"
 
-#include <algorithm>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
 #include "core/status_macros.h"
+#include "core/tensor_size.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvcache::service {
@@ -45,23 +45,20 @@ absl::Status CheckTensor(absl::string_view name, const TensorView& tensor, DType
                                      out->append(d.label);
                                    })));
   }
-  // Saturates at 2^64 (a size no message has), so the product never overflows.
-  constexpr unsigned __int128 kOver = static_cast<unsigned __int128>(UINT64_MAX) + 1;
-  unsigned __int128 bytes = DTypeSize(dtype);
   for (size_t d = 0; d < dims.size(); ++d) {
     if (tensor.shape[d] != dims[d].size) {
       return Invalid(absl::StrCat(name, ".shape[", d, "]"),
                      absl::StrFormat("%d, but %s must be %d", tensor.shape[d], dims[d].meaning,
                                      dims[d].size));
     }
-    bytes = std::min(bytes * dims[d].size, kOver);
   }
+  const uint64_t bytes = TensorByteSize(dtype, tensor.shape);
   if (tensor.data.size() != bytes) {
     return Invalid(absl::StrCat(name, ".data"),
                    absl::StrFormat("%d bytes, but shape [%s] of %s is %s bytes",
                                    tensor.data.size(), shape, DTypeName(dtype),
-                                   bytes > UINT64_MAX ? "over 2^64"
-                                                      : absl::StrCat(uint64_t(bytes))));
+                                   bytes == kUnaddressableBytes ? "over 2^64"
+                                                                : absl::StrCat(bytes)));
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 
 #include "service/update_parser.h"
@@ -16,8 +17,10 @@ using google::protobuf::io::CodedOutputStream;
 using google::protobuf::internal::WireFormatLite;
 
 constexpr auto kLengthDelimited = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
-// Field numbers of kvcache.v1.FetchResponse and kvcache.v1.Tensor.
-constexpr int kFetchKeys = 3, kFetchValues = 4, kTensorData = 3;
+// The fields written by hand; the rest go through protobuf's serialiser.
+constexpr int kFetchKeys = v1::FetchResponse::kKeysFieldNumber;
+constexpr int kFetchValues = v1::FetchResponse::kValuesFieldNumber;
+constexpr int kTensorData = v1::Tensor::kDataFieldNumber;
 
 // Bytes of a length-delimited field's tag and length prefix.
 size_t PrefixSize(int field, uint64_t length) {
@@ -116,8 +119,15 @@ void ReceivedUpdate::Clear() {
 grpc::ByteBuffer EncodeUpdateResponse(const v1::UpdateResponse& response) {
   uint8_t bytes[2 * (1 + 10)];  // two tags and varints
   uint8_t* out = bytes;
-  if (response.layer() != 0) out = WireFormatLite::WriteUInt32ToArray(1, response.layer(), out);
-  if (response.offset() != 0) out = WireFormatLite::WriteUInt64ToArray(2, response.offset(), out);
+  static_assert(std::size(kEncodedUpdateResponseFields) == 2, "bytes[] and the writes hold two");
+  if (response.layer() != 0) {
+    out = WireFormatLite::WriteUInt32ToArray(v1::UpdateResponse::kLayerFieldNumber,
+                                             response.layer(), out);
+  }
+  if (response.offset() != 0) {
+    out = WireFormatLite::WriteUInt64ToArray(v1::UpdateResponse::kOffsetFieldNumber,
+                                             response.offset(), out);
+  }
   grpc::Slice slice(bytes, out - bytes);
   return grpc::ByteBuffer(&slice, 1);
 }

@@ -99,7 +99,11 @@ class ReceivedUpdate {
   bool parsed_by_protobuf_ = false;
 };
 
-// An UpdateResponse as protobuf would encode it, in one inlined slice.
+// An UpdateResponse as protobuf would encode it, in one inlined slice. It
+// writes the fields listed here; tests hold the list against the schema, so
+// a field added to UpdateResponse is written here or the tests fail.
+inline constexpr int kEncodedUpdateResponseFields[] = {v1::UpdateResponse::kLayerFieldNumber,
+                                                       v1::UpdateResponse::kOffsetFieldNumber};
 grpc::ByteBuffer EncodeUpdateResponse(const v1::UpdateResponse& response);
 
 }  // namespace kvcache::service

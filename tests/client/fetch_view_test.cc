@@ -1,16 +1,23 @@
 // The data lane's Fetch chunks read as views (fetch_view.h): for every chunk
 // of keys and values protobuf would parse, the same fields and the same
 // bytes, in place; anything else (packed or recurrent chunks, malformed or
-// unusual encodings) is left to protobuf.
+// unusual encodings, fields it does not read) is left to protobuf; and its
+// lists of the fields it reads and leaves match the schema.
 #include "fetch_view.h"
 
 #include <random>
 #include <string>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "support/schema_fields.h"
 
 namespace kvcache {
 namespace {
+
+using testing::FieldsByMessage;
+using testing::Numbers;
+using ::testing::IsEmpty;
 
 std::string Random(size_t size, std::mt19937_64& rng) {
   std::string bytes(size, '\0');
@@ -99,6 +106,65 @@ TEST(FetchViewTest, LeavesEverythingElseToProtobuf) {
   EXPECT_FALSE(internal::ParseTokenChunk(Bytes(twice), header, k, v));
   // A varint longer than ten bytes.
   EXPECT_FALSE(internal::ParseTokenChunk(Bytes(std::string(11, '\xff')), header, k, v));
+}
+
+FieldsByMessage ParsedFields() {
+  return {{v1::FetchResponse::descriptor()->full_name(),
+           Numbers(internal::kParsedTokenChunkFields)},
+          {v1::Tensor::descriptor()->full_name(), Numbers(internal::kParsedTensorFields)}};
+}
+
+// Every field of FetchResponse, and of the Tensors it reads, is either read
+// here or makes the chunk protobuf's: a field added to the schema fails here
+// until it is one or the other.
+TEST(FetchViewSchemaTest, EveryFieldTheSchemaHasIsReadOrLeftToProtobuf) {
+  const FieldsByMessage left = {{v1::FetchResponse::descriptor()->full_name(),
+                                 Numbers(internal::kTokenChunkFieldsLeftToProtobuf)}};
+  EXPECT_THAT(testing::UndeclaredFields(*v1::FetchResponse::descriptor(), ParsedFields(), left),
+              IsEmpty());
+}
+
+// Every field it reads, set, is read: the header is protobuf's, the data views.
+TEST(FetchViewSchemaTest, EveryListedFieldIsRead) {
+  v1::FetchResponse chunk;
+  testing::FillHandledFields(ParsedFields(), chunk);
+  ASSERT_THAT(testing::UnsetHandledFields(ParsedFields(), chunk), IsEmpty());
+  const std::string wire = chunk.SerializeAsString();
+  v1::FetchResponse header;
+  absl::Span<const std::byte> keys, values;
+  ASSERT_TRUE(internal::ParseTokenChunk(Bytes(wire), header, keys, values));
+  EXPECT_EQ(AsString(keys), chunk.keys().data());
+  EXPECT_EQ(AsString(values), chunk.values().data());
+  chunk.mutable_keys()->clear_data();
+  chunk.mutable_values()->clear_data();
+  EXPECT_EQ(header.SerializeAsString(), chunk.SerializeAsString());
+}
+
+// Each field it leaves to protobuf, and a field the schema lacks in the chunk
+// or in a tensor, sends the chunk to protobuf, which reads it whole.
+TEST(FetchViewSchemaTest, FieldsNotReadHereLeaveTheChunkToProtobuf) {
+  std::mt19937_64 rng(7);
+  std::vector<v1::FetchResponse> chunks;
+  for (int number : internal::kTokenChunkFieldsLeftToProtobuf) {
+    testing::FieldsByMessage one = testing::AllFields(*v1::FetchResponse::descriptor());
+    one[v1::FetchResponse::descriptor()->full_name()] = {number};
+    testing::FillHandledFields(one, chunks.emplace_back(RandomChunk(rng)));
+  }
+  chunks.push_back(RandomChunk(rng));
+  chunks.back().GetReflection()->MutableUnknownFields(&chunks.back())->AddVarint(1000, 1);
+  chunks.push_back(RandomChunk(rng));
+  v1::Tensor& keys = *chunks.back().mutable_keys();
+  keys.GetReflection()->MutableUnknownFields(&keys)->AddLengthDelimited(1000, "later");
+  for (const v1::FetchResponse& chunk : chunks) {
+    SCOPED_TRACE(chunk.ShortDebugString().substr(0, 200));
+    const std::string wire = chunk.SerializeAsString();
+    v1::FetchResponse header;
+    absl::Span<const std::byte> k, v;
+    EXPECT_FALSE(internal::ParseTokenChunk(Bytes(wire), header, k, v));
+    v1::FetchResponse protobuf;
+    ASSERT_TRUE(protobuf.ParseFromString(wire));
+    EXPECT_EQ(protobuf.SerializeAsString(), wire);
+  }
 }
 
 }  // namespace

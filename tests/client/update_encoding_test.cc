@@ -2,7 +2,8 @@
 // without a server: both encodings (one copied slice, and slices that
 // reference the caller's buffers) read back through protobuf's own parser as
 // exactly the request meant, for attention layers (keys and values) and
-// recurrent layers (a state, with no keys or values on the wire unless given).
+// recurrent layers (a state, with no keys or values on the wire unless given);
+// and it writes every field the schema has.
 #include "update_encoding.h"
 
 #include <cstring>
@@ -10,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "support/schema_fields.h"
 
 namespace kvcache {
 namespace {
@@ -134,6 +137,39 @@ TEST(UpdateEncodingTest, SharedEncodingHoldsTheOwnerOfTheStateBytes) {
     EXPECT_EQ(request.state().conv_state().data().size(), 64u);
   }
   EXPECT_TRUE(watch.expired());
+}
+
+testing::FieldsByMessage EncodedFields() {
+  return {{v1::UpdateRequest::descriptor()->full_name(),
+           testing::Numbers(internal::kEncodedUpdateRequestFields)},
+          {v1::Tensor::descriptor()->full_name(), testing::Numbers(internal::kEncodedTensorFields)},
+          {v1::RecurrentState::descriptor()->full_name(),
+           testing::Numbers(internal::kEncodedRecurrentStateFields)}};
+}
+
+// The encoder writes every field of UpdateRequest and of the messages in it:
+// a field added to the schema fails here until it is written.
+TEST(UpdateEncodingTest, WritesEveryFieldTheSchemaHas) {
+  EXPECT_THAT(testing::UndeclaredFields(*v1::UpdateRequest::descriptor(), EncodedFields()),
+              ::testing::IsEmpty());
+}
+
+// An update that sets everything puts every listed field on the wire.
+TEST(UpdateEncodingTest, EveryListedFieldIsWritten) {
+  const std::vector<std::byte> keys = Bytes(16, 1), values = Bytes(16, 2), conv = Bytes(8, 3),
+                               delta = Bytes(8, 4);
+  LayerUpdate update{
+      .layer = 2,
+      .dtype = v1::DTYPE_FLOAT32,
+      .keys_shape = {1, 1, 1, 4},
+      .keys = keys,
+      .values_shape = {1, 1, 1, 4},
+      .values = values,
+      .state = RecurrentStateUpdate{.conv_shape = {1, 2}, .conv = conv,
+                                    .delta_shape = {1, 2}, .delta = delta, .advance = 1},
+      .expected_offset = 9,
+      .speculation_id = "draft"};
+  EXPECT_THAT(testing::UnsetHandledFields(EncodedFields(), Parse(update)), ::testing::IsEmpty());
 }
 
 }  // namespace

@@ -316,6 +316,28 @@ TEST_F(E2eDataLaneTest, MalformedMessagesAreRefusedNamingTheirType) {
   ExpectHealthy();
 }
 
+// An update holding fields the schema lacks (in the request and in its keys)
+// is read as protobuf reads it, not by the hand parser, and applied whole.
+TEST_F(E2eDataLaneTest, FieldsTheSchemaLacksLeaveTheUpdateToProtobuf) {
+  v1::UpdateRequest request = NewUpdate(0, 4);
+  request.GetReflection()->MutableUnknownFields(&request)->AddVarint(1000, 1);
+  v1::Tensor& keys = *request.mutable_keys();
+  keys.GetReflection()->MutableUnknownFields(&keys)->AddLengthDelimited(1000, "later");
+  auto raw = OpenRaw();
+  raw->Send(v1::LANE_FRAME_UPDATE, request);
+  raw->Send(v1::LANE_FRAME_UPDATE_END, "");
+  auto [kind, payload] = raw->Read();
+  ASSERT_EQ(kind, v1::LANE_FRAME_UPDATE_ACK) << payload;
+  v1::UpdateResponse ack;
+  ASSERT_TRUE(ack.ParseFromString(payload));
+  EXPECT_EQ(ack.offset(), 4u);
+  EXPECT_TRUE(raw->ReadStatus().ok());
+  absl::StatusOr<LayerHistory> history = server_->client().FetchLayer(cache_id_, "", 0);
+  ASSERT_TRUE(history.ok()) << history.status();
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()), history->keys.size()),
+            request.keys().data());
+}
+
 // Frames the server cannot take end the connection, after a status that says why.
 TEST_F(E2eDataLaneTest, ProtocolErrorsCloseTheConnectionAndChangeNothing) {
   struct Case {

@@ -87,12 +87,13 @@ class E2eUpdateWireTest : public E2eTest {
 TEST_P(E2eUpdateWireTest, UnusualEncodingsAreAppliedAsProtobufReadsThem) {
   const v1::UpdateRequest first = RandomUpdate(cache_id_, spec_, 0, 3, rng_);
   const v1::UpdateRequest second = RandomUpdate(cache_id_, spec_, 0, 2, rng_);
-  // Fields reordered, shapes unpacked, unknown fields: the hand parser's.
-  // A group: protobuf's. Then a state, reordered.
+  // Fields reordered, shapes unpacked, maybe unknown fields (which make it
+  // protobuf's). A group: protobuf's. Then a state, reordered.
   const std::string group = WireTag(99, 3) + VarintField(1, 5) + WireTag(99, 4);
   const StreamResult result =
-      SendRaw({RandomEncoding(first, rng_), second.SerializeAsString() + group,
-               RandomEncoding(StateUpdate(4), rng_)});
+      SendRaw({RandomEncoding(first, rng_, UnknownFields::kSome),
+               second.SerializeAsString() + group,
+               RandomEncoding(StateUpdate(4), rng_, UnknownFields::kSome)});
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   ASSERT_EQ(result.acks.size(), 3u);
   EXPECT_EQ(result.acks[1].offset(), 5u);

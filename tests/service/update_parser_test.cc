@@ -1,21 +1,30 @@
 // The hand parser of UpdateRequest (service/update_parser.h) against
 // protobuf's own: every message it accepts parses to what protobuf parses,
-// tensors stay in the pieces they arrived in, and what it leaves to protobuf
-// (ReceivedUpdate's fallback) ends the same way protobuf does, malformed
+// tensors stay in the pieces they arrived in, it reads every field the schema
+// has, and what it leaves to protobuf (ReceivedUpdate's fallback: fields it
+// does not read among others) ends the same way protobuf does, malformed
 // messages as INVALID_ARGUMENT.
 #include "service/update_parser.h"
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
+#include <algorithm>
+#include <functional>
 #include <random>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/wire_format.h"
+#include "support/schema_fields.h"
 #include "update_wire_util.h"
 
 namespace kvcache::testing {
 namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 
 grpc::ByteBuffer BufferOf(const std::vector<std::string>& pieces) {
   std::vector<grpc::Slice> slices;
@@ -147,7 +156,9 @@ TEST(UpdateParserTest, DamagedMessagesEndAsProtobufSays) {
   std::mt19937_64 rng(10);
   int by_hand = 0, refused = 0;
   for (int i = 0; i < 4000; ++i) {
-    std::string bytes = RandomEncoding(RandomUpdateRequest(rng, 64), rng);
+    const v1::UpdateRequest request = RandomUpdateRequest(rng, 64);
+    const UnknownFields unknown = rng() % 4 == 0 ? UnknownFields::kSome : UnknownFields::kNone;
+    std::string bytes = RandomEncoding(request, rng, unknown);
     if (bytes.empty()) continue;
     const size_t at = rng() % bytes.size();
     switch (rng() % 4) {
@@ -189,6 +200,133 @@ TEST(UpdateParserTest, ResponsesAreEncodedAsProtobufEncodesThem) {
     }
     ASSERT_EQ(encoded, response.SerializeAsString());
   }
+}
+
+// What the hand parser reads, by message.
+FieldsByMessage ParsedFields() {
+  return {{v1::UpdateRequest::descriptor()->full_name(),
+           Numbers(service::kParsedUpdateRequestFields)},
+          {v1::Tensor::descriptor()->full_name(), Numbers(service::kParsedTensorFields)},
+          {v1::RecurrentState::descriptor()->full_name(),
+           Numbers(service::kParsedRecurrentStateFields)}};
+}
+
+// Whether `message` or a message in it holds fields the schema lacks.
+bool HoldsUnknownFields(const google::protobuf::Message& message) {
+  const google::protobuf::Reflection& reflection = *message.GetReflection();
+  if (!reflection.GetUnknownFields(message).empty()) return true;
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection.ListFields(message, &fields);
+  return std::any_of(fields.begin(), fields.end(), [&](const auto* field) {
+    return field->message_type() != nullptr && !field->is_repeated() &&
+           HoldsUnknownFields(reflection.GetMessage(message, field));
+  });
+}
+
+// The parser reads every field of UpdateRequest and of the messages in it: a
+// field added to the schema fails here until the parser reads it.
+TEST(UpdateParserSchemaTest, ReadsEveryFieldTheSchemaHas) {
+  EXPECT_THAT(UndeclaredFields(*v1::UpdateRequest::descriptor(), ParsedFields()), IsEmpty());
+}
+
+// The check above, given lists that leave a field out (as a field added to
+// the schema would be left out), names it.
+TEST(UpdateParserSchemaTest, AFieldLeftOutOfTheListsIsNamed) {
+  FieldsByMessage fewer = ParsedFields();
+  std::vector<int>& tensor = fewer[v1::Tensor::descriptor()->full_name()];
+  tensor.erase(std::find(tensor.begin(), tensor.end(), v1::Tensor::kDataFieldNumber));
+  EXPECT_THAT(UndeclaredFields(*v1::UpdateRequest::descriptor(), fewer),
+              ElementsAre(HasSubstr("kvcache.v1.Tensor.data = 3")));
+  fewer.erase(v1::RecurrentState::descriptor()->full_name());
+  EXPECT_THAT(UndeclaredFields(*v1::UpdateRequest::descriptor(), fewer),
+              ElementsAre(HasSubstr("kvcache.v1.Tensor.data = 3"),
+                          HasSubstr("kvcache.v1.RecurrentState: reached, but no fields")));
+}
+
+// Every field the lists name, set, is read by hand, to what protobuf reads.
+TEST(UpdateParserSchemaTest, EveryListedFieldIsReadByHand) {
+  v1::UpdateRequest request;
+  FillHandledFields(ParsedFields(), request);
+  ASSERT_THAT(UnsetHandledFields(ParsedFields(), request), IsEmpty());
+  const std::string bytes = request.SerializeAsString();
+  EXPECT_TRUE(ExpectParsedLikeProtobuf(bytes, {bytes}));
+}
+
+// A field the parser does not read, of any wire type, in the request or in
+// any message within it, sends the request to protobuf: the request comes out
+// as protobuf parses it (the unknown field kept there, and read by nothing).
+TEST(UpdateParserTest, AFieldNotReadHereLeavesTheMessageToProtobuf) {
+  v1::UpdateRequest filled;
+  FillHandledFields(ParsedFields(), filled);
+  using Place = std::function<google::protobuf::Message*(v1::UpdateRequest&)>;
+  const std::pair<const char*, Place> places[] = {
+      {"request", [](v1::UpdateRequest& r) { return &r; }},
+      {"keys", [](v1::UpdateRequest& r) { return r.mutable_keys(); }},
+      {"values", [](v1::UpdateRequest& r) { return r.mutable_values(); }},
+      {"state", [](v1::UpdateRequest& r) { return r.mutable_state(); }},
+      {"conv_state", [](v1::UpdateRequest& r) { return r.mutable_state()->mutable_conv_state(); }},
+      {"delta_state", [](v1::UpdateRequest& r) { return r.mutable_state()->mutable_delta_state(); }},
+  };
+  constexpr int kNumber = 1000;
+  std::mt19937_64 rng(12);
+  for (const auto& [where, place] : places) {
+    for (int wire_type : {0, 1, 2, 3, 5}) {
+      SCOPED_TRACE(::testing::Message() << where << ", wire type " << wire_type);
+      v1::UpdateRequest request = filled;
+      google::protobuf::Message* message = place(request);
+      ASSERT_EQ(message->GetDescriptor()->FindFieldByNumber(kNumber), nullptr);
+      google::protobuf::UnknownFieldSet* unknown =
+          message->GetReflection()->MutableUnknownFields(message);
+      switch (wire_type) {
+        case 0: unknown->AddVarint(kNumber, 300); break;
+        case 1: unknown->AddFixed64(kNumber, 7); break;
+        case 2: unknown->AddLengthDelimited(kNumber, "later"); break;
+        case 3: unknown->AddGroup(kNumber)->AddVarint(1, 5); break;
+        default: unknown->AddFixed32(kNumber, 7); break;
+      }
+      const std::string bytes = request.SerializeAsString();
+      service::UpdateView view;
+      EXPECT_FALSE(service::ParseUpdateRequest(Spans({bytes}), view));
+      ASSERT_TRUE(v1::UpdateRequest().ParseFromString(bytes));
+      EXPECT_FALSE(ExpectParsedLikeProtobuf(bytes, RandomPieces(bytes, rng)));
+    }
+  }
+}
+
+// Random requests, unknown fields among their fields or not: those with one
+// go to protobuf, the others are read by hand, and all end as protobuf says.
+TEST(UpdateParserTest, RequestsWithUnknownFieldsGoToProtobufTheRestAreReadByHand) {
+  std::mt19937_64 rng(13);
+  int by_hand = 0;
+  for (int i = 0; i < 1500; ++i) {
+    SCOPED_TRACE(i);
+    const std::string bytes =
+        RandomEncoding(RandomUpdateRequest(rng, 64), rng, UnknownFields::kSome);
+    v1::UpdateRequest protobuf;
+    ASSERT_TRUE(protobuf.ParseFromString(bytes));
+    const bool read_by_hand = ExpectParsedLikeProtobuf(bytes, RandomPieces(bytes, rng));
+    EXPECT_EQ(read_by_hand, !HoldsUnknownFields(protobuf));
+    by_hand += read_by_hand;
+  }
+  // Both ways were taken.
+  EXPECT_GT(by_hand, 50);
+  EXPECT_LT(by_hand, 1450);
+}
+
+// The encoder writes every field of UpdateResponse: a field added to the
+// schema fails here until it does.
+TEST(UpdateParserSchemaTest, ResponsesWriteEveryFieldTheSchemaHas) {
+  const FieldsByMessage encoded = {{v1::UpdateResponse::descriptor()->full_name(),
+                                    Numbers(service::kEncodedUpdateResponseFields)}};
+  EXPECT_THAT(UndeclaredFields(*v1::UpdateResponse::descriptor(), encoded), IsEmpty());
+  v1::UpdateResponse response;
+  FillHandledFields(encoded, response);
+  ASSERT_THAT(UnsetHandledFields(encoded, response), IsEmpty());
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(service::EncodeUpdateResponse(response).Dump(&slices).ok());
+  ASSERT_EQ(slices.size(), 1u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()),
+            response.SerializeAsString());
 }
 
 }  // namespace

@@ -37,18 +37,10 @@ v1::Tensor RandomTensorMessage(std::mt19937_64& rng, uint64_t max_data) {
   return tensor;
 }
 
-std::string UnknownField(uint32_t field, std::mt19937_64& rng) {
-  switch (rng() % 4) {
-    case 0: return VarintField(field, RandomValue(rng));
-    case 1: return WireTag(field, 1) + RandomBytes(8, rng);
-    case 2: return BytesField(field, RandomBytes(rng() % 20, rng));
-    default: return WireTag(field, 5) + RandomBytes(4, rng);
-  }
-}
-
-// Up to two unknown fields with numbers from `numbers`.
+// Up to two unknown fields with numbers from `numbers`, if asked for.
 void AddUnknown(std::vector<std::string>& fields, std::initializer_list<uint32_t> numbers,
-                std::mt19937_64& rng) {
+                UnknownFields unknown, std::mt19937_64& rng) {
+  if (unknown == UnknownFields::kNone) return;
   for (uint64_t n = rng() % 3; n > 0; --n) {
     fields.push_back(UnknownField(numbers.begin()[rng() % numbers.size()], rng));
   }
@@ -85,26 +77,27 @@ std::vector<std::string> ShapeFields(const v1::Tensor& tensor, std::mt19937_64& 
   return fields;
 }
 
-std::string EncodeTensor(const v1::Tensor& tensor, std::mt19937_64& rng) {
+std::string EncodeTensor(const v1::Tensor& tensor, UnknownFields unknown, std::mt19937_64& rng) {
   std::vector<std::string> free;
   if (tensor.dtype() != 0 || Coin(rng)) {
     free.push_back(VarintField(1, static_cast<uint64_t>(int64_t{tensor.dtype()})));
   }
   if (!tensor.data().empty() || Coin(rng)) free.push_back(BytesField(3, tensor.data()));
-  AddUnknown(free, {4, 5, 15, 16, 2047, 536870911}, rng);
+  AddUnknown(free, {4, 5, 15, 16, 2047, 536870911}, unknown, rng);
   return Interleave(ShapeFields(tensor, rng), std::move(free), rng);
 }
 
-std::string EncodeState(const v1::RecurrentState& state, std::mt19937_64& rng) {
+std::string EncodeState(const v1::RecurrentState& state, UnknownFields unknown,
+                        std::mt19937_64& rng) {
   std::vector<std::string> fields;
   if (state.has_conv_state()) {
-    fields.push_back(BytesField(1, EncodeTensor(state.conv_state(), rng)));
+    fields.push_back(BytesField(1, EncodeTensor(state.conv_state(), unknown, rng)));
   }
   if (state.has_delta_state()) {
-    fields.push_back(BytesField(2, EncodeTensor(state.delta_state(), rng)));
+    fields.push_back(BytesField(2, EncodeTensor(state.delta_state(), unknown, rng)));
   }
   if (state.advance() != 0 || Coin(rng)) fields.push_back(VarintField(3, state.advance()));
-  AddUnknown(fields, {4, 7, 100}, rng);
+  AddUnknown(fields, {4, 7, 100}, unknown, rng);
   return Interleave({}, std::move(fields), rng);
 }
 
@@ -132,6 +125,15 @@ std::string BytesField(uint32_t field, const std::string& body) {
   return WireTag(field, 2) + Varint(body.size()) + body;
 }
 
+std::string UnknownField(uint32_t field, std::mt19937_64& rng) {
+  switch (rng() % 4) {
+    case 0: return VarintField(field, RandomValue(rng));
+    case 1: return WireTag(field, 1) + RandomBytes(8, rng);
+    case 2: return BytesField(field, RandomBytes(rng() % 20, rng));
+    default: return WireTag(field, 5) + RandomBytes(4, rng);
+  }
+}
+
 v1::UpdateRequest RandomUpdateRequest(std::mt19937_64& rng, uint64_t max_data) {
   v1::UpdateRequest request;
   std::string id(rng() % 40, ' ');
@@ -155,18 +157,25 @@ v1::UpdateRequest RandomUpdateRequest(std::mt19937_64& rng, uint64_t max_data) {
   return request;
 }
 
-std::string RandomEncoding(const v1::UpdateRequest& request, std::mt19937_64& rng) {
+std::string RandomEncoding(const v1::UpdateRequest& request, std::mt19937_64& rng,
+                           UnknownFields unknown) {
   std::vector<std::string> fields;
   if (!request.cache_id().empty() || Coin(rng)) fields.push_back(BytesField(1, request.cache_id()));
   if (request.layer() != 0 || Coin(rng)) fields.push_back(VarintField(2, request.layer()));
-  if (request.has_keys()) fields.push_back(BytesField(3, EncodeTensor(request.keys(), rng)));
-  if (request.has_values()) fields.push_back(BytesField(4, EncodeTensor(request.values(), rng)));
-  if (request.has_state()) fields.push_back(BytesField(5, EncodeState(request.state(), rng)));
+  if (request.has_keys()) {
+    fields.push_back(BytesField(3, EncodeTensor(request.keys(), unknown, rng)));
+  }
+  if (request.has_values()) {
+    fields.push_back(BytesField(4, EncodeTensor(request.values(), unknown, rng)));
+  }
+  if (request.has_state()) {
+    fields.push_back(BytesField(5, EncodeState(request.state(), unknown, rng)));
+  }
   if (!request.speculation_id().empty() || Coin(rng)) {
     fields.push_back(BytesField(6, request.speculation_id()));
   }
   if (request.has_expected_offset()) fields.push_back(VarintField(7, request.expected_offset()));
-  AddUnknown(fields, {8, 9, 10, 1000}, rng);
+  AddUnknown(fields, {8, 9, 10, 1000}, unknown, rng);
   return Interleave({}, std::move(fields), rng);
 }
 

@@ -1,6 +1,6 @@
 // Builders for the UpdateRequest wire-parser tests: random requests, random
 // (but valid) encodings of them that protobuf's serialiser never produces
-// (fields reordered, shapes packed or not, unknown fields between), messages
+// (fields reordered, shapes packed or not, unknown fields between or not), messages
 // cut into pieces at random, and a view turned back into a message so it can
 // be compared with protobuf's own parse.
 #pragma once
@@ -28,11 +28,17 @@ std::string BytesField(uint32_t field, const std::string& body);
 // rank and size, data of up to `max_data` bytes.
 v1::UpdateRequest RandomUpdateRequest(std::mt19937_64& rng, uint64_t max_data = 3000);
 
+// Whether RandomEncoding puts fields the schema lacks (up to two per
+// message, of every skippable wire type) between the known ones.
+enum class UnknownFields { kNone, kSome };
+
 // An encoding of `request` that protobuf parses to `request`, drawn at
 // random: fields in any order, scalars equal to 0 sometimes written out,
-// shapes packed, unpacked or both, and unknown fields of every skippable wire
-// type in between.
-std::string RandomEncoding(const v1::UpdateRequest& request, std::mt19937_64& rng);
+// shapes packed, unpacked or both.
+std::string RandomEncoding(const v1::UpdateRequest& request, std::mt19937_64& rng,
+                           UnknownFields unknown = UnknownFields::kNone);
+// A field of `number` of a random skippable wire type.
+std::string UnknownField(uint32_t number, std::mt19937_64& rng);
 
 // `bytes` cut at up to `max_cuts` random places (pieces may be empty).
 std::vector<std::string> RandomPieces(const std::string& bytes, std::mt19937_64& rng,
