@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -32,9 +33,7 @@ absl::Status LaneSession::Run() {
     RETURN_IF_ERROR(writer_.Send());
   }
   while (true) {
-    // Acknowledge what is applied before waiting for more.
-    if (!writer_.empty() && !reader_.HasBufferedFrame()) RETURN_IF_ERROR(writer_.Send());
-    absl::StatusOr<lane::Frame> frame = reader_.Next();
+    absl::StatusOr<lane::Frame> frame = NextFrame();
     if (!frame.ok()) {
       // A frame too long is answered; a closed or failed socket is not.
       if (absl::IsInvalidArgument(frame.status())) {
@@ -56,6 +55,20 @@ absl::Status LaneSession::Run() {
           "data lane: a Fetch failed after announcing its length; closed its connection");
     }
   }
+}
+
+// What is applied is acknowledged before the session waits for more, but
+// not before a frame that is already there: a client that streams its
+// Updates gets their acknowledgements many to a send, and the session spends
+// no system call on them while it is the slower side.
+absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
+  if (!writer_.empty() && !reader_.HasBufferedFrame()) {
+    absl::StatusOr<std::optional<lane::Frame>> arrived = reader_.Poll();
+    if (arrived.ok() && arrived->has_value()) return **arrived;
+    // Else nothing whole yet, or the socket's end, which Next tells exactly.
+    if (absl::Status sent = writer_.Send(); !sent.ok() && arrived.ok()) return sent;
+  }
+  return reader_.Next();
 }
 
 absl::Status LaneSession::OnFrame(const lane::Frame& frame) {

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/lane_wire.h"
 #include "service/fetch_call.h"
@@ -32,6 +33,9 @@ class LaneSession {
   bool in_call() const { return in_call_.load(std::memory_order_acquire); }
 
  private:
+  // The next frame of the client's, once the acknowledgements queued are
+  // sent where it has to wait for it.
+  absl::StatusOr<lane::Frame> NextFrame();
   // One frame of the client's; an error ends the connection.
   absl::Status OnFrame(const lane::Frame& frame);
   void OnUpdate(absl::Span<const std::byte> payload);

@@ -4,6 +4,8 @@
 #include <google/protobuf/wire_format_lite.h>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "service/update_parser.h"
@@ -46,8 +48,16 @@ absl::Status ParsedUpdate::Parse(MessagePieces pieces) {
   return absl::OkStatus();
 }
 
+// The ids' strings keep their buffers for the next message (a stream
+// names the same cache in each): no allocation per message.
 void ParsedUpdate::Clear() {
+  std::string cache_id = std::move(view_.cache_id);
+  std::string speculation_id = std::move(view_.speculation_id);
   view_ = UpdateView();
+  cache_id.clear();
+  speculation_id.clear();
+  view_.cache_id = std::move(cache_id);
+  view_.speculation_id = std::move(speculation_id);
   if (parsed_by_protobuf_) parsed_.Clear();
   parsed_by_protobuf_ = false;
 }
@@ -64,14 +74,13 @@ EncodedAck::EncodedAck(const v1::UpdateResponse& response) {
 absl::StatusOr<EncodedAck> UpdateCall::Apply(MessagePieces pieces) {
   if (!status_.ok()) return status_;
   absl::Status status = message_.Parse(pieces);
-  v1::UpdateResponse response;
-  if (status.ok()) status = handlers_.Update(message_.view(), &known_spec_, &response);
+  if (status.ok()) status = handlers_.Update(message_.view(), &known_spec_, &response_);
   message_.Clear();  // the engine has copied the tensors: nothing points into the pieces
   if (!status.ok()) {
     status_ = status;
     return status;
   }
-  return EncodedAck(response);
+  return EncodedAck(response_);
 }
 
 absl::Status UpdateCall::Finish() {

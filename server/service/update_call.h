@@ -70,6 +70,7 @@ class UpdateCall {
   Handlers& handlers_;
   ParsedUpdate message_;
   KnownSpec known_spec_;  // of the cache last written to
+  v1::UpdateResponse response_;  // reused: every message sets both fields
   absl::Status status_;
 };
 
