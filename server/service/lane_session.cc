@@ -12,6 +12,9 @@ namespace kvcache::service {
 namespace {
 
 constexpr size_t kChunkBatchBytes = 512 << 10;
+// Acknowledgements queued before they go out even with more frames waiting
+// (about 1 KiB).
+constexpr int kMostUnsentAcks = 64;
 
 }  // namespace
 
@@ -60,14 +63,22 @@ absl::Status LaneSession::Run() {
 // What is applied is acknowledged before the session waits for more, but
 // not before a frame that is already there: a client that streams its
 // Updates gets their acknowledgements many to a send, and the session spends
-// no system call on them while it is the slower side.
+// no system call on them while it is the slower side. At most
+// kMostUnsentAcks wait, so a client that is always ahead still sees them.
 absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
-  if (!writer_.empty() && !reader_.HasBufferedFrame()) {
-    absl::StatusOr<std::optional<lane::Frame>> arrived = reader_.Poll();
-    if (arrived.ok() && arrived->has_value()) return **arrived;
-    // Else nothing whole yet, or the socket's end, which Next tells exactly.
-    if (absl::Status sent = writer_.Send(); !sent.ok() && arrived.ok()) return sent;
+  if (writer_.empty()) {
+    unsent_acks_ = 0;
+    return reader_.Next();
   }
+  absl::StatusOr<std::optional<lane::Frame>> arrived = std::nullopt;
+  if (unsent_acks_ < kMostUnsentAcks) {
+    if (reader_.HasBufferedFrame()) return reader_.Next();
+    arrived = reader_.Poll();
+    if (arrived.ok() && arrived->has_value()) return **arrived;
+  }
+  // Else nothing whole yet, or the socket's end, which Next tells exactly.
+  if (absl::Status sent = writer_.Send(); !sent.ok() && arrived.ok()) return sent;
+  unsent_acks_ = 0;
   return reader_.Next();
 }
 
@@ -115,6 +126,7 @@ void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
   }
   writer_.AddHeader(v1::LANE_FRAME_UPDATE_ACK, static_cast<uint32_t>(ack->bytes().size()));
   writer_.AddCopy(ack->bytes());
+  ++unsent_acks_;
 }
 
 void LaneSession::OnUpdateEnd() {
