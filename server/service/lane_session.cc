@@ -1,8 +1,9 @@
 #include "service/lane_session.h"
 
+#include <sys/ioctl.h>
+
 #include <algorithm>
 #include <cstring>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -61,23 +62,23 @@ absl::Status LaneSession::Run() {
 }
 
 // What is applied is acknowledged before the session waits for more, but
-// not before a frame that is already there: a client that streams its
-// Updates gets their acknowledgements many to a send, and the session spends
-// no system call on them while it is the slower side. At most
+// not while more of the client's bytes are already there: a client that
+// streams its Updates gets their acknowledgements many to a send, and the
+// session spends a send (and the client a wake-up) per batch, not per
+// message. Bytes that have arrived are the rest of a frame the client sent
+// whole, so the read that follows does not wait on the client. At most
 // kMostUnsentAcks wait, so a client that is always ahead still sees them.
 absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
   if (writer_.empty()) {
     unsent_acks_ = 0;
     return reader_.Next();
   }
-  absl::StatusOr<std::optional<lane::Frame>> arrived = std::nullopt;
   if (unsent_acks_ < kMostUnsentAcks) {
     if (reader_.HasBufferedFrame()) return reader_.Next();
-    arrived = reader_.Poll();
-    if (arrived.ok() && arrived->has_value()) return **arrived;
+    int arrived = 0;  // bytes in the socket, read by nobody yet
+    if (ioctl(fd_, FIONREAD, &arrived) == 0 && arrived > 0) return reader_.Next();
   }
-  // Else nothing whole yet, or the socket's end, which Next tells exactly.
-  if (absl::Status sent = writer_.Send(); !sent.ok() && arrived.ok()) return sent;
+  RETURN_IF_ERROR(writer_.Send());
   unsent_acks_ = 0;
   return reader_.Next();
 }
@@ -223,6 +224,7 @@ void LaneSession::QueueViewedChunk(const FetchChunkFraming& framing,
 
 void LaneSession::QueueStatus(const absl::Status& status) {
   writer_.AddMessage(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(status));
+  unsent_acks_ = kMostUnsentAcks;  // a call's end goes out at the next frame, not later
 }
 
 }  // namespace kvcache::service

@@ -60,7 +60,7 @@ class LaneSession {
   size_t chunk_buffer_capacity_ = 0;
   std::atomic<bool> in_call_{false};
   bool updating_ = false;  // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
-  int unsent_acks_ = 0;    // acknowledgements queued in writer_
+  int unsent_acks_ = 0;    // acknowledgements queued in writer_ (at most, once a STATUS is)
   bool announces_lengths_ = false;  // the client opened with KVLANE02
   bool broke_announcement_ = false;  // a Fetch failed after its FETCH_LENGTH
 };
