@@ -66,7 +66,7 @@ class FetchCallTest : public HandlersTestBase {
   std::string id_;
 };
 
-TEST_F(FetchCallTest, ChunksAreTheEncodingOfTheFilledMessages) {
+TEST_P(FetchCallTest, ChunksAreTheEncodingOfTheFilledMessages) {
   absl::StatusOr<service::FetchPlan> plan = handlers_->PlanFetch(WholeCache());
   ASSERT_TRUE(plan.ok()) << plan.status();
   service::FetchCall call(*handlers_, WholeCache());
@@ -87,7 +87,7 @@ TEST_F(FetchCallTest, ChunksAreTheEncodingOfTheFilledMessages) {
 }
 
 // Packed chunks are known only once filled: no length to announce.
-TEST_F(FetchCallTest, OnlyKeysAndValuesHaveALengthBeforehand) {
+TEST_P(FetchCallTest, OnlyKeysAndValuesHaveALengthBeforehand) {
   const engine::LayerSpec quantized{.num_kv_heads = 1, .k_head_dim = 64, .v_head_dim = 64,
                                     .kind = engine::QuantizedKind{.group_size = 32, .bits = 4}};
   const engine::CacheSpec spec = MakeSpec({quantized});
@@ -111,7 +111,7 @@ TEST_F(FetchCallTest, OnlyKeysAndValuesHaveALengthBeforehand) {
 // status: Finish lets go of the plan's pages before it returns. Each way a
 // call ends: every chunk sent, the transport stopping half-way, and a
 // refusal before planning.
-TEST_F(FetchCallTest, PagesAreLetGoBeforeTheStatusOnEveryEnding) {
+TEST_P(FetchCallTest, PagesAreLetGoBeforeTheStatusOnEveryEnding) {
   struct Ending {
     const char* name;
     size_t chunks_sent;  // SIZE_MAX: all
@@ -146,7 +146,7 @@ TEST_F(FetchCallTest, PagesAreLetGoBeforeTheStatusOnEveryEnding) {
 
 // A call's own failure is its status, whatever the transport says after it;
 // one refused before planning sends nothing and says why.
-TEST_F(FetchCallTest, TheCallsOwnFailureIsItsStatus) {
+TEST_P(FetchCallTest, TheCallsOwnFailureIsItsStatus) {
   service::FetchCall refused(*handlers_, absl::InvalidArgumentError("FetchRequest: malformed"));
   EXPECT_FALSE(refused.has_next());
   EXPECT_FALSE(refused.TokenChunksBytes(8).has_value());
@@ -165,6 +165,9 @@ TEST_F(FetchCallTest, TheCallsOwnFailureIsItsStatus) {
   EXPECT_EQ(empty.TokenChunksBytes(8), 0u);
   EXPECT_TRUE(empty.Finish().ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(AllPaths, FetchCallTest, ::testing::ValuesIn(kAllTransferPaths),
+                         [](const auto& info) { return TransferPathName(info.param); });
 
 }  // namespace
 }  // namespace kvcache::testing

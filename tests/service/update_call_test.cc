@@ -42,7 +42,7 @@ class UpdateCallTest : public HandlersTestBase {
   std::string id_;
 };
 
-TEST_F(UpdateCallTest, MessagesInPiecesAreAppliedAndAcknowledged) {
+TEST_P(UpdateCallTest, MessagesInPiecesAreAppliedAndAcknowledged) {
   service::UpdateCall call(*handlers_);
   uint64_t offset = 0;
   for (uint64_t tokens : {5, 1, 17}) {
@@ -64,7 +64,7 @@ TEST_F(UpdateCallTest, MessagesInPiecesAreAppliedAndAcknowledged) {
   EXPECT_EQ(Offsets(), (std::vector<uint64_t>{23, 23}));
 }
 
-TEST_F(UpdateCallTest, TheFirstFailureEndsTheCallAndIsItsStatus) {
+TEST_P(UpdateCallTest, TheFirstFailureEndsTheCallAndIsItsStatus) {
   service::UpdateCall call(*handlers_);
   ASSERT_TRUE(call.Apply(Spans(Message(0, 3))).ok());
   const std::string malformed = "\x0a\x7f";
@@ -85,7 +85,7 @@ TEST_F(UpdateCallTest, TheFirstFailureEndsTheCallAndIsItsStatus) {
 
 // A message that names another cache than the one the call wrote to: the
 // spec it keeps is replaced, not used for the other cache's layers.
-TEST_F(UpdateCallTest, AnotherCacheIsCheckedAgainstItsOwnSpec) {
+TEST_P(UpdateCallTest, AnotherCacheIsCheckedAgainstItsOwnSpec) {
   service::UpdateCall call(*handlers_);
   ASSERT_TRUE(call.Apply(Spans(Message(0, 2))).ok());
   const std::string first = id_;
@@ -104,6 +104,9 @@ TEST_F(UpdateCallTest, AnotherCacheIsCheckedAgainstItsOwnSpec) {
   (void)call.Finish();
   EXPECT_EQ(engine_->GetCache(first)->layer_offsets, (std::vector<uint64_t>{2, 0}));
 }
+
+INSTANTIATE_TEST_SUITE_P(AllPaths, UpdateCallTest, ::testing::ValuesIn(kAllTransferPaths),
+                         [](const auto& info) { return TransferPathName(info.param); });
 
 }  // namespace
 }  // namespace kvcache::testing
