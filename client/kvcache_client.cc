@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "fetch_transport.h"
 #include "fetch_view.h"
 #include "lane_client.h"
 #include "update_encoding.h"
@@ -37,19 +38,6 @@ constexpr char kServiceConfig[] = R"({
     }
   }]
 })";
-
-// A FetchResponse from a data-lane frame's bytes.
-bool ParseChunk(absl::Span<const std::byte> payload, v1::FetchResponse& chunk) {
-  return chunk.ParseFromArray(payload.data(), static_cast<int>(payload.size()));
-}
-
-absl::Status UnreadableChunk() {
-  return absl::DataLossError("data lane: a Fetch chunk is not a FetchResponse");
-}
-
-absl::Span<const std::byte> BytesOf(const std::string& data) {
-  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
-}
 
 template <typename Response, typename Call>
 absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
@@ -132,7 +120,9 @@ Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> chan
             absl::StatusOr<v1::Stats> stats = GetStats();
             if (!stats.ok()) return stats.status();
             return stats->data_lane_address();
-          })) {}
+          })),
+      grpc_fetch_(internal::GrpcFetchTransport(*stub_, options.deadline)),
+      lane_fetch_(internal::LaneFetchTransport(*lanes_)) {}
 
 Client::~Client() = default;
 
@@ -287,77 +277,38 @@ absl::StatusOr<v1::CacheInfo> Client::AbortSpeculation(const std::string& specul
 
 #undef KV_UNARY
 
-void Client::Prepare(grpc::ClientContext& context) const {
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+internal::FetchTransport& Client::fetch_transport() {
+  return uses_data_lane() ? *lane_fetch_ : *grpc_fetch_;
 }
 
 absl::Status Client::Fetch(const v1::FetchRequest& request,
                            const std::function<absl::Status(const v1::FetchResponse&)>& on_chunk) {
-  if (uses_data_lane()) {
-    v1::FetchResponse chunk;
-    return internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
-      if (!ParseChunk(payload, chunk)) return UnreadableChunk();
-      return on_chunk(chunk);
-    });
-  }
-  grpc::ClientContext context;
-  Prepare(context);
-  auto reader = stub_->Fetch(&context, request);
   v1::FetchResponse chunk;
-  absl::Status sink_status;
-  while (reader->Read(&chunk)) {
-    sink_status = on_chunk(chunk);
-    if (!sink_status.ok()) {
-      context.TryCancel();
-      break;
-    }
-  }
-  const grpc::Status status = reader->Finish();
-  return sink_status.ok() ? FromGrpc(status) : sink_status;
+  return fetch_transport().Fetch(request, [&](internal::ReceivedChunk& received) {
+    if (absl::Status taken = received.Take(chunk); !taken.ok()) return taken;
+    return on_chunk(chunk);
+  });
 }
 
 absl::Status Client::FetchViews(const v1::FetchRequest& request,
                                const std::function<absl::Status(const FetchChunkView&)>& on_chunk) {
-  FetchChunkView view;
-  if (!uses_data_lane()) {
-    return Fetch(request, [&](const v1::FetchResponse& chunk) {
-      view = {.header = &chunk, .keys = BytesOf(chunk.keys().data()),
-              .values = BytesOf(chunk.values().data())};
-      return on_chunk(view);
-    });
-  }
   v1::FetchResponse header;
-  return internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
-    view.header = &header;
-    if (!internal::ParseTokenChunk(payload, header, view.keys, view.values)) {
-      // Packed and recurrent chunks: the whole message.
-      if (!ParseChunk(payload, header)) return UnreadableChunk();
-      view.keys = BytesOf(header.keys().data());
-      view.values = BytesOf(header.values().data());
-    }
+  FetchChunkView view;
+  return fetch_transport().Fetch(request, [&](internal::ReceivedChunk& received) {
+    if (absl::Status viewed = received.View(header, view); !viewed.ok()) return viewed;
     return on_chunk(view);
   });
 }
 
 absl::StatusOr<std::vector<v1::FetchResponse>> Client::FetchAll(const v1::FetchRequest& request) {
-  // Read straight into the list (not through Fetch's callback, which would
+  // Taken straight into the list (not through Fetch's callback, which would
   // copy every chunk once more).
-  if (uses_data_lane()) {
-    std::vector<v1::FetchResponse> chunks;
-    const absl::Status status =
-        internal::LaneFetch(*lanes_, request, [&](absl::Span<const std::byte> payload) {
-          return ParseChunk(payload, chunks.emplace_back()) ? absl::OkStatus() : UnreadableChunk();
-        });
-    if (!status.ok()) return status;
-    return chunks;
-  }
-  grpc::ClientContext context;
-  Prepare(context);
-  auto reader = stub_->Fetch(&context, request);
-  std::vector<v1::FetchResponse> chunks(1);
-  while (reader->Read(&chunks.back())) chunks.emplace_back();
-  chunks.pop_back();
-  if (const grpc::Status status = reader->Finish(); !status.ok()) return FromGrpc(status);
+  std::vector<v1::FetchResponse> chunks;
+  const absl::Status status =
+      fetch_transport().Fetch(request, [&](internal::ReceivedChunk& received) {
+        return received.Take(chunks.emplace_back());
+      });
+  if (!status.ok()) return status;
   return chunks;
 }
 

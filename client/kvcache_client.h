@@ -82,6 +82,7 @@ absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse>
 
 class UpdateStream;
 namespace internal {
+class FetchTransport;
 class LanePool;
 class UpdateTransport;
 }  // namespace internal
@@ -168,7 +169,8 @@ class Client {
  private:
   friend class UpdateStream;
   Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
-  void Prepare(grpc::ClientContext& context) const;
+  // Where this call's Fetch goes (ClientOptions::data_lane).
+  internal::FetchTransport& fetch_transport();
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -176,6 +178,8 @@ class Client {
   // Update with requests the client encodes itself (update_encoding.h).
   grpc::internal::RpcMethod raw_update_;
   std::unique_ptr<internal::LanePool> lanes_;
+  std::unique_ptr<internal::FetchTransport> grpc_fetch_;
+  std::unique_ptr<internal::FetchTransport> lane_fetch_;
 };
 
 // A long-lived Update stream: Write() sends one layer's tokens without waiting

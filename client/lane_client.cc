@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "fetch_view.h"
 #include "update_encoding.h"
 
 namespace kvcache::internal {
@@ -250,6 +251,55 @@ absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request
   }
 }
 
+absl::Span<const std::byte> BytesOf(const std::string& data) {
+  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
+}
+
+// A chunk as the lane delivered it: the bytes of its frame, parsed as asked.
+class FrameChunk final : public ReceivedChunk {
+ public:
+  explicit FrameChunk(absl::Span<const std::byte> payload) : payload_(payload) {}
+
+  absl::Status Take(v1::FetchResponse& out) override {
+    return Parse(out) ? absl::OkStatus() : Unreadable();
+  }
+
+  absl::Status View(v1::FetchResponse& header, FetchChunkView& out) override {
+    out.header = &header;
+    if (ParseTokenChunk(payload_, header, out.keys, out.values)) return absl::OkStatus();
+    // Packed and recurrent chunks: the whole message.
+    if (!Parse(header)) return Unreadable();
+    out.keys = BytesOf(header.keys().data());
+    out.values = BytesOf(header.values().data());
+    return absl::OkStatus();
+  }
+
+ private:
+  bool Parse(v1::FetchResponse& out) const {
+    return out.ParseFromArray(payload_.data(), static_cast<int>(payload_.size()));
+  }
+  static absl::Status Unreadable() {
+    return absl::DataLossError("data lane: a Fetch chunk is not a FetchResponse");
+  }
+
+  absl::Span<const std::byte> payload_;
+};
+
+class LaneFetchCalls final : public FetchTransport {
+ public:
+  explicit LaneFetchCalls(LanePool& pool) : pool_(pool) {}
+
+  absl::Status Fetch(const v1::FetchRequest& request, const ChunkSink& on_chunk) override {
+    return LaneFetch(pool_, request, [&](absl::Span<const std::byte> payload) {
+      FrameChunk chunk(payload);
+      return on_chunk(chunk);
+    });
+  }
+
+ private:
+  LanePool& pool_;
+};
+
 }  // namespace
 
 LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
@@ -332,6 +382,10 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Take() {
 void LanePool::Give(std::unique_ptr<LaneConnection> connection) {
   absl::MutexLock lock(&mutex_);
   idle_.push_back(std::move(connection));
+}
+
+std::unique_ptr<FetchTransport> LaneFetchTransport(LanePool& pool) {
+  return std::make_unique<LaneFetchCalls>(pool);
 }
 
 std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cache_id) {

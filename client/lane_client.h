@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "fetch_transport.h"
 #include "lane/frame.h"
 #include "lane/frame_reader.h"
 #include "lane/frame_writer.h"
@@ -65,6 +66,10 @@ class LanePool {
 
 // An Update call on the lane, for requests of `cache_id`.
 std::unique_ptr<UpdateTransport> OpenLaneUpdate(LanePool& pool, std::string cache_id);
+
+// Fetch calls on the lane: each chunk handed on as the bytes of its frame
+// (LaneFetch).
+std::unique_ptr<FetchTransport> LaneFetchTransport(LanePool& pool);
 
 // A Fetch call on the lane: each chunk's FetchResponse bytes to `on_chunk`
 // (valid during the call), in order, until it fails. Retried once on a fresh

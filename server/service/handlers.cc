@@ -42,26 +42,28 @@ absl::Status Handlers::DeleteCache(const v1::DeleteCacheRequest& request,
 
 absl::Status Handlers::Update(const UpdateView& request, KnownSpec* known,
                               v1::UpdateResponse* response) {
-  std::string cache_id = request.cache_id;
+  // Not copied unless the speculation names it (no allocation per message).
+  const std::string* cache_id = &request.cache_id;
+  engine::SpeculationInfo speculation;
   if (!request.speculation_id.empty()) {
     // The speculation first: an unknown one, or one named with another
     // cache_id, is NOT_FOUND naming speculation_id, never a mismatch with
     // that other cache's layers. An empty cache_id means its cache.
-    ASSIGN_OR_RETURN(engine::SpeculationInfo speculation,
+    ASSIGN_OR_RETURN(speculation,
                      engine_.GetSpeculation(request.speculation_id, request.cache_id));
-    cache_id = std::move(speculation.cache_id);
+    cache_id = &speculation.cache_id;
   }
-  RETURN_IF_ERROR(RequireId("cache_id", cache_id));
+  RETURN_IF_ERROR(RequireId("cache_id", *cache_id));
   KnownSpec looked_up;
   if (known == nullptr) known = &looked_up;
-  RETURN_IF_ERROR(engine_.RefreshSpec(cache_id, known->layout_id, known->spec));
+  RETURN_IF_ERROR(engine_.RefreshSpec(*cache_id, known->layout_id, known->spec));
   const engine::CacheSpec& spec = known->spec;
   RETURN_IF_ERROR(CheckLayerIndex(spec, request.layer));
   uint64_t offset = 0;
   if (engine::IsRecurrent(spec.layers[request.layer])) {
-    ASSIGN_OR_RETURN(offset, ApplyStateUpdate(request, spec, cache_id));
+    ASSIGN_OR_RETURN(offset, ApplyStateUpdate(request, spec, *cache_id));
   } else {
-    ASSIGN_OR_RETURN(offset, ApplyKvUpdate(request, spec, cache_id));
+    ASSIGN_OR_RETURN(offset, ApplyKvUpdate(request, spec, *cache_id));
   }
   response->set_layer(request.layer);
   response->set_offset(offset);

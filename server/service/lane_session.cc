@@ -1,38 +1,26 @@
 #include "service/lane_session.h"
 
+#include <sys/ioctl.h>
+
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "service/update_parser.h"
-#include "service/wire_format.h"
 
 namespace kvcache::service {
 namespace {
 
 constexpr size_t kChunkBatchBytes = 512 << 10;
-
-// The request parsed from its frame: from the frame's bytes where
-// update_parser.h can, else by protobuf into `fallback`.
-absl::Status ParseUpdate(absl::Span<const std::byte> payload, v1::UpdateRequest& fallback,
-                         UpdateView& view) {
-  const absl::Span<const std::byte> pieces[] = {payload};
-  if (ParseUpdateRequest(pieces, view)) return absl::OkStatus();
-  view = UpdateView();
-  if (!fallback.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return absl::InvalidArgumentError(
-        "UpdateRequest: malformed (not the wire format of kvcache.v1.UpdateRequest)");
-  }
-  view = ViewOf(fallback);
-  return absl::OkStatus();
-}
+// Acknowledgements queued before they go out even with more frames waiting
+// (about 1 KiB).
+constexpr int kMostUnsentAcks = 64;
 
 }  // namespace
 
 LaneSession::LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes)
-    : handlers_(handlers), fd_(fd), reader_(fd, max_message_bytes), writer_(fd) {}
+    : handlers_(handlers), fd_(fd), reader_(fd, max_message_bytes), writer_(fd), update_(handlers) {}
 
 absl::Status LaneSession::Run() {
   ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));
@@ -49,9 +37,7 @@ absl::Status LaneSession::Run() {
     RETURN_IF_ERROR(writer_.Send());
   }
   while (true) {
-    // Acknowledge what is applied before waiting for more.
-    if (!writer_.empty() && !reader_.HasBufferedFrame()) RETURN_IF_ERROR(writer_.Send());
-    absl::StatusOr<lane::Frame> frame = reader_.Next();
+    absl::StatusOr<lane::Frame> frame = NextFrame();
     if (!frame.ok()) {
       // A frame too long is answered; a closed or failed socket is not.
       if (absl::IsInvalidArgument(frame.status())) {
@@ -75,20 +61,40 @@ absl::Status LaneSession::Run() {
   }
 }
 
+// What is applied is acknowledged before the session waits for more, but
+// not while more of the client's bytes are already there: a client that
+// streams its Updates gets their acknowledgements many to a send, and the
+// session spends a send (and the client a wake-up) per batch, not per
+// message. Bytes that have arrived are the rest of a frame the client sent
+// whole, so the read that follows does not wait on the client. At most
+// kMostUnsentAcks wait, so a client that is always ahead still sees them.
+absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
+  if (writer_.empty()) {
+    unsent_acks_ = 0;
+    return reader_.Next();
+  }
+  if (unsent_acks_ < kMostUnsentAcks) {
+    if (reader_.HasBufferedFrame()) return reader_.Next();
+    int arrived = 0;  // bytes in the socket, read by nobody yet
+    if (ioctl(fd_, FIONREAD, &arrived) == 0 && arrived > 0) return reader_.Next();
+  }
+  RETURN_IF_ERROR(writer_.Send());
+  unsent_acks_ = 0;
+  return reader_.Next();
+}
+
 absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
   switch (frame.header.kind) {
     case v1::LANE_FRAME_UPDATE:
       updating_ = true;
       SetInCall(true);
-      if (!discarding_) OnUpdate(frame.payload);
+      OnUpdate(frame.payload);
       return absl::OkStatus();
     case v1::LANE_FRAME_UPDATE_END:
       if (!updating_) {
         return absl::InvalidArgumentError("data lane: UPDATE_END outside an Update call");
       }
-      if (!discarding_) QueueStatus(absl::OkStatus());
-      updating_ = discarding_ = false;
-      SetInCall(false);
+      OnUpdateEnd();
       return absl::OkStatus();
     case v1::LANE_FRAME_FETCH:
       if (updating_) {
@@ -109,58 +115,45 @@ absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
   }
 }
 
+// A failed call's STATUS went out with its failure; its later frames are
+// skipped until UPDATE_END.
 void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
-  UpdateView view;
-  v1::UpdateResponse ack;
-  absl::Status status = ParseUpdate(payload, parsed_, view);
-  if (status.ok()) status = handlers_.Update(view, &known_spec_, &ack);
-  if (status.ok()) {
-    writer_.AddMessage(v1::LANE_FRAME_UPDATE_ACK, ack);
-  } else {
-    QueueStatus(status);
-    discarding_ = true;
+  if (update_.failed()) return;
+  const absl::Span<const std::byte> pieces[] = {payload};
+  const absl::StatusOr<EncodedAck> ack = update_.Apply(pieces);
+  if (!ack.ok()) {
+    QueueStatus(ack.status());
+    return;
   }
-  parsed_.Clear();
+  writer_.AddHeader(v1::LANE_FRAME_UPDATE_ACK, static_cast<uint32_t>(ack->bytes().size()));
+  writer_.AddCopy(ack->bytes());
+  ++unsent_acks_;
+}
+
+void LaneSession::OnUpdateEnd() {
+  const bool answered = update_.failed();
+  const absl::Status status = update_.Finish();
+  if (!answered) QueueStatus(status);
+  updating_ = false;
+  SetInCall(false);
 }
 
 absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
-  v1::FetchRequest request;
-  if (!request.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    QueueStatus(absl::InvalidArgumentError(
-        "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)"));
-    return writer_.Send();
+  absl::StatusOr<v1::FetchRequest> request = v1::FetchRequest();
+  if (!request->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    request = absl::InvalidArgumentError(
+        "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)");
   }
+  FetchCall call(handlers_, request);
   bool announced = false;
-  const absl::Status status = SendPlannedFetch(request, announced);
+  const absl::Status sent = SendChunks(call, announced);
+  // The call's status comes after its pages are let go (FetchCall::Finish).
+  const absl::Status status = call.Finish(sent);
   // A socket that failed cannot carry the status either.
-  if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) return status;
+  if (absl::IsUnavailable(sent) || absl::IsDeadlineExceeded(sent)) return sent;
   broke_announcement_ = announced && !status.ok();
   QueueStatus(status);
   return writer_.Send();
-}
-
-// The plan pins the pages it reads; it is gone before the call's STATUS goes
-// out, so a client that frees the cache next finds every page back.
-absl::Status LaneSession::SendPlannedFetch(const v1::FetchRequest& request, bool& announced) {
-  absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
-  if (!plan.ok()) return plan.status();
-  return SendChunks(*plan, announced);
-}
-
-uint64_t LaneSession::ChunkFrameBytes(const FetchPlan& plan) const {
-  uint64_t bytes = 0;
-  for (size_t index = 0; index < plan.chunks.size(); ++index) {
-    if (plan.chunks[index].form != FetchPlan::Form::kTokens) return 0;
-    bytes += lane::kHeaderBytes + FramingOf(plan, index).size();
-  }
-  return bytes;
-}
-
-FetchChunkFraming LaneSession::FramingOf(const FetchPlan& plan, size_t index) const {
-  v1::FetchResponse header;
-  uint64_t key_bytes = 0, value_bytes = 0;
-  handlers_.FetchChunkHeader(plan, index, &header, &key_bytes, &value_bytes);
-  return FetchChunkFraming(header, key_bytes, value_bytes);
 }
 
 // A chunk of keys and values goes out from the pages it lies in where they
@@ -169,11 +162,12 @@ FetchChunkFraming LaneSession::FramingOf(const FetchPlan& plan, size_t index) co
 // kChunkBatchBytes of frames are queued before they are written. On a
 // KVLANE02 connection the chunks' length goes first where every chunk is
 // keys and values (their sizes known before their data is read).
-absl::Status LaneSession::SendChunks(const FetchPlan& plan, bool& announced) {
+absl::Status LaneSession::SendChunks(FetchCall& call, bool& announced) {
   if (announces_lengths_) {
-    if (const uint64_t bytes = ChunkFrameBytes(plan); bytes > 0) {
+    const std::optional<uint64_t> bytes = call.TokenChunksBytes(lane::kHeaderBytes);
+    if (bytes.has_value() && *bytes > 0) {
       v1::LaneFetchLength length;
-      length.set_chunk_frame_bytes(bytes);
+      length.set_chunk_frame_bytes(*bytes);
       writer_.AddMessage(v1::LANE_FRAME_FETCH_LENGTH, length);
       announced = true;
     }
@@ -185,23 +179,18 @@ absl::Status LaneSession::SendChunks(const FetchPlan& plan, bool& announced) {
     return writer_.empty() ? absl::OkStatus() : writer_.Send();
   };
   engine::KvViews views;
-  for (size_t index = 0; index < plan.chunks.size(); ++index) {
-    if (plan.chunks[index].form != FetchPlan::Form::kTokens) {
+  while (call.has_next()) {
+    if (!call.next_is_tokens()) {
       v1::FetchResponse chunk;
-      RETURN_IF_ERROR(handlers_.FillFetchChunk(plan, index, &chunk));
+      if (!call.FillNext(chunk).ok()) break;
       writer_.AddMessage(v1::LANE_FRAME_FETCH_CHUNK, chunk);
       RETURN_IF_ERROR(flush());
       continue;
     }
-    const FetchChunkFraming framing = FramingOf(plan, index);
-    const uint64_t key_bytes = framing.key_bytes(), value_bytes = framing.value_bytes();
+    const FetchChunkFraming& framing = call.NextFraming();
     const size_t frame_bytes = lane::kHeaderBytes + framing.size();
-    if (handlers_.ViewFetchChunk(plan, index, views).ok()) {
-      writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
-      writer_.AddCopy(framing.head());
-      for (absl::Span<const std::byte> piece : views.keys) writer_.AddReference(piece);
-      writer_.AddCopy(framing.middle());
-      for (absl::Span<const std::byte> piece : views.values) writer_.AddReference(piece);
+    if (call.ViewNext(views)) {
+      QueueViewedChunk(framing, views);
     } else {
       if (used + frame_bytes > chunk_buffer_capacity_) {
         RETURN_IF_ERROR(flush());
@@ -214,22 +203,28 @@ absl::Status LaneSession::SendChunks(const FetchPlan& plan, bool& announced) {
       lane::EncodeHeader({.length = static_cast<uint32_t>(framing.size()),
                           .kind = v1::LANE_FRAME_FETCH_CHUNK},
                          frame);
-      std::byte* chunk = frame + lane::kHeaderBytes;
-      framing.Write(reinterpret_cast<uint8_t*>(chunk));
-      RETURN_IF_ERROR(handlers_.ReadFetchChunk(
-          plan, index, {.keys = {chunk + framing.keys_offset(), key_bytes},
-                        .values = {chunk + framing.values_offset(), value_bytes}}));
+      if (!call.ReadNext({frame + lane::kHeaderBytes, framing.size()}).ok()) break;
       writer_.AddReference({frame, frame_bytes});
       used += frame_bytes;
     }
     queued += frame_bytes;
     if (queued >= kChunkBatchBytes) RETURN_IF_ERROR(flush());
   }
-  return flush();
+  return flush();  // also the chunks before a failed one
+}
+
+void LaneSession::QueueViewedChunk(const FetchChunkFraming& framing,
+                                   const engine::KvViews& views) {
+  writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
+  writer_.AddCopy(framing.head());
+  for (absl::Span<const std::byte> piece : views.keys) writer_.AddReference(piece);
+  writer_.AddCopy(framing.middle());
+  for (absl::Span<const std::byte> piece : views.values) writer_.AddReference(piece);
 }
 
 void LaneSession::QueueStatus(const absl::Status& status) {
   writer_.AddMessage(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(status));
+  unsent_acks_ = kMostUnsentAcks;  // a call's end goes out at the next frame, not later
 }
 
 }  // namespace kvcache::service

@@ -1,7 +1,9 @@
-// One data-lane connection (kvcache.proto, LaneFrameKind): its calls, one
-// after another, on one thread. Update messages are read, applied and
-// acknowledged where they arrive, with no hand-off between threads; the
-// acknowledgements of all messages already buffered go out in one write.
+// One data-lane connection (kvcache.proto, LaneFrameKind): the data lane's
+// transport for the Update and Fetch calls (update_call.h, fetch_call.h),
+// which own every rule about them; its calls run one after another, on one
+// thread. Update messages are read, applied and acknowledged where they
+// arrive, with no hand-off between threads; the acknowledgements of all
+// messages already buffered go out in one write.
 #pragma once
 
 #include <atomic>
@@ -10,12 +12,14 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "lane/frame.h"
 #include "lane/frame_reader.h"
 #include "lane/frame_writer.h"
+#include "service/fetch_call.h"
 #include "service/handlers.h"
-#include "service/wire_format.h"
+#include "service/update_call.h"
 
 namespace kvcache::service {
 
@@ -31,19 +35,20 @@ class LaneSession {
   bool in_call() const { return in_call_.load(std::memory_order_acquire); }
 
  private:
+  // The next frame of the client's, once the acknowledgements queued are
+  // sent where it has to wait for it.
+  absl::StatusOr<lane::Frame> NextFrame();
   // One frame of the client's; an error ends the connection.
   absl::Status OnFrame(const lane::Frame& frame);
   void OnUpdate(absl::Span<const std::byte> payload);
+  void OnUpdateEnd();
   absl::Status OnFetch(absl::Span<const std::byte> payload);
-  // Plans the Fetch and sends its chunks; the plan's pages are let go on return.
-  absl::Status SendPlannedFetch(const v1::FetchRequest& request, bool& announced);
-  // The Fetch's chunks, written one at a time; `announced`: their length
-  // went first (FETCH_LENGTH).
-  absl::Status SendChunks(const FetchPlan& plan, bool& announced);
-  // The bytes of the plan's FETCH_CHUNK frames; 0 where a chunk's size is
-  // only known once it is filled (not keys and values).
-  uint64_t ChunkFrameBytes(const FetchPlan& plan) const;
-  FetchChunkFraming FramingOf(const FetchPlan& plan, size_t index) const;
+  // The call's chunks as FETCH_CHUNK frames; `announced`: their length went
+  // first (FETCH_LENGTH). Returns only the socket's failures: a chunk's own
+  // ends the call (FetchCall::Finish tells it).
+  absl::Status SendChunks(FetchCall& call, bool& announced);
+  // A chunk of keys and values sent from the pages it lies in.
+  void QueueViewedChunk(const FetchChunkFraming& framing, const engine::KvViews& views);
   void QueueStatus(const absl::Status& status);
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 
@@ -51,14 +56,13 @@ class LaneSession {
   int fd_;
   lane::FrameReader reader_;
   lane::FrameWriter writer_;
-  KnownSpec known_spec_;  // of the cache last written to
-  v1::UpdateRequest parsed_;  // protobuf's parse, when update_parser.h leaves it one
+  UpdateCall update_;  // the Update call under way, or the next one
   // Fetch chunks' frames, read from pages straight into it; reused.
   std::unique_ptr<std::byte[]> chunk_buffer_;
   size_t chunk_buffer_capacity_ = 0;
   std::atomic<bool> in_call_{false};
-  bool updating_ = false;    // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
-  bool discarding_ = false;  // it failed: its frames are skipped until UPDATE_END
+  bool updating_ = false;  // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
+  int unsent_acks_ = 0;    // acknowledgements queued in writer_ (at most, once a STATUS is)
   bool announces_lengths_ = false;  // the client opened with KVLANE02
   bool broke_announcement_ = false;  // a Fetch failed after its FETCH_LENGTH
 };

@@ -2,38 +2,50 @@
 
 #include "core/status_macros.h"
 #include "service/status_mapping.h"
-#include "service/wire_format.h"
 
 namespace kvcache::service {
+namespace {
 
-UpdateReactor::UpdateReactor(Handlers& handlers) : handlers_(handlers) { StartRead(&request_); }
+// The request as gRPC's serializer reads it, or its refusal, code for code.
+absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& raw_request) {
+  grpc::ByteBuffer buffer = raw_request;  // shares the slices; Deserialize consumes it
+  v1::FetchRequest request;
+  const grpc::Status parsed =
+      grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&buffer, &request);
+  if (!parsed.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(parsed.error_code()), parsed.error_message());
+  }
+  return request;
+}
 
-// A stream usually feeds one cache; its spec is looked up once, not per
-// message (Handlers::Update keeps it in known_spec_).
-absl::Status UpdateReactor::Apply(v1::UpdateResponse* response) {
-  RETURN_IF_ERROR(received_.Parse(request_));
-  return handlers_.Update(received_.view(), &known_spec_, response);
+}  // namespace
+
+UpdateReactor::UpdateReactor(Handlers& handlers) : call_(handlers) { StartRead(&request_); }
+
+absl::StatusOr<EncodedAck> UpdateReactor::Apply() {
+  RETURN_IF_ERROR(received_.Receive(request_));
+  absl::StatusOr<EncodedAck> ack = call_.Apply(received_.pieces());
+  received_.Clear();  // the engine has copied the tensors; free the slices
+  return ack;
 }
 
 void UpdateReactor::OnReadDone(bool ok) {
-  absl::Status status = absl::OkStatus();
-  v1::UpdateResponse ack;
-  if (ok) {
-    status = Apply(&ack);
-    received_.Clear();  // the engine has copied the tensors; free the slices
-  }
+  std::optional<absl::StatusOr<EncodedAck>> applied;  // none: the client ended its requests
+  if (ok) applied = Apply();
+  const bool applied_ok = applied.has_value() && applied->ok();
   Next next;
   {
     absl::MutexLock lock(&mutex_);
-    if (!ok || !status.ok()) {
-      if (!final_status_.has_value()) final_status_ = ToGrpcStatus(status);
-    } else {
-      acks_.push_back(std::move(ack));
+    if (applied_ok) {
+      acks_.push_back(**applied);
+    } else if (!final_status_.has_value()) {
+      // A request failed, or could not be read: its status. Else the call's.
+      final_status_ = ToGrpcStatus(applied.has_value() ? applied->status() : call_.Finish());
     }
     next = PickNext();
   }
   // The next read first: sending an acknowledgement may take a system call.
-  if (ok && status.ok()) StartRead(&request_);
+  if (applied_ok) StartRead(&request_);
   Start(next);
 }
 
@@ -75,78 +87,45 @@ void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (next == Next::kFinish) Finish(*final_status_);
 }
 
-FetchReactor::FetchReactor(Handlers& handlers, const grpc::ByteBuffer& raw_request)
-    : handlers_(handlers) {
-  grpc::ByteBuffer buffer = raw_request;  // shares the slices; Deserialize consumes it
-  v1::FetchRequest request;
-  const grpc::Status parsed =
-      grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&buffer, &request);
-  if (!parsed.ok()) {
-    Finish(parsed);
-    return;
-  }
-  absl::StatusOr<FetchPlan> plan = handlers_.PlanFetch(request);
-  if (!plan.ok()) {
-    Finish(ToGrpcStatus(plan.status()));
-    return;
-  }
-  plan_ = *std::move(plan);
+FetchReactor::FetchReactor(Handlers& handlers, const grpc::ByteBuffer& request)
+    : call_(handlers, ParseFetchRequest(request)) {
   WriteNext();
 }
 
 void FetchReactor::WriteNext() {
-  if (next_ == plan_.chunks.size()) {
-    FinishFetch(grpc::Status::OK);
+  if (!call_.has_next()) {
+    FinishFetch(absl::OkStatus());
     return;
   }
-  if (plan_.chunks[next_].form != FetchPlan::Form::kTokens) {
-    WriteEncoded();
+  const absl::Status filled = call_.next_is_tokens() ? ReadNextChunk(call_, response_) : EncodeNext();
+  if (!filled.ok()) {
+    FinishFetch(filled);
     return;
   }
-  v1::FetchResponse header;
-  uint64_t key_bytes = 0, value_bytes = 0;
-  handlers_.FetchChunkHeader(plan_, next_, &header, &key_bytes, &value_bytes);
-  FetchChunkBuffer chunk(header, key_bytes, value_bytes);
-  const absl::Status status =
-      handlers_.ReadFetchChunk(plan_, next_++, {.keys = chunk.keys(), .values = chunk.values()});
-  if (!status.ok()) {
-    FinishFetch(ToGrpcStatus(status));
-    return;
-  }
-  response_ = chunk.Finish();
   StartWrite(&response_);
 }
 
-void FetchReactor::WriteEncoded() {
+absl::Status FetchReactor::EncodeNext() {
   v1::FetchResponse chunk;
-  const absl::Status status = handlers_.FillFetchChunk(plan_, next_++, &chunk);
-  if (!status.ok()) {
-    FinishFetch(ToGrpcStatus(status));
-    return;
-  }
+  RETURN_IF_ERROR(call_.FillNext(chunk));
   bool own_buffer = false;
   // The serializer writes only into an empty buffer (gRPC asserts it), and
   // response_ still holds the previous chunk once that write is done.
   response_.Clear();
   const grpc::Status encoded =
       grpc::SerializationTraits<v1::FetchResponse>::Serialize(chunk, &response_, &own_buffer);
-  if (!encoded.ok()) {
-    FinishFetch(encoded);
-    return;
-  }
-  StartWrite(&response_);
+  if (encoded.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(encoded.error_code()), encoded.error_message());
 }
 
-// The plan's page references go before the status: a client that frees the
-// cache on seeing it finds every page back.
-void FetchReactor::FinishFetch(const grpc::Status& status) {
-  plan_.view.reset();
-  Finish(status);
+// FetchCall::Finish lets go of the plan's pages before it returns the status.
+void FetchReactor::FinishFetch(const absl::Status& transport) {
+  Finish(ToGrpcStatus(call_.Finish(transport)));
 }
 
 void FetchReactor::OnWriteDone(bool ok) {
   if (!ok) {
-    FinishFetch(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+    FinishFetch(absl::CancelledError("the client stopped reading"));
     return;
   }
   WriteNext();

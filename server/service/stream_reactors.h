@@ -1,15 +1,18 @@
-// Reactors of the two streaming RPCs. Each owns its state and deletes itself
-// in OnDone, as gRPC's callback API expects.
+// Reactors of the two streaming RPCs: gRPC's transport for the Update and
+// Fetch calls (update_call.h, fetch_call.h), which own every rule about them.
+// Each reactor owns its state and deletes itself in OnDone, as gRPC's
+// callback API expects.
 #pragma once
 
 #include <deque>
 #include <optional>
-#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/fetch_call.h"
 #include "service/handlers.h"
+#include "service/update_call.h"
 #include "service/wire_format.h"
 
 namespace kvcache::service {
@@ -32,17 +35,16 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // so no operation is started while holding it).
   enum class Next { kNothing, kWrite, kFinish };
 
-  absl::Status Apply(v1::UpdateResponse* response);
+  absl::StatusOr<EncodedAck> Apply();
   Next PickNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void Start(Next next);
 
-  Handlers& handlers_;
   // Touched only by the read path.
+  UpdateCall call_;
   grpc::ByteBuffer request_;
   ReceivedUpdate received_;
-  KnownSpec known_spec_;  // of the cache last written to
   absl::Mutex mutex_;
-  std::deque<v1::UpdateResponse> acks_ ABSL_GUARDED_BY(mutex_);
+  std::deque<EncodedAck> acks_ ABSL_GUARDED_BY(mutex_);
   grpc::ByteBuffer writing_ack_ ABSL_GUARDED_BY(mutex_);
   grpc::WriteOptions write_options_ ABSL_GUARDED_BY(mutex_);
   bool writing_ ABSL_GUARDED_BY(mutex_) = false;
@@ -51,10 +53,10 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool finished_ ABSL_GUARDED_BY(mutex_) = false;
 };
 
-// Fetch: plans the chunks from one consistent view, then fills and writes them
-// one after another. Registered raw (grpc::ByteBuffer), so that each chunk is
-// read from pages straight into its outgoing buffer (wire_format.h) rather
-// than into a zero-filled FetchResponse that protobuf then copies again.
+// Fetch: writes the call's chunks one after another. Registered raw
+// (grpc::ByteBuffer), so that each chunk of keys and values is read from
+// pages straight into its outgoing buffer (wire_format.h) rather than into a
+// zero-filled FetchResponse that protobuf then copies again.
 class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   FetchReactor(Handlers& handlers, const grpc::ByteBuffer& request);
@@ -64,12 +66,10 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  private:
   void WriteNext();
   // A packed or state chunk, encoded by protobuf.
-  void WriteEncoded();
-  void FinishFetch(const grpc::Status& status);
+  absl::Status EncodeNext();
+  void FinishFetch(const absl::Status& transport);
 
-  Handlers& handlers_;
-  FetchPlan plan_;
-  size_t next_ = 0;
+  FetchCall call_;
   grpc::ByteBuffer response_;
 };
 

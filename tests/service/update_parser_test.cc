@@ -1,7 +1,7 @@
 // The hand parser of UpdateRequest (service/update_parser.h) against
 // protobuf's own: every message it accepts parses to what protobuf parses,
 // tensors stay in the pieces they arrived in, it reads every field the schema
-// has, and what it leaves to protobuf (ReceivedUpdate's fallback: fields it
+// has, and what it leaves to protobuf (ParsedUpdate's fallback: fields it
 // does not read among others) ends the same way protobuf does, malformed
 // messages as INVALID_ARGUMENT.
 #include "service/update_parser.h"
@@ -32,15 +32,18 @@ grpc::ByteBuffer BufferOf(const std::vector<std::string>& pieces) {
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-// Parses `bytes` cut into `pieces` with ReceivedUpdate and expects protobuf's
+// Parses `bytes` cut into `pieces`, received as gRPC slices, with
+// ParsedUpdate and expects protobuf's
 // verdict: the same message, or INVALID_ARGUMENT where protobuf fails.
 // Returns whether the hand parser took it.
 bool ExpectParsedLikeProtobuf(const std::string& bytes, const std::vector<std::string>& pieces) {
   v1::UpdateRequest expected;
   const bool protobuf_ok = expected.ParseFromString(bytes);
-  grpc::ByteBuffer buffer = BufferOf(pieces);
-  service::ReceivedUpdate received;
-  const absl::Status status = received.Parse(buffer);
+  grpc::ByteBuffer buffer = BufferOf(pieces);  // as gRPC hands it over
+  service::ReceivedUpdate slices;
+  EXPECT_TRUE(slices.Receive(buffer).ok());
+  service::ParsedUpdate received;
+  const absl::Status status = received.Parse(slices.pieces());
   if (!protobuf_ok) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     EXPECT_TRUE(received.parsed_by_protobuf()) << "the hand parser took a malformed message";
@@ -144,14 +147,13 @@ TEST(UpdateParserTest, MalformedMessagesAreInvalidArgument) {
     ASSERT_FALSE(protobuf.ParseFromString(bytes)) << "not malformed after all";
     service::UpdateView view;
     EXPECT_FALSE(service::ParseUpdateRequest(Spans({bytes}), view));
-    grpc::ByteBuffer buffer = BufferOf({bytes});
-    service::ReceivedUpdate received;
-    EXPECT_EQ(received.Parse(buffer).code(), absl::StatusCode::kInvalidArgument);
+    service::ParsedUpdate received;
+    EXPECT_EQ(received.Parse(Spans({bytes})).code(), absl::StatusCode::kInvalidArgument);
   }
 }
 
 // Valid messages broken at random (cut, bytes flipped, inserted or doubled):
-// ReceivedUpdate must always agree with protobuf, accepted or not.
+// ParsedUpdate must always agree with protobuf, accepted or not.
 TEST(UpdateParserTest, DamagedMessagesEndAsProtobufSays) {
   std::mt19937_64 rng(10);
   int by_hand = 0, refused = 0;
@@ -179,9 +181,11 @@ TEST(UpdateParserTest, DamagedMessagesEndAsProtobufSays) {
 }
 
 TEST(UpdateParserTest, EmptyMessageIsAllDefaults) {
-  grpc::ByteBuffer buffer;
-  service::ReceivedUpdate received;
-  ASSERT_TRUE(received.Parse(buffer).ok());
+  grpc::ByteBuffer buffer;  // gRPC hands an empty message over as no buffer at all
+  service::ReceivedUpdate slices;
+  ASSERT_TRUE(slices.Receive(buffer).ok());
+  service::ParsedUpdate received;
+  ASSERT_TRUE(received.Parse(slices.pieces()).ok());
   EXPECT_EQ(Differences(v1::UpdateRequest(), Rebuild(received.view())), "");
   EXPECT_FALSE(received.parsed_by_protobuf());
 }
