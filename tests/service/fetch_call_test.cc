@@ -126,7 +126,7 @@ TEST_P(FetchCallTest, PagesAreLetGoBeforeTheStatusOnEveryEnding) {
   };
   for (const Ending& ending : endings) {
     SCOPED_TRACE(ending.name);
-    const uint32_t before = used_pages();  // the fixture's own cache
+    const uint32_t pages_before = used_pages();  // the fixture's own cache
     const std::string id = Create(spec_);
     RefCache reference(spec_);
     ASSERT_TRUE(Step(id, reference, 40));
@@ -137,9 +137,9 @@ TEST_P(FetchCallTest, PagesAreLetGoBeforeTheStatusOnEveryEnding) {
       NextChunkBytes(call);
     }
     ASSERT_TRUE(engine_->DeleteCache(id).ok());
-    ASSERT_GT(used_pages(), before) << "the plan should still hold the cache's pages";
+    ASSERT_GT(used_pages(), pages_before) << "the plan should still hold the cache's pages";
     const absl::Status status = call.Finish(ending.transport);
-    EXPECT_EQ(used_pages(), before) << "the status came before the pages were let go";
+    EXPECT_EQ(used_pages(), pages_before) << "the status came before the pages were let go";
     EXPECT_EQ(status.code(), ending.expected) << status;
     EXPECT_FALSE(call.has_next());
   }

@@ -33,8 +33,8 @@ grpc::ByteBuffer BufferOf(const std::vector<std::string>& pieces) {
 }
 
 // Parses `bytes` cut into `pieces`, received as gRPC slices, with
-// ParsedUpdate and expects protobuf's
-// verdict: the same message, or INVALID_ARGUMENT where protobuf fails.
+// ParsedUpdate and expects protobuf's verdict: the same message, or
+// INVALID_ARGUMENT where protobuf fails.
 // Returns whether the hand parser took it.
 bool ExpectParsedLikeProtobuf(const std::string& bytes, const std::vector<std::string>& pieces) {
   v1::UpdateRequest expected;
