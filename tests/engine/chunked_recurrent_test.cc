@@ -244,9 +244,11 @@ TEST_P(ChunkedRecurrentTest, RecurrentStatesAreSwappedNeverCopied) {
   ASSERT_TRUE(cache.Restore(at5.id, at5.ref.get(), 5).ok());
   EXPECT_EQ(UsedPages(), 3);  // the live layer now shares the snapshot's pages
   EXPECT_TRUE(cache.Matches());
-  // ollama: a target past the snapshot restores it, at the snapshot's offset.
-  ASSERT_TRUE(cache.Restore(at5.id, at5.ref.get(), 9).ok());
-  EXPECT_EQ(engine_->GetCache(cache.id())->offset, 5u);
+  // ollama would take a target past the snapshot and land at 5; every layer
+  // must end at the target, so it is refused.
+  const FullFingerprint restored = FullFingerprintOf(*engine_);
+  ExpectRefusedUnchanged(cache.Restore(at5.id, at5.ref.get(), 9), restored,
+                         "past the recurrent snapshot's offset 5");
   Tracked none, whole;
   Split(at5, 3, &none, &whole);
   EXPECT_EQ(UsedPages(), 3);
