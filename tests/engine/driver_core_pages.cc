@@ -54,6 +54,7 @@ std::optional<DriverCore::PageShadow> DriverCore::BeginPageShadow() {
       if (!state.has_value()) continue;
       parts.push_back({.layer = layer, .recurrent = true, .state = *std::move(state)});
     }
+    if (parts.empty()) return shadow;
     const StreamResult sent = adapter_.SendUpdates(shadow.cache_id, reference_->spec(), parts, true);
     EXPECT_TRUE(sent.status.ok()) << "the shadow's update: " << sent.status;
     return shadow;

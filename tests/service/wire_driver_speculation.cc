@@ -156,7 +156,8 @@ void WireDriver::SendDraft(const std::string& id, RefSpeculation& reference,
   if (fault == 1) MakeWrongKind(spec, parts[applied]);
   if (fault == 2) parts[applied].live = true;
   for (size_t i = 0; i < parts.size(); ++i) {
-    if (!parts[i].live) parts[i].speculation_id = id;
+    // A part sent again after a refusal already names the speculation.
+    parts[i].speculation_id = parts[i].live ? "" : id;
     if (!parts[i].live && Chance(0.2)) parts[i].expected_offset = before[i];
   }
   if (fault == 3) {
