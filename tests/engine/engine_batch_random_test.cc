@@ -167,10 +167,10 @@ class EngineBatchRandomTest : public GpuTestBase {
       driver.Finish();
       const RandomRunStats& s = driver.stats();
       std::printf(
-          "[ %-30s ] seed %llu: %llu ops (%llu updates, %llu fetches, batch ops %llu ok / "
+          "[ %-30s ] seed %llu: %llu ops (%llu steps, %llu fetches, batch ops %llu ok / "
           "%llu refused, restores %llu ok / %llu refused)\n",
           config.name.c_str(), static_cast<unsigned long long>(config.seed),
-          static_cast<unsigned long long>(s.operations), static_cast<unsigned long long>(s.updates),
+          static_cast<unsigned long long>(s.operations), static_cast<unsigned long long>(s.steps),
           static_cast<unsigned long long>(s.fetches),
           static_cast<unsigned long long>(s.batch_ops_ok),
           static_cast<unsigned long long>(s.batch_ops_refused),

@@ -282,11 +282,11 @@ uint64_t NameHash(const std::string& name) {
 }
 
 void PrintStats(const RandomConfig& config, const RandomRunStats& s) {
-  std::printf("[ %-38s ] seed %llu: %llu ops (%llu updates, %llu states, %llu fetches, restores "
+  std::printf("[ %-38s ] seed %llu: %llu ops (%llu steps, %llu states, %llu fetches, restores "
               "%llu ok / %llu refused, %llu merges, %llu splits, %llu other refusals)\n",
               config.name.c_str(), static_cast<unsigned long long>(config.seed),
               static_cast<unsigned long long>(s.operations),
-              static_cast<unsigned long long>(s.updates),
+              static_cast<unsigned long long>(s.steps),
               static_cast<unsigned long long>(s.state_updates),
               static_cast<unsigned long long>(s.fetches),
               static_cast<unsigned long long>(s.restores_ok),

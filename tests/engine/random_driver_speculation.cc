@@ -19,7 +19,6 @@
 namespace kvcache::testing {
 namespace {
 
-constexpr char kOtherId[] = "0123456789abcdef0123456789abcdef";
 constexpr auto kRefused = absl::StatusCode::kFailedPrecondition;
 
 }  // namespace
@@ -52,13 +51,11 @@ void ExpectSpeculationCoverage(const RandomConfig& config, const RandomRunStats&
 
 void RandomDriver::Speculate() {
   // Room for the longest draft (and a probe's extra token) under the cap.
-  if (has_standard_layer_ && Offset() + kMaxDraft + 1 > kStandardOffsetCap) {
-    return ShrinkOrRecreate(kMaxDraft + 1);
-  }
+  if (KeepStandardLayersSmall(kMaxDraft + 1)) return;
   const std::optional<PageShadow> shadow = BeginPageShadow();
   if (::testing::Test::HasFailure()) return;
   const bool isolated = Chance(0.25);
-  absl::StatusOr<engine::SpeculationInfo> begun = engine_.BeginSpeculation(cache_id_, isolated);
+  absl::StatusOr<engine::SpeculationInfo> begun = engine().BeginSpeculation(cache_id_, isolated);
   ASSERT_TRUE(begun.ok()) << begun.status();
   const std::string id = begun->speculation_id;
   SCOPED_TRACE(absl::StrCat(isolated ? "isolated " : "", "speculation from ", Offset()));
@@ -78,7 +75,7 @@ void RandomDriver::Speculate() {
   }
   if (Chance(0.2)) return EndWithReaderInFlight(id, reference, shadow);
   const uint64_t kept = EndSpeculation(id, reference);
-  if (shadow.has_value()) EndPageShadow(*shadow, KeptSteps(reference, kept));
+  if (shadow.has_value()) EndPageShadow(*shadow, KeptParts(reference, kept));
 }
 
 void RandomDriver::DraftAndProbe(const std::string& id, RefSpeculation& reference) {
@@ -91,37 +88,27 @@ void RandomDriver::DraftAndProbe(const std::string& id, RefSpeculation& referenc
   if (::testing::Test::HasFailure()) return;
   if (probe && !probe_first) ProbeWhileSpeculating(id);
   if (Chance(0.6)) CheckSpeculativeView(id, reference);
-  if (Chance(0.2)) Fetch();  // the live cache: the committed history only
+  if (Chance(0.2)) FetchLive();  // the live cache: the committed history only
 }
 
 void RandomDriver::EndWithReaderInFlight(const std::string& id, RefSpeculation& reference,
                                          const std::optional<PageShadow>& shadow) {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View("", "", id);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine().View("", "", id);
   ASSERT_TRUE(view.ok()) << view.status();
-  const std::vector<RefToken> tokens = IsRecurrentLayer(layer) ? std::vector<RefToken>{}
+  const std::vector<RefToken> tokens = IsRecurrent(layer) ? std::vector<RefToken>{}
                                                                : reference.Fetch(layer);
-  const RefState state = IsRecurrentLayer(layer) ? reference.FetchState(layer).value_or(
+  const RefState state = IsRecurrent(layer) ? reference.FetchState(layer).value_or(
                                                        ZeroState(reference_->spec(), layer))
                                                  : RefState{};
   const uint64_t kept = EndSpeculation(id, reference);
-  if (shadow.has_value()) EndPageShadow(*shadow, KeptSteps(reference, kept));
+  if (shadow.has_value()) EndPageShadow(*shadow, KeptParts(reference, kept));
   if (::testing::Test::HasFailure()) return;
-  Update();
+  UpdateStep();
   if (::testing::Test::HasFailure()) return;
   SCOPED_TRACE("a view of the ended speculation");
-  if (IsRecurrentLayer(layer)) return CheckState(**view, layer, state);
+  if (IsRecurrent(layer)) return CheckState(**view, layer, state);
   CheckLayer(**view, layer, tokens);
-}
-
-std::vector<RandomDriver::StepTokens> RandomDriver::KeptSteps(const RefSpeculation& reference,
-                                                              uint64_t kept) const {
-  if (kept == 0) return {};
-  StepTokens step(reference_->num_layers());
-  for (uint32_t layer = 0; layer < step.size(); ++layer) {
-    if (!IsRecurrentLayer(layer)) step[layer] = reference.DraftedTokens(layer, kept);
-  }
-  return {step};
 }
 
 void RandomDriver::DraftTokens(const std::string& id, RefSpeculation& reference,
@@ -129,7 +116,7 @@ void RandomDriver::DraftTokens(const std::string& id, RefSpeculation& reference,
   for (uint64_t drafted = 0; drafted < tokens;) {
     const uint64_t piece = Chance(0.5) ? 1 : Uniform(1, tokens - drafted);
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
-      if (IsRecurrentLayer(layer)) {
+      if (IsRecurrent(layer)) {
         DraftStates(id, reference, layer, piece);
       } else {
         DraftLayer(id, reference, layer, piece);
@@ -146,18 +133,18 @@ void RandomDriver::DraftLayer(const std::string& id, RefSpeculation& reference, 
   const KvTensors kv = RandomLayerKv(reference_->spec(), layer, tokens, rng_);
   const uint64_t before = reference.layer_offsets()[layer];
   if (Chance(0.02)) {
-    EXPECT_EQ(engine_.UpdateSpeculation(id, "", layer, kv.input(), before + 1).status().code(),
+    EXPECT_EQ(engine().UpdateSpeculation(id, "", layer, kv.input(), before + 1).status().code(),
               kRefused);
     ++stats_.speculation_refusals;
   }
   if (Chance(0.02)) {  // named with a cache that is not its own
-    EXPECT_EQ(engine_.UpdateSpeculation(id, kOtherId, layer, kv.input()).status().code(),
+    EXPECT_EQ(engine().UpdateSpeculation(id, kOtherId, layer, kv.input()).status().code(),
               absl::StatusCode::kNotFound);
     ++stats_.speculation_refusals;
   }
   if (Chance(0.02)) {  // a recurrent state for an attention layer
     const RefState state{.conv = kv.keys, .delta = kv.values};
-    EXPECT_EQ(engine_.UpdateSpeculationState(id, "", layer, StateInputOf(state, tokens))
+    EXPECT_EQ(engine().UpdateSpeculationState(id, "", layer, StateInputOf(state, tokens))
                   .status().code(),
               absl::StatusCode::kInvalidArgument);
     ++stats_.speculation_refusals;
@@ -166,7 +153,7 @@ void RandomDriver::DraftLayer(const std::string& id, RefSpeculation& reference, 
   if (Chance(0.2)) expected_offset = before;
   const std::string cache_id = Chance(0.5) ? cache_id_ : "";
   absl::StatusOr<uint64_t> result =
-      engine_.UpdateSpeculation(id, cache_id, layer, kv.input(), expected_offset);
+      engine().UpdateSpeculation(id, cache_id, layer, kv.input(), expected_offset);
   ASSERT_TRUE(result.ok()) << result.status();
   reference.Update(layer, TokensFromTensors(ShapeOf(reference_->spec(), layer), kv.keys,
                                             kv.values, tokens));
@@ -183,7 +170,7 @@ void RandomDriver::DraftStates(const std::string& id, RefSpeculation& reference,
   if (Chance(0.05)) advances.insert(advances.begin(), 0);
   if (Chance(0.02)) {  // keys and values for a recurrent layer
     const KvTensors kv = RandomKv(RefShape{}, 1, rng_);
-    EXPECT_EQ(engine_.UpdateSpeculation(id, "", layer, kv.input()).status().code(),
+    EXPECT_EQ(engine().UpdateSpeculation(id, "", layer, kv.input()).status().code(),
               absl::StatusCode::kInvalidArgument);
     ++stats_.speculation_refusals;
   }
@@ -191,7 +178,7 @@ void RandomDriver::DraftStates(const std::string& id, RefSpeculation& reference,
     RefState state = RandomState(reference_->spec(), layer, rng_);
     std::optional<uint64_t> expected_offset;
     if (Chance(0.2)) expected_offset = reference.layer_offsets()[layer];
-    absl::StatusOr<uint64_t> result = engine_.UpdateSpeculationState(
+    absl::StatusOr<uint64_t> result = engine().UpdateSpeculationState(
         id, Chance(0.5) ? cache_id_ : "", layer, StateInputOf(state, advance), expected_offset);
     ASSERT_TRUE(result.ok()) << result.status();
     reference.UpdateState(layer, std::move(state), advance);
@@ -202,12 +189,12 @@ void RandomDriver::DraftStates(const std::string& id, RefSpeculation& reference,
 void RandomDriver::CheckSpeculativeView(const std::string& id, const RefSpeculation& reference) {
   SCOPED_TRACE("the speculative view");
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
-      engine_.View(Chance(0.5) ? cache_id_ : "", "", id);
+      engine().View(Chance(0.5) ? cache_id_ : "", "", id);
   ASSERT_TRUE(view.ok()) << view.status();
   const std::vector<uint64_t> offsets = reference.layer_offsets();
   EXPECT_EQ((*view)->to, *std::max_element(offsets.begin(), offsets.end()));
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
-  if (IsRecurrentLayer(layer)) {
+  if (IsRecurrent(layer)) {
     CheckState(**view, layer,
                reference.FetchState(layer).value_or(ZeroState(reference_->spec(), layer)));
   } else {
@@ -215,7 +202,7 @@ void RandomDriver::CheckSpeculativeView(const std::string& id, const RefSpeculat
   }
   ++stats_.speculation_views;
   if (Chance(0.2)) {
-    absl::StatusOr<engine::SpeculationInfo> info = engine_.GetSpeculation(id);
+    absl::StatusOr<engine::SpeculationInfo> info = engine().GetSpeculation(id);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->layer_offsets, offsets);
     EXPECT_EQ(info->committed_offset, reference.committed());
@@ -224,28 +211,28 @@ void RandomDriver::CheckSpeculativeView(const std::string& id, const RefSpeculat
 }
 
 void RandomDriver::ProbeWhileSpeculating(const std::string& id) {
-  EXPECT_EQ(engine_.BeginSpeculation(cache_id_, Chance(0.5)).status().code(), kRefused);
+  EXPECT_EQ(engine().BeginSpeculation(cache_id_, Chance(0.5)).status().code(), kRefused);
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
-  if (IsRecurrentLayer(layer)) {
+  if (IsRecurrent(layer)) {
     const RefState state = RandomState(reference_->spec(), layer, rng_);
-    EXPECT_EQ(engine_.UpdateState(cache_id_, layer, StateInputOf(state, 1)).status().code(),
+    EXPECT_EQ(engine().UpdateState(cache_id_, layer, StateInputOf(state, 1)).status().code(),
               kRefused);
   } else {
     const KvTensors kv = RandomLayerKv(reference_->spec(), layer, 1, rng_);
-    EXPECT_EQ(engine_.Update(cache_id_, layer, kv.input()).status().code(), kRefused);
+    EXPECT_EQ(engine().Update(cache_id_, layer, kv.input()).status().code(), kRefused);
   }
-  EXPECT_EQ(engine_.Trim(cache_id_, 0).status().code(), kRefused);
-  EXPECT_EQ(engine_.Restore(cache_id_, "", Offset()).status().code(), kRefused);
+  EXPECT_EQ(engine().Trim(cache_id_, 0).status().code(), kRefused);
+  EXPECT_EQ(engine().Restore(cache_id_, "", Offset()).status().code(), kRefused);
   stats_.speculation_refusals += 4;
   if (!snapshots_.empty()) {
     const TrackedSnapshot& snapshot = snapshots_[RandomSnapshotIndex()];
-    EXPECT_EQ(engine_.Restore(cache_id_, snapshot.id, snapshot.reference->to).status().code(),
+    EXPECT_EQ(engine().Restore(cache_id_, snapshot.id, snapshot.reference->to).status().code(),
               kRefused);
     ++stats_.speculation_refusals;
   }
   if (config_.batch_ops) {
-    EXPECT_EQ(engine_.FilterRows(cache_id_, {0}).status().code(), kRefused);
-    EXPECT_EQ(engine_.ExtendCache(cache_id_, cache_id_).status().code(), kRefused);
+    EXPECT_EQ(engine().FilterRows(cache_id_, {0}).status().code(), kRefused);
+    EXPECT_EQ(engine().ExtendCache(cache_id_, cache_id_).status().code(), kRefused);
     stats_.speculation_refusals += 2;
   }
   CheckOffsets();
@@ -256,13 +243,13 @@ void RandomDriver::ProbeWhileSpeculating(const std::string& id) {
 
 void RandomDriver::ProbeCommitOutOfStep(const std::string& id, RefSpeculation& reference) {
   const auto draft_one = [&](uint32_t layer) {
-    return IsRecurrentLayer(layer) ? DraftStates(id, reference, layer, 1)
+    return IsRecurrent(layer) ? DraftStates(id, reference, layer, 1)
                                    : DraftLayer(id, reference, layer, 1);
   };
   draft_one(0);
   if (::testing::Test::HasFailure()) return;
   ASSERT_EQ(reference.Commit(0, *reference_), kRefused);
-  EXPECT_EQ(engine_.CommitSpeculation(id, 0).status().code(), kRefused);
+  EXPECT_EQ(engine().CommitSpeculation(id, 0).status().code(), kRefused);
   ++stats_.speculation_refusals;
   for (uint32_t layer = 1; layer < reference_->num_layers(); ++layer) draft_one(layer);
 }
@@ -274,12 +261,12 @@ uint64_t RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& ref
   if (Chance(0.08)) {
     const uint64_t beyond = drafted + Uniform(1, 3);
     EXPECT_EQ(reference.Commit(beyond, *reference_), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(engine_.CommitSpeculation(id, beyond).status().code(),
+    EXPECT_EQ(engine().CommitSpeculation(id, beyond).status().code(),
               absl::StatusCode::kInvalidArgument);
     ++stats_.speculation_refusals;
   }
   if (Chance(0.15)) {
-    absl::StatusOr<engine::CacheInfo> info = engine_.AbortSpeculation(id);
+    absl::StatusOr<engine::CacheInfo> info = engine().AbortSpeculation(id);
     EXPECT_TRUE(info.ok()) << info.status();
     if (!info.ok()) return 0;
     EXPECT_EQ(info->layer_offsets, reference_->layer_offsets());
@@ -290,12 +277,12 @@ uint64_t RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& ref
   uint64_t accepted = Uniform(0, drafted);
   if (reference.Commit(accepted, *reference_) != absl::StatusCode::kOk) {
     // A recurrent layer drafted no state after exactly `accepted` tokens.
-    EXPECT_EQ(engine_.CommitSpeculation(id, accepted).status().code(), kRefused);
+    EXPECT_EQ(engine().CommitSpeculation(id, accepted).status().code(), kRefused);
     ++stats_.speculation_refusals;
     accepted = 0;
     EXPECT_EQ(reference.Commit(accepted, *reference_), absl::StatusCode::kOk);
   }
-  absl::StatusOr<engine::CacheInfo> info = engine_.CommitSpeculation(id, accepted);
+  absl::StatusOr<engine::CacheInfo> info = engine().CommitSpeculation(id, accepted);
   EXPECT_TRUE(info.ok()) << info.status();
   if (!info.ok()) return 0;
   EXPECT_EQ(info->layer_offsets, reference_->layer_offsets());
@@ -308,11 +295,11 @@ uint64_t RandomDriver::EndSpeculation(const std::string& id, RefSpeculation& ref
 void RandomDriver::ExpectSpeculationGone(const std::string& id) {
   const auto gone = absl::StatusCode::kNotFound;
   const KvTensors kv = RandomKv(RefShape{}, 1, rng_);
-  EXPECT_EQ(engine_.CommitSpeculation(id, 0).status().code(), gone);
-  EXPECT_EQ(engine_.AbortSpeculation(id).status().code(), gone);
-  EXPECT_EQ(engine_.GetSpeculation(id).status().code(), gone);
-  EXPECT_EQ(engine_.View("", "", id).status().code(), gone);
-  EXPECT_EQ(engine_.UpdateSpeculation(id, "", 0, kv.input()).status().code(), gone);
+  EXPECT_EQ(engine().CommitSpeculation(id, 0).status().code(), gone);
+  EXPECT_EQ(engine().AbortSpeculation(id).status().code(), gone);
+  EXPECT_EQ(engine().GetSpeculation(id).status().code(), gone);
+  EXPECT_EQ(engine().View("", "", id).status().code(), gone);
+  EXPECT_EQ(engine().UpdateSpeculation(id, "", 0, kv.input()).status().code(), gone);
   stats_.speculation_refusals += 5;
 }
 

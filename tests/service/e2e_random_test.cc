@@ -146,7 +146,8 @@ void PrintStats(const WireConfig& config, const WireRunStats& s) {
       static_cast<unsigned long long>(s.refusals));
   std::printf(
       "[ %-30s ] speculations: %llu committed (%llu partly), %llu aborted, %llu ended by delete, "
-      "%llu isolated, %llu tokens drafted; %llu views, %llu refusals; %llu page checks\n",
+      "%llu isolated, %llu tokens drafted; %llu views, %llu refusals; %llu snapshot-way rounds; "
+      "%llu page checks\n",
       config.name.c_str(), static_cast<unsigned long long>(s.speculations_committed),
       static_cast<unsigned long long>(s.speculations_partly_accepted),
       static_cast<unsigned long long>(s.speculations_aborted),
@@ -155,6 +156,7 @@ void PrintStats(const WireConfig& config, const WireRunStats& s) {
       static_cast<unsigned long long>(s.drafted_tokens),
       static_cast<unsigned long long>(s.speculation_views),
       static_cast<unsigned long long>(s.speculation_refusals),
+      static_cast<unsigned long long>(s.snapshot_way_rounds),
       static_cast<unsigned long long>(s.page_checks));
 }
 
@@ -194,6 +196,7 @@ void ExpectEveryPathTaken(const E2eConfig& config, const WireRunStats& s) {
   EXPECT_GT(s.speculation_views, 0u);
   EXPECT_GT(s.speculation_refusals, 0u);
   EXPECT_GT(s.page_checks, s.speculations_committed / 2);
+  EXPECT_GT(s.snapshot_way_rounds, 0u);
 }
 
 // (transfer path, configuration, Update and Fetch on the data lane)

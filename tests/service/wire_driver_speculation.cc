@@ -28,9 +28,6 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-constexpr uint64_t kMaxDraft = 8;
-// A well-formed id that names no cache.
-constexpr char kOtherId[] = "0123456789abcdef0123456789abcdef";
 
 }  // namespace
 
@@ -43,7 +40,7 @@ void WireDriver::Speculate() {
   if (::testing::Test::HasFailure()) return;
   const bool isolated = Chance(0.25);
   absl::StatusOr<v1::BeginSpeculationResponse> begun =
-      client_.BeginSpeculation(cache_id_, isolated);
+      client().BeginSpeculation(cache_id_, isolated);
   ASSERT_TRUE(begun.ok()) << begun.status();
   const std::string id = begun->speculation_id();
   SCOPED_TRACE(absl::StrCat(isolated ? "isolated " : "", "speculation ", id, " from ", Offset()));
@@ -70,7 +67,7 @@ void WireDriver::Speculate() {
     return ExpectSpeculationGone(id, deleted);
   }
   const uint64_t kept = EndSpeculation(id, reference);
-  if (shadow.has_value()) EndPageShadow(*shadow, reference, kept);
+  if (shadow.has_value()) EndPageShadow(*shadow, KeptParts(reference, kept));
   if (pages_before.has_value() && kept == 0 && !::testing::Test::HasFailure()) {
     CheckPagesAfterSpeculation(isolated, *pages_before + page_shift);
   }
@@ -78,7 +75,7 @@ void WireDriver::Speculate() {
 
 std::optional<uint64_t> WireDriver::PagesInUse() {
   if (config_.shares_server) return std::nullopt;
-  absl::StatusOr<v1::Stats> stats = client_.GetStats();
+  absl::StatusOr<v1::Stats> stats = client().GetStats();
   EXPECT_TRUE(stats.ok()) << stats.status();
   if (!stats.ok()) return std::nullopt;
   return stats->pages_used();
@@ -158,16 +155,16 @@ void WireDriver::SendDraft(const std::string& id, RefSpeculation& reference,
   }
   if (fault == 1) MakeWrongKind(spec, parts[applied]);
   if (fault == 2) parts[applied].live = true;
-  std::vector<LayerUpdate> updates = UpdatesOf(spec, parts);
-  for (size_t i = 0; i < updates.size(); ++i) {
-    if (!parts[i].live) updates[i].speculation_id = id;
-    if (!parts[i].live && Chance(0.2)) updates[i].expected_offset = before[i];
+  for (size_t i = 0; i < parts.size(); ++i) {
+    // A part sent again after a refusal already names the speculation.
+    parts[i].speculation_id = parts[i].live ? "" : id;
+    if (!parts[i].live && Chance(0.2)) parts[i].expected_offset = before[i];
   }
   if (fault == 3) {
-    updates[applied].expected_offset =
+    parts[applied].expected_offset =
         before[applied] > 0 && Chance(0.5) ? before[applied] - 1 : before[applied] + 1;
   }
-  SendStream(updates, parts, applied, [&](const StepPart& part) {
+  SendStream(parts, applied, [&](const StepPart& part) {
     if (part.recurrent) {
       reference.UpdateState(part.layer, part.state, part.advance);
     } else {
@@ -198,7 +195,7 @@ void WireDriver::ProbeCommitOutOfStep(const std::string& id, const RefSpeculatio
   const uint64_t accepted = Uniform(0, offsets[0] - reference.committed());
   // Refused, so the reference leaves reference_ alone.
   ASSERT_EQ(reference.Commit(accepted, *reference_), Code::kFailedPrecondition);
-  const absl::Status status = client_.CommitSpeculation(id, accepted).status();
+  const absl::Status status = client().CommitSpeculation(id, accepted).status();
   EXPECT_EQ(status.code(), Code::kFailedPrecondition) << status;
   EXPECT_THAT(std::string(status.message()), HasSubstr("out of step"));
   ++stats_.speculation_refusals;
@@ -216,11 +213,11 @@ void WireDriver::CheckSpeculativeView(const std::string& id, const RefSpeculatio
   v1::FetchRequest both;
   both.set_speculation_id(id);
   both.set_snapshot_id(snapshots_.empty() ? kOtherId : snapshots_[RandomSnapshotIndex()].id);
-  EXPECT_EQ(client_.FetchAll(both).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(client().FetchAll(both).status().code(), Code::kInvalidArgument);
   v1::FetchRequest other;
   other.set_speculation_id(id);
   other.set_cache_id(kOtherId);
-  EXPECT_EQ(client_.FetchAll(other).status().code(), Code::kNotFound);
+  EXPECT_EQ(client().FetchAll(other).status().code(), Code::kNotFound);
   stats_.speculation_refusals += 2;
 }
 
@@ -236,7 +233,7 @@ void WireDriver::CheckSpeculativeView(const std::string& id, const RefSpeculatio
   if (Chance(0.5)) request.set_cache_id(cache_id_);  // its own cache: allowed
   request.add_layers(layer);
   if (IsRecurrent(layer)) {
-    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client().FetchAll(request);
     if (!chunks.ok()) return ::testing::AssertionFailure() << "Fetch: " << chunks.status();
     if (chunks->size() != 1 || !(*chunks)[0].has_state()) {
       return ::testing::AssertionFailure() << chunks->size() << " chunks, not one state";
@@ -256,8 +253,8 @@ void WireDriver::CheckSpeculativeView(const std::string& id, const RefSpeculatio
   // The client's FetchSpeculation, or the same read named with its cache too.
   absl::StatusOr<LayerHistory> history = absl::UnknownError("not read");
   if (request.cache_id().empty()) {
-    history = client_.FetchSpeculation(id, layer);
-  } else if (absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+    history = client().FetchSpeculation(id, layer);
+  } else if (absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client().FetchAll(request);
              chunks.ok()) {
     history = AssembleHistory(*chunks);
   } else {
@@ -269,7 +266,7 @@ void WireDriver::CheckSpeculativeView(const std::string& id, const RefSpeculatio
     return same;
   }
   request.set_packed(true);
-  absl::StatusOr<std::vector<v1::FetchResponse>> packed = client_.FetchAll(request);
+  absl::StatusOr<std::vector<v1::FetchResponse>> packed = client().FetchAll(request);
   if (!packed.ok()) return ::testing::AssertionFailure() << "packed Fetch: " << packed.status();
   absl::StatusOr<std::vector<RefToken>> tokens = PackedTokensOf(spec, layer, *packed);
   if (!tokens.ok()) return ::testing::AssertionFailure() << tokens.status();
@@ -285,7 +282,7 @@ void WireDriver::FetchSpeculationWindow(const std::string& id, const RefSpeculat
   request.set_speculation_id(id);
   if (Chance(0.5)) request.set_cache_id(cache_id_);
   SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
-  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client().FetchAll(request);
   ASSERT_TRUE(chunks.ok()) << chunks.status();
   CheckFetchedChunks(request, layers, *chunks, nullptr, &reference);
 }
@@ -296,23 +293,23 @@ void WireDriver::ProbeWhileSpeculating(const std::string& id, int64_t& page_shif
     EXPECT_EQ(status.code(), Code::kFailedPrecondition) << status;
     ++stats_.speculation_refusals;
   };
-  expect_refused(client_.BeginSpeculation(cache_id_, Chance(0.5)).status());
+  expect_refused(client().BeginSpeculation(cache_id_, Chance(0.5)).status());
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
-  const StepPart part = RandomPart(reference_->spec(), layer, 1);
-  const LayerUpdate update = UpdateOf(reference_->spec(), part);  // no speculation_id: live
-  const absl::Status live = client_.Update(cache_id_, {&update, 1}).status();
+  const std::deque<StepPart> live_part = {RandomPart(reference_->spec(), layer, 1)};
+  const absl::Status live =  // no speculation_id: live
+      adapter_.SendUpdates(cache_id_, reference_->spec(), live_part, true).status;
   expect_refused(live);
   EXPECT_THAT(std::string(live.message()), HasSubstr("speculation"));
-  expect_refused(client_.Trim(cache_id_, Uniform(0, 2)).status());
-  expect_refused(client_.Restore(cache_id_, "", Offset()).status());
+  expect_refused(client().Trim(cache_id_, Uniform(0, 2)).status());
+  expect_refused(client().Restore(cache_id_, "", Offset()).status());
   if (!snapshots_.empty()) {
     const TrackedSnapshot& snapshot = snapshots_[RandomSnapshotIndex()];
-    expect_refused(client_.Restore(cache_id_, snapshot.id, snapshot.reference->to).status());
+    expect_refused(client().Restore(cache_id_, snapshot.id, snapshot.reference->to).status());
   }
   if (config_.batch_ops) {
     const uint32_t rows[] = {0};
-    expect_refused(client_.FilterRows(cache_id_, rows).status());
-    expect_refused(client_.ExtendCache(cache_id_, cache_id_).status());
+    expect_refused(client().FilterRows(cache_id_, rows).status());
+    expect_refused(client().ExtendCache(cache_id_, cache_id_).status());
   }
   CheckOffsets();
   if (::testing::Test::HasFailure()) return;
@@ -326,10 +323,10 @@ void WireDriver::ProbeWhileSpeculating(const std::string& id, int64_t& page_shif
   if (::testing::Test::HasFailure() || !config_.batch_ops || !Chance(0.3)) return;
   const uint32_t row = Uniform(0, Batch() - 1);
   RefBatchResult expected = RefExtractRow(*reference_, row);
-  absl::StatusOr<v1::CacheInfo> extracted = client_.ExtractRow(cache_id_, row);
+  absl::StatusOr<v1::CacheInfo> extracted = client().ExtractRow(cache_id_, row);
   if (!SameOutcome(expected.code, extracted.status())) return;
   CheckCache(extracted->cache_id(), *expected.cache);
-  ASSERT_TRUE(client_.DeleteCache(extracted->cache_id()).ok());
+  ASSERT_TRUE(client().DeleteCache(extracted->cache_id()).ok());
 }
 
 uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& reference) {
@@ -338,7 +335,7 @@ uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& refer
     // More than drafted: refused, nothing changes, and it stays open.
     const uint64_t beyond = drafted + (Chance(0.7) ? 1 : Uniform(2, 5));
     EXPECT_EQ(reference.Commit(beyond, *reference_), Code::kInvalidArgument);
-    const absl::Status status = client_.CommitSpeculation(id, beyond).status();
+    const absl::Status status = client().CommitSpeculation(id, beyond).status();
     EXPECT_EQ(status.code(), Code::kInvalidArgument) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("accepted"));
     ++stats_.speculation_refusals;
@@ -347,7 +344,7 @@ uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& refer
     if (::testing::Test::HasFailure()) return 0;
   }
   if (Chance(0.15)) {
-    absl::StatusOr<v1::CacheInfo> info = client_.AbortSpeculation(id);
+    absl::StatusOr<v1::CacheInfo> info = client().AbortSpeculation(id);
     EXPECT_TRUE(info.ok()) << info.status();
     if (!info.ok()) return 0;
     EXPECT_THAT(info->layer_offsets(), ::testing::ElementsAreArray(reference_->layer_offsets()));
@@ -360,14 +357,14 @@ uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& refer
   const Code expected = reference.Commit(accepted, *reference_);
   if (expected != Code::kOk) {
     // A recurrent layer drafted no state after exactly `accepted` tokens.
-    const absl::Status status = client_.CommitSpeculation(id, accepted).status();
+    const absl::Status status = client().CommitSpeculation(id, accepted).status();
     EXPECT_EQ(status.code(), expected) << status;
     ++stats_.speculation_refusals;
     accepted = Chance(0.5) ? 0 : drafted;
     EXPECT_EQ(reference.Commit(accepted, *reference_), Code::kOk);
   }
   SCOPED_TRACE(absl::StrCat("committed ", accepted, " of ", drafted));
-  absl::StatusOr<v1::CacheInfo> info = client_.CommitSpeculation(id, accepted);
+  absl::StatusOr<v1::CacheInfo> info = client().CommitSpeculation(id, accepted);
   EXPECT_TRUE(info.ok()) << info.status();
   if (!info.ok()) return 0;
   EXPECT_THAT(info->layer_offsets(), ::testing::ElementsAreArray(reference_->layer_offsets()));
@@ -381,17 +378,17 @@ uint64_t WireDriver::EndSpeculation(const std::string& id, RefSpeculation& refer
 
 void WireDriver::ExpectSpeculationGone(const std::string& id, const std::string& cache_id) {
   SCOPED_TRACE("an ended speculation");
-  EXPECT_EQ(client_.CommitSpeculation(id, 0).status().code(), Code::kNotFound);
-  EXPECT_EQ(client_.AbortSpeculation(id).status().code(), Code::kNotFound);
+  EXPECT_EQ(client().CommitSpeculation(id, 0).status().code(), Code::kNotFound);
+  EXPECT_EQ(client().AbortSpeculation(id).status().code(), Code::kNotFound);
   v1::FetchRequest fetch;
   fetch.set_speculation_id(id);
-  EXPECT_EQ(client_.FetchAll(fetch).status().code(), Code::kNotFound);
+  EXPECT_EQ(client().FetchAll(fetch).status().code(), Code::kNotFound);
   // A draft for it, named with the cache it was open on, changes nothing
   // (CheckOffsets follows every operation); the speculation is what is unknown.
-  const StepPart part = RandomPart(reference_->spec(), 0, 1);
-  LayerUpdate update = UpdateOf(reference_->spec(), part);
-  update.speculation_id = id;
-  const absl::Status draft = client_.Update(cache_id, {&update, 1}).status();
+  std::deque<StepPart> parts = {RandomPart(reference_->spec(), 0, 1)};
+  parts[0].speculation_id = id;
+  const absl::Status draft =
+      adapter_.SendUpdates(cache_id, reference_->spec(), parts, true).status;
   EXPECT_EQ(draft.code(), Code::kNotFound) << draft;
   EXPECT_THAT(std::string(draft.message()), HasSubstr("speculation_id")) << draft;
   stats_.speculation_refusals += 4;

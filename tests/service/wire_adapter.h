@@ -1,0 +1,64 @@
+// The random driver's adapter for a whole server driven through the client
+// library (kvcache::Client): over gRPC, or with Update and Fetch on the data
+// lane when the client was made so. Each DriverAdapter call is the RPC of the
+// same name, its answer translated into the driver's neutral terms.
+#pragma once
+
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "driver_adapter.h"
+#include "kvcache_client.h"
+
+namespace kvcache::testing {
+
+// The driver's view of a CacheInfo over the wire.
+CacheState StateOf(const v1::CacheInfo& info);
+// `part` as the client sends it (its tensors stay in `part`).
+LayerUpdate UpdateOf(const engine::CacheSpec& spec, const StepPart& part);
+
+class WireAdapter : public DriverAdapter {
+ public:
+  explicit WireAdapter(Client& client) : client_(client) {}
+
+  Client& client() { return client_; }
+
+  absl::StatusOr<CacheState> CreateCache(const engine::CacheSpec& spec) override;
+  absl::StatusOr<CacheState> CreateCacheLike(const std::string& cache_id) override;
+  absl::StatusOr<CacheState> GetCache(const std::string& cache_id) override;
+  absl::Status DeleteCache(const std::string& cache_id) override;
+  // One Update call, or an UpdateStream written part by part and finished
+  // (it stops writing once the server has ended the stream).
+  StreamResult SendUpdates(const std::string& cache_id, const engine::CacheSpec& spec,
+                           const std::deque<StepPart>& parts, bool one_call) override;
+  absl::StatusOr<TrimResult> Trim(const std::string& cache_id, uint64_t n) override;
+  absl::StatusOr<SnapshotState> Snapshot(const std::string& cache_id, uint64_t from,
+                                         bool pinned) override;
+  absl::StatusOr<CacheState> Restore(const std::string& cache_id, const std::string& snapshot_id,
+                                     uint64_t target) override;
+  absl::StatusOr<SnapshotState> MergeSnapshots(const std::string& parent_id,
+                                               const std::string& child_id) override;
+  absl::StatusOr<std::pair<SnapshotState, SnapshotState>> SplitSnapshot(
+      const std::string& snapshot_id, uint64_t at) override;
+  absl::Status ReleaseSnapshot(const std::string& snapshot_id) override;
+  // FetchLayer of its layer 0.
+  absl::Status ReadSnapshot(const std::string& snapshot_id) override;
+  absl::StatusOr<std::vector<SnapshotState>> ListSnapshots(const std::string& cache_id) override;
+  absl::StatusOr<CacheState> ExtractRow(const std::string& cache_id, uint32_t row) override;
+  absl::StatusOr<CacheState> FilterRows(const std::string& cache_id,
+                                        absl::Span<const uint32_t> keep) override;
+  absl::StatusOr<CacheState> MergeCaches(absl::Span<const std::string> cache_ids) override;
+  absl::StatusOr<CacheState> ExtendCache(const std::string& cache_id,
+                                         const std::string& other_id) override;
+  // CacheMatchesReference (e2e_test_util.h): quantized layers dequantized and
+  // packed, recurrent layers by FetchState.
+  ::testing::AssertionResult CacheMatches(const std::string& cache_id,
+                                          const RefCache& reference) override;
+
+ private:
+  Client& client_;
+};
+
+}  // namespace kvcache::testing
