@@ -1,6 +1,10 @@
 // Engine::LockedCache, shared by engine.cc and engine_speculation.cc (not part
 // of the engine's interface): a cache found by id whose mutex is held for the
 // rest of the call, with the speculation open on it, if any.
+// A scoped lockable for clang's thread-safety analysis: constructing one
+// acquires the entry's mutex, moving one hands it on, destroying one releases
+// it. The analysis cannot follow a lock out of the function that took it (Open
+// returns it through StatusOr), so the accessors assert the lock at run time.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "core/status_macros.h"
@@ -21,19 +26,17 @@ inline absl::Status UnknownCache(const std::string& cache_id) {
   return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
 }
 
-class Engine::LockedCache {
+class ABSL_SCOPED_LOCKABLE Engine::LockedCache {
  public:
   static absl::StatusOr<LockedCache> Open(const Engine& engine, const std::string& cache_id) {
     ASSIGN_OR_RETURN(std::shared_ptr<Entry> entry, engine.FindEntry(cache_id));
-    LockedCache locked(std::move(entry));
-    if (locked.entry_->deleted) return UnknownCache(cache_id);
-    return locked;
+    return OpenEntry(std::move(entry), cache_id);
   }
   // `entry` locked; NOT_FOUND (naming cache_id) once deleted.
   static absl::StatusOr<LockedCache> OpenEntry(std::shared_ptr<Entry> entry,
                                                const std::string& cache_id) {
-    LockedCache locked(std::move(entry));
-    if (locked.entry_->deleted) return UnknownCache(cache_id);
+    LockedCache locked(entry);
+    if (entry->deleted) return UnknownCache(cache_id);
     return locked;
   }
   // Every distinct id of `ids` opened in id order, so that calls locking the same
@@ -56,23 +59,33 @@ class Engine::LockedCache {
     }
     return opened;
   }
-  LockedCache(LockedCache&& other) noexcept : entry_(std::move(other.entry_)) {}
-  ~LockedCache() {
+  LockedCache(LockedCache&& other) noexcept ABSL_EXCLUSIVE_LOCK_FUNCTION(other.entry_->mutex)
+      : entry_(std::move(other.entry_)) {}
+  ~LockedCache() ABSL_UNLOCK_FUNCTION() {
     if (entry_) entry_->mutex.Unlock();
   }
-  Cache& operator*() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return *entry_->cache; }
-  Cache* operator->() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->cache.get(); }
+  Cache& operator*() const {
+    entry_->mutex.AssertHeld();
+    return *entry_->cache;
+  }
+  Cache* operator->() const {
+    entry_->mutex.AssertHeld();
+    return entry_->cache.get();
+  }
   const std::shared_ptr<Entry>& entry() const { return entry_; }
   // Puts `cache` in the old one's place and frees the old one's pages.
-  void Replace(std::unique_ptr<Cache> cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  void Replace(std::unique_ptr<Cache> cache) {
+    entry_->mutex.AssertHeld();
     entry_->cache.swap(cache);
     cache->Free();
   }
   // The speculation open on the cache, or null.
-  Speculation* speculation() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Speculation* speculation() const {
+    entry_->mutex.AssertHeld();
     return entry_->speculation.get();
   }
-  std::unique_ptr<Speculation>& speculation_slot() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_ptr<Speculation>& speculation_slot() const {
+    entry_->mutex.AssertHeld();
     return entry_->speculation;
   }
   // FAILED_PRECONDITION (naming `field`) while a speculation is open: the
@@ -85,7 +98,8 @@ class Engine::LockedCache {
   }
 
  private:
-  explicit LockedCache(std::shared_ptr<Entry> entry) : entry_(std::move(entry)) {
+  explicit LockedCache(const std::shared_ptr<Entry>& entry) ABSL_EXCLUSIVE_LOCK_FUNCTION(entry->mutex)
+      : entry_(entry) {
     entry_->mutex.Lock();
   }
   std::shared_ptr<Entry> entry_;

@@ -11,6 +11,7 @@ struct HostWorkers::Task {
   std::atomic<size_t> next{0};
   absl::Mutex mutex;
   size_t finished ABSL_GUARDED_BY(mutex) = 0;
+  bool AllFinished() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex) { return finished == count; }
 };
 
 HostWorkers& HostWorkers::Shared() {
@@ -50,9 +51,7 @@ void HostWorkers::ParallelFor(size_t count, absl::FunctionRef<void(size_t)> work
   }
   Drain(*task);
   absl::MutexLock lock(&task->mutex);
-  task->mutex.Await(absl::Condition(
-      +[](Task* t) ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->finished == t->count; },
-      task.get()));
+  task->mutex.Await(absl::Condition(task.get(), &Task::AllFinished));
 }
 
 void HostWorkers::WorkerLoop() {
@@ -60,11 +59,7 @@ void HostWorkers::WorkerLoop() {
     std::shared_ptr<Task> task;
     {
       absl::MutexLock lock(&mutex_);
-      mutex_.Await(absl::Condition(
-          +[](HostWorkers* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return w->stopping_ || !w->tasks_.empty();
-          },
-          this));
+      mutex_.Await(absl::Condition(this, &HostWorkers::HasWorkOrStopping));
       if (stopping_) return;
       task = tasks_.front();
       // Every item claimed: no one else need look at it.

@@ -34,6 +34,9 @@ class HostWorkers {
   void WorkerLoop();
   // Claims and runs items of `task` until none are left.
   static void Drain(Task& task);
+  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    return stopping_ || !tasks_.empty();
+  }
 
   absl::Mutex mutex_;
   std::deque<std::shared_ptr<Task>> tasks_ ABSL_GUARDED_BY(mutex_);

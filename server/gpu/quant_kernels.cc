@@ -1,6 +1,20 @@
 #include "gpu/quant_kernels.h"
 
+#if defined(KVCACHED_X86_QUANT_KERNELS)
+#include <cpuid.h>
+#endif
+
 namespace kvcache::gpu {
+
+#if defined(KVCACHED_X86_QUANT_KERNELS)
+namespace {
+// From CPUID leaf 1: clang's __builtin_cpu_supports does not know "f16c".
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+}  // namespace
+#endif
 
 bool CpuRuns(QuantIsa isa) {
   switch (isa) {
@@ -8,7 +22,7 @@ bool CpuRuns(QuantIsa isa) {
       return true;
 #if defined(KVCACHED_X86_QUANT_KERNELS)
     case QuantIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && CpuHasF16c();
     case QuantIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");

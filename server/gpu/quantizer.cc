@@ -230,23 +230,26 @@ absl::Status Quantizer::Plan(absl::Span<const Job> jobs, Batch& batch, Stage&& s
 absl::Status Quantizer::Submit(QuantDirection direction, absl::Span<const QuantFormat> formats,
                                Batch& batch) {
   if (batch.run_count == 0) return absl::OkStatus();
+  // Taken under the lock for the recorder, which Run calls before it returns.
+  QuantPipelines& pipelines = *pipelines_;
+  const Buffer& scratch = *scratch_;
+  const Buffer& run_table = *run_table_;
   absl::Status status = runner_->Run(
-      [&](const vk::raii::CommandBuffer& commands) ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
-        auto* table = reinterpret_cast<QuantShaderRun*>(run_table_->mapped);
+      [&](const vk::raii::CommandBuffer& commands) -> absl::Status {
+        auto* table = reinterpret_cast<QuantShaderRun*>(run_table.mapped);
         uint32_t next = 0;
         for (const auto& [key, group] : batch.groups) {
           const auto& [job, slab, wq_aligned] = key;
           const QuantFormat& f = formats[job];
           commands.bindPipeline(
               vk::PipelineBindPoint::eCompute,
-              pipelines_->Get({direction, f.dtype, f.group_size, f.bits, wq_aligned}));
-          const vk::DescriptorSet set =
-              pipelines_->SetFor(*scratch_->buffer, slab, *run_table_->buffer);
-          commands.bindDescriptorSets(vk::PipelineBindPoint::eCompute, *pipelines_->layout(), 0,
+              pipelines.Get({direction, f.dtype, f.group_size, f.bits, wq_aligned}));
+          const vk::DescriptorSet set = pipelines.SetFor(*scratch.buffer, slab, *run_table.buffer);
+          commands.bindDescriptorSets(vk::PipelineBindPoint::eCompute, *pipelines.layout(), 0,
                                       set, {});
           std::copy(group.runs.begin(), group.runs.end(), table + next);
           const QuantPush push{next, static_cast<uint32_t>(group.runs.size())};
-          commands.pushConstants<QuantPush>(*pipelines_->layout(),
+          commands.pushConstants<QuantPush>(*pipelines.layout(),
                                             vk::ShaderStageFlagBits::eCompute, 0, push);
           // Quantize starts a run's groups one invocation late when its scales
           // plane is out of phase with 32-bit words (see quantize.comp).
@@ -259,7 +262,7 @@ absl::Status Quantizer::Submit(QuantDirection direction, absl::Span<const QuantF
       });
   if (status.ok()) {
     for (const Batch::Output& out : batch.outputs) {
-      std::memcpy(out.dst, scratch_->mapped + out.scratch_offset, out.bytes);
+      std::memcpy(out.dst, scratch.mapped + out.scratch_offset, out.bytes);
     }
   }
   batch.Clear();
@@ -313,11 +316,11 @@ absl::Status Quantizer::Quantize(absl::Span<const QuantizeJob> jobs) {
   return Plan(
       jobs, batch,
       [&](const QuantizeJob& job, uint64_t row, uint64_t rows, uint64_t at)
-          ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
             const uint64_t row_bytes = job.format.row_bytes();
             CopyFromPieces(job.input, row * row_bytes, scratch_->mapped + at, rows * row_bytes);
           },
-      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
         return Submit(QuantDirection::kQuantize, formats, batch);
       });
 }
@@ -345,7 +348,7 @@ absl::Status Quantizer::Dequantize(absl::Span<const DequantizeJob> jobs) {
         const uint64_t row_bytes = job.format.row_bytes();
         batch.outputs.push_back({at, job.output.data() + row * row_bytes, rows * row_bytes});
       },
-      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
         return Submit(QuantDirection::kDequantize, formats, batch);
       });
 }

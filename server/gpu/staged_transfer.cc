@@ -80,9 +80,12 @@ absl::StatusOr<StagingRing::Slice> StagedTransfer::Reserve(uint64_t device_offse
 
 absl::Status StagedTransfer::Flush() {
   if (pending_copies_.empty()) return absl::OkStatus();
-  const absl::Status status =
-      runner_->Run([this](const vk::raii::CommandBuffer& commands)
-                       ABSL_NO_THREAD_SAFETY_ANALYSIS { return RecordPending(commands); });
+  // Taken under the lock for the recorder, which Run calls before it returns.
+  CopyPipeline* const pipeline = pipeline_.get();
+  const absl::Span<const BufferCopy> copies = pending_copies_;
+  const absl::Status status = runner_->Run([&](const vk::raii::CommandBuffer& commands) {
+    return RecordPending(commands, pipeline, copies);
+  });
   if (status.ok()) {
     for (const PendingRead& read : pending_reads_) {
       std::memcpy(read.dst, ring_->data() + read.ring_offset, read.bytes);
@@ -94,9 +97,11 @@ absl::Status StagedTransfer::Flush() {
   return status;
 }
 
-absl::Status StagedTransfer::RecordPending(const vk::raii::CommandBuffer& commands) {
-  if (engine_ == CopyEngine::kComputeShader) return pipeline_->Record(commands, pending_copies_);
-  RecordCopyRegions(commands, pending_copies_);
+absl::Status StagedTransfer::RecordPending(const vk::raii::CommandBuffer& commands,
+                                           CopyPipeline* pipeline,
+                                           absl::Span<const BufferCopy> copies) const {
+  if (engine_ == CopyEngine::kComputeShader) return pipeline->Record(commands, copies);
+  RecordCopyRegions(commands, copies);
   return absl::OkStatus();
 }
 

@@ -69,8 +69,9 @@ class StagedTransfer {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Submits the pending copies, waits, delivers pending reads, empties the ring.
   absl::Status Flush() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  absl::Status RecordPending(const vk::raii::CommandBuffer& commands)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Records `copies` through `pipeline` (kComputeShader) or as copy regions.
+  absl::Status RecordPending(const vk::raii::CommandBuffer& commands, CopyPipeline* pipeline,
+                             absl::Span<const BufferCopy> copies) const;
 
   const CopyEngine engine_;
   absl::Mutex mutex_;

@@ -82,6 +82,9 @@ UpdateReactor::Next UpdateReactor::PickNext() {
 
 // writing_ack_ and final_status_ are stable here: only PickNext changes them,
 // and it returns kNothing until the write finishes (and never after kFinish).
+// The thread-safety analysis cannot express that hand-off (a flag set under
+// the mutex, not the mutex itself, keeps them still), and the mutex cannot be
+// held here because gRPC may run a reaction inline: hence the opt-out.
 void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (next == Next::kWrite) StartWrite(&writing_ack_, write_options_);
   if (next == Next::kFinish) Finish(*final_status_);
