@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Service over loopback (issue 3): kvcached Update / Fetch throughput, over
+# Service over loopback: kvcached Update / Fetch throughput, over
 # the data lane and over gRPC, beside Redis SET / GET of the same bytes
 # (hiredis, pipelined like kvcached's streams) and the TCP ceiling (iperf3,
 # one stream), plus Snapshot / Restore latency against context length, all in

@@ -1,13 +1,13 @@
-// Engine benchmarks (issue 2's targets), each beside memcpy of the same bytes:
+// Engine benchmarks, each beside memcpy of the same bytes:
 //   BM_Snapshot / BM_Restore   latency vs context length; goal flat, and at 32k
 //                              >= 50x faster than BM_MemcpyContext (same bytes)
 //   BM_Update / BM_MemcpyUpdate  update throughput into the pool; goal >= 0.5x
 //   BM_RotatingDecode           per-token cost at windows 512..32k; goal flat
 //   BM_QuantizedMemory          pool bytes of a 32k quantized layer / the f16 one
-//   BM_SpeculativeRound         issue 5: begin, draft k tokens on every layer,
+//   BM_SpeculativeRound         begin, draft k tokens on every layer,
 //                               commit k/2 or k, beside the same updates
 //                               without a speculation; goal ratio <= 1.2
-//   BM_SnapshotPerToken         issue 5: k single-token steps with a snapshot
+//   BM_SnapshotPerToken         k single-token steps with a snapshot
 //                               after each, then a restore to the k/2-th or
 //                               k-th, beside the k steps alone; goal <= 1.3
 // The model shape is 16 layers, 8 KV heads, head dim 128, f16, batch 1.
@@ -182,7 +182,7 @@ void BM_RotatingDecode(benchmark::State& state) {
   (void)engine.DeleteCache(id);
 }
 
-// Issue 4's memory bound: a 32k-token quantized layer (group 64, bits 4 or 8)
+// The quantized memory bound: a 32k-token quantized layer (group 64, bits 4 or 8)
 // holds at most bits/16 + 2/64 of the pool bytes the f16 layer of the same
 // shape holds, plus page slack. Its own engine, with the default page_tokens
 // (256): pages then fill up to their bytes, not to the 16 tokens of Shared().
@@ -207,7 +207,7 @@ void BM_QuantizedMemory(benchmark::State& state) {
   state.counters["bound"] = bits / 16.0 + 2.0 / 64;
 }
 
-// ---------------------------------------------------------------- issue 5
+// ---------------------------------------------------------------- speculation
 
 // Layout 0: 16 standard layers. Layout 1: a hybrid of the kinds that speculate
 // differently, four times over: a sliding window (512, 4 sinks), a global

@@ -1,7 +1,7 @@
 // The engine: caches, their snapshots and the ids that name them, over one page
 // pool. Everything the service does goes through here; it knows no gRPC.
 //
-// Status codes (DESIGN.md): malformed input INVALID_ARGUMENT naming the field;
+// Status codes, the same at every layer of the service: malformed input INVALID_ARGUMENT naming the field;
 // unknown id NOT_FOUND; unreachable restore / merge / split or layers out of step
 // FAILED_PRECONDITION with the reason; pool exhausted RESOURCE_EXHAUSTED. A call
 // that fails changes nothing. Thread-safe: one mutex per cache.

@@ -1,4 +1,4 @@
-// Zero-copy snapshots (DESIGN.md): Snapshot, Restore, Merge and Split cost
+// Zero-copy snapshots: Snapshot, Restore, Merge and Split cost
 // page references, not bytes. The pool's used-page count shows it: Snapshot and
 // Restore may add at most one boundary page per layer, Merge at most one per
 // layer, Split none. And copy-on-write keeps shared pages honest: writing the

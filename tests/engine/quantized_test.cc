@@ -113,7 +113,7 @@ TEST_P(QuantizedEngineTest, FetchesMatchTheReferenceForEveryFormat) {
   }
 }
 
-// The accuracy bound, against the values sent rather than the reference.
+// mlx's affine accuracy bound (within one quantization step), against the values sent rather than the reference.
 TEST_P(QuantizedEngineTest, DequantizedValuesLieWithinOneStepOfTheInput) {
   const CacheSpec spec = MakeSpec({QuantizedLayerSpec(2, 64, 64, 64, 4)}, DType::kFloat16, 1);
   const std::string id = Create(spec);

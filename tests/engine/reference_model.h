@@ -196,8 +196,8 @@ struct RefCacheSnapshot {
 };
 using RefCacheSnapshotPtr = std::shared_ptr<const RefCacheSnapshot>;
 
-// A cache of layers stepping together, with the engine's cache-level rules
-// (DESIGN.md): whole-cache snapshots need every layer in step; restore is all
+// A cache of layers stepping together, with the engine's cache-level rules:
+// whole-cache snapshots need every layer in step; restore is all
 // layers or none.
 class RefCache {
  public:

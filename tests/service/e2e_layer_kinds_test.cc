@@ -1,4 +1,4 @@
-// Issue 4's layer kinds end to end, through the client library over a
+// The layer kinds beyond standard end to end, through the client library over a
 // loopback port: quantized layers fetched packed (words, scales and biases
 // identical to the CPU reference quantizer on the same input) and dequantized
 // (each value within one quantization step of what was sent); recurrent

@@ -1,6 +1,6 @@
 // Random operation sequences through the client library, over a real
 // loopback port, against the CPU reference (wire_driver.h): every cache kind
-// of issue 4 end to end. Standard, rotating (keep 0 and 4, windows that page
+// end to end. Standard, rotating (keep 0 and 4, windows that page
 // tokens do not divide) and standard+rotating caches; quantized (bits 4 and
 // 8, groups 32 and 64, Dk != Dv), chunked and recurrent layers; batched
 // caches with left padding and the batch RPCs (standard + rotating, and
@@ -9,11 +9,10 @@
 // sinks, a global layer, a quantized one). Each runs on the direct transfer
 // path; the first four also on a staging path. Then two clients at once, each
 // on its own cache with its own sequence and reference. About 5% of the
-// operations are speculation rounds (issue 5; wire_driver_speculation.cc)
+// operations are speculation rounds (wire_driver_speculation.cc)
 // against reference_speculation.h, on every configuration, batched included.
 //
-// KVCACHED_E2E_OPS=<n> sets the operations per configuration (default 10,000,
-// the issue's bar: about 3 to 6 s per configuration on 2 cores).
+// KVCACHED_E2E_OPS=<n> sets the operations per configuration (default 10,000: about 3 to 6 s per configuration on 2 cores).
 // KVCACHED_TEST_SEED=<n> changes every seed (to explore); a failure prints the
 // configuration, the seed and the operation index.
 #include <algorithm>

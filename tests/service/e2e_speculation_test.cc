@@ -1,4 +1,4 @@
-// Speculative decoding (issue 5) end to end, through the client library over a
+// Speculative decoding end to end, through the client library over a
 // loopback port, on a mixed layout (standard, rotating with sinks, quantized,
 // chunked, recurrent): drafted tokens are readable in the speculative view
 // and invisible to the live cache; a commit keeps the accepted prefix of every

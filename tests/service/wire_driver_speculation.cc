@@ -1,4 +1,4 @@
-// WireDriver's speculation rounds over the wire (issue 5), mirrored by
+// WireDriver's speculation rounds over the wire, mirrored by
 // RefSpeculation (tests/engine/reference_speculation.h): BeginSpeculation
 // (isolated sometimes), k in 1..8 drafted tokens on every layer through Update
 // streams carrying speculation_id (attention layers in one update or several,
