@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "service/unary_rpcs.h"
 #include "service/update_view.h"
 
 namespace kvcache::service {
@@ -55,11 +56,13 @@ class Handlers {
 
   const ServiceOptions& options() const { return options_; }
 
-  absl::Status CreateCache(const v1::CreateCacheRequest& request, v1::CacheInfo* response);
-  absl::Status GetCache(const v1::GetCacheRequest& request, v1::CacheInfo* response);
-  absl::Status ListCaches(const v1::ListCachesRequest& request, v1::ListCachesResponse* response);
-  absl::Status DeleteCache(const v1::DeleteCacheRequest& request,
-                           v1::DeleteCacheResponse* response);
+  // Every unary RPC's handler (unary_rpcs.h): handlers.cc, batch_handlers.cc
+  // (batches), speculation_handlers.cc (speculative decoding).
+#define KV_DECLARE_HANDLER(Name, Request, Response) \
+  absl::Status Name(const v1::Request& request, v1::Response* response);
+  KV_FOR_EACH_UNARY_RPC(KV_DECLARE_HANDLER)
+#undef KV_DECLARE_HANDLER
+
   // One message of an Update stream: keys and values for an attention layer,
   // a state for a recurrent one. `known` (may be null) is the spec a stream
   // keeps between messages, so it is looked up once per cache: used when it
@@ -82,31 +85,6 @@ class Handlers {
   // Where a chunk's data lies in pages, to send without a copy (valid while
   // `plan` lives); FAILED_PRECONDITION where it must be read (ReadFetchChunk).
   absl::Status ViewFetchChunk(const FetchPlan& plan, size_t index, engine::KvViews& out) const;
-  absl::Status Trim(const v1::TrimRequest& request, v1::TrimResponse* response);
-  absl::Status Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response);
-  absl::Status Restore(const v1::RestoreRequest& request, v1::CacheInfo* response);
-  absl::Status MergeSnapshots(const v1::MergeSnapshotsRequest& request,
-                              v1::SnapshotInfo* response);
-  absl::Status SplitSnapshot(const v1::SplitSnapshotRequest& request,
-                             v1::SplitSnapshotResponse* response);
-  absl::Status ReleaseSnapshot(const v1::ReleaseSnapshotRequest& request,
-                               v1::ReleaseSnapshotResponse* response);
-  absl::Status ListSnapshots(const v1::ListSnapshotsRequest& request,
-                             v1::ListSnapshotsResponse* response);
-  absl::Status GetStats(const v1::GetStatsRequest& request, v1::Stats* response);
-  // Batches (batch_handlers.cc).
-  absl::Status ExtractRow(const v1::ExtractRowRequest& request, v1::CacheInfo* response);
-  absl::Status FilterRows(const v1::FilterRowsRequest& request, v1::CacheInfo* response);
-  absl::Status MergeCaches(const v1::MergeCachesRequest& request, v1::CacheInfo* response);
-  absl::Status ExtendCache(const v1::ExtendCacheRequest& request, v1::CacheInfo* response);
-
-  // Speculative decoding (speculation_handlers.cc).
-  absl::Status BeginSpeculation(const v1::BeginSpeculationRequest& request,
-                                v1::BeginSpeculationResponse* response);
-  absl::Status CommitSpeculation(const v1::CommitSpeculationRequest& request,
-                                 v1::CacheInfo* response);
-  absl::Status AbortSpeculation(const v1::AbortSpeculationRequest& request,
-                                v1::CacheInfo* response);
 
  private:
   // An update checked against `spec` (of `cache_id`, the live cache or the

@@ -1,8 +1,9 @@
 // Every unary RPC of kvcache.v1.KvCacheService, once: X(Name, Request,
 // Response) per call, each answered by Handlers::Name(const v1::Request&,
-// v1::Response*). The callback service registers, declares and defines its
-// methods from this list, so a new unary RPC is one line here plus its
-// handler. Update and Fetch stream and are registered raw (kv_cache_service.h).
+// v1::Response*). Handlers declares its handlers and the callback service
+// registers, declares and defines its methods from this list, so a new unary
+// RPC is one line here plus its handler's definition. Update and Fetch
+// stream and are registered raw (kv_cache_service.h).
 #pragma once
 
 #define KV_FOR_EACH_UNARY_RPC(X)                                  \
