@@ -1,9 +1,8 @@
 #include "service/lane_session.h"
 
-#include <sys/ioctl.h>
-
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -62,23 +61,18 @@ absl::Status LaneSession::Run() {
 }
 
 // What is applied is acknowledged before the session waits for more, but
-// not while more of the client's bytes are already there: a client that
-// streams its Updates gets their acknowledgements many to a send, and the
-// session spends a send (and the client a wake-up) per batch, not per
-// message. Bytes that have arrived are the rest of a frame the client sent
-// whole, so the read that follows does not wait on the client. At most
-// kMostUnsentAcks wait, so a client that is always ahead still sees them.
+// not while the client's next frame is already here: a client that streams
+// its Updates gets their acknowledgements many to a send, and the session
+// spends a send (and the client a wake-up) per batch, not per message. The
+// look for the next frame is the non-blocking read the session would make
+// anyway (no separate FIONREAD call per message). At most kMostUnsentAcks
+// wait, so a client that is always ahead still sees them.
 absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
-  if (writer_.empty()) {
-    unsent_acks_ = 0;
-    return reader_.Next();
+  if (!writer_.empty() && unsent_acks_ < kMostUnsentAcks) {
+    ASSIGN_OR_RETURN(std::optional<lane::Frame> arrived, reader_.Poll());
+    if (arrived.has_value()) return *arrived;
   }
-  if (unsent_acks_ < kMostUnsentAcks) {
-    if (reader_.HasBufferedFrame()) return reader_.Next();
-    int arrived = 0;  // bytes in the socket, read by nobody yet
-    if (ioctl(fd_, FIONREAD, &arrived) == 0 && arrived > 0) return reader_.Next();
-  }
-  RETURN_IF_ERROR(writer_.Send());
+  if (!writer_.empty()) RETURN_IF_ERROR(writer_.Send());
   unsent_acks_ = 0;
   return reader_.Next();
 }
