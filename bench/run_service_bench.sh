@@ -10,6 +10,11 @@
 #   bash bench/run_service_bench.sh --report   # the tables of the last run again
 #   KVCACHED=/other/kvcached UPDATE_PATH=proto bash bench/run_service_bench.sh
 #       # another server build, and Updates sent through the generated stub
+#   BEFORE=/other/tree/build-bench bash bench/run_service_bench.sh
+#       # a before/after run: that build's server and client (built there
+#       # first, e.g. by this script in that tree) run every kvcached row
+#       # too, alternating with this build's within each round, so both
+#       # see the same load; adds a before / after table
 #
 # Installs the peers (.ci/setup --bench), builds Release into build-bench/,
 # starts kvcached, redis-server and iperf3 on free loopback ports, and stops
@@ -26,6 +31,7 @@ CHUNKS=${CHUNKS:-"65536 262144 1048576"}
 BUILD_DIR=${BUILD_DIR:-build-bench}
 KVCACHED=${KVCACHED:-$BUILD_DIR/server/kvcached}
 UPDATE_PATH=${UPDATE_PATH:-shared}
+BEFORE=${BEFORE:-}
 work=$(mktemp -d)
 raw="$BUILD_DIR/service_bench_raw.txt"
 pids=()
@@ -66,6 +72,16 @@ start_peers() {
     --pool_bytes=$((6 << 30)) \
     --max_message_bytes=$((256 << 20)) >"$work/kvcached.log" 2>&1 &
   pids+=($!)
+  if [[ -n $BEFORE ]]; then
+    before_port=$(free_port $((lane_port + 1)))
+    before_lane_port=$(free_port $((before_port + 1)))
+    "$BEFORE/server/kvcached" --listen="127.0.0.1:$before_port" \
+      --data_lane_listen="127.0.0.1:$before_lane_port" --pool_bytes=$((6 << 30)) \
+      --max_message_bytes=$((256 << 20)) >"$work/before.log" 2>&1 &
+    pids+=($!)
+    wait_for grep -q "listening on" "$work/before.log"
+    log "before: kvcached of $BEFORE on $before_port"
+  fi
   redis_port=$(free_port 6390)
   redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
     --daemonize no --logfile "$work/redis.log" &
@@ -105,6 +121,12 @@ run_rows() {
             "$kv" --address="127.0.0.1:$kv_port" --ops="$kv_op" --streams="$streams" \
               --chunks="$chunk" --update_path="$UPDATE_PATH" --data_lane="$lane" \
               "${common[@]}" >>"$raw"
+            if [[ -n $BEFORE ]]; then
+              "$BEFORE/bench/service/service_bench" --address="127.0.0.1:$before_port" \
+                --ops="$kv_op" --streams="$streams" --chunks="$chunk" \
+                --update_path="$UPDATE_PATH" --data_lane="$lane" "${common[@]}" |
+                sed 's/^ROW kvcached/ROW before-kvcached/' >>"$raw"
+            fi
           done
           "$redis" --port="$redis_port" --ops="$redis_op" --connections="$streams" \
             --chunks="$chunk" "${common[@]}" >>"$raw"
@@ -124,6 +146,9 @@ print_machine() {
   echo "- load average before / after: $load_before / $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "- $REPEATS rounds of ${ROW_SECONDS} s per row (after 0.5 s warm-up); medians"
   echo "- server $KVCACHED; lane rows: ClientOptions::data_lane = auto; gRPC rows: Update sent with --update_path=$UPDATE_PATH"
+  if [[ -n $BEFORE ]]; then
+    echo "- before: server and client of $BEFORE, alternating with this build's within each round"
+  fi
 }
 
 # The rates of one system's rows (op, streams, chunk) over the rounds.
@@ -149,6 +174,37 @@ summarise_rows() {
       done
     done
   done
+}
+
+# One line per row: label streams chunk, then for lane and gRPC: before and
+# after medians, and their spreads.
+summarise_before_after() {
+  for pair in "update Update" "fetch Fetch"; do
+    read -r kv_op label <<<"$pair"
+    for streams in $STREAMS; do
+      for chunk in $CHUNKS; do
+        local line="$label $streams $chunk" spreads=""
+        for system in kvcached-lane kvcached; do
+          local before after
+          before=$(rates "before-$system" "$kv_op" "$streams" "$chunk")
+          after=$(rates "$system" "$kv_op" "$streams" "$chunk")
+          line+=" $(median <<<"$before") $(median <<<"$after")"
+          spreads+=" $(spread <<<"$before") $(spread <<<"$after")"
+        done
+        echo "$line$spreads"
+      done
+    done
+  done
+}
+
+print_before_after() {
+  echo "| op | streams | chunk | lane before | lane after | after / before | gRPC before | gRPC after | after / before | lane spreads (before; after) | gRPC spreads (before; after) |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
+  awk '{
+    lane = $4 > 0 ? $5 / $4 : 0; grpc = $6 > 0 ? $7 / $6 : 0
+    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s; %s | %s; %s |\n", $1, $2,
+      $3 / 1024, $4, $5, lane, $6, $7, grpc, $8, $9, $10, $11
+  }' "$work/before_after"
 }
 
 print_throughput() {
@@ -213,6 +269,12 @@ main() {
   echo
   print_plot "$ceiling"
   echo
+  if [[ -n $BEFORE ]] || grep -q "^ROW before-" "$raw"; then
+    echo "### Before / after (GB/s, medians; the before build alternates with this one in every round)"
+    summarise_before_after >"$work/before_after"
+    print_before_after
+    echo
+  fi
   echo "### Snapshot / Restore latency (16 layers, 8 KV heads, head dim 128, f16; through kvcache::Client)"
   print_latency
 }
