@@ -96,7 +96,7 @@ class SpeculationHandlersTest : public HandlersTestBase {
 
   // The engine's view of speculation `id` equals speculation_.
   ::testing::AssertionResult SpeculationMatches(const std::string& id) {
-    auto view = engine_->View("", "", id);
+    auto view = engine_->Freeze("", "", id);
     if (!view.ok()) return ::testing::AssertionFailure() << view.status();
     return ViewMatches(
         **view, [&](uint32_t layer) { return speculation_->Fetch(layer); },
