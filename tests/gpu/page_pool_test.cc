@@ -184,7 +184,7 @@ TEST_P(PagePoolTest, ReleasingAFreePageIsIgnored) {
 
 // View hands out where bytes lie, for sending without a copy: the same bytes
 // Read copies, on the direct path; the staging paths cannot, and say so.
-TEST_P(PagePoolTest, ViewShowsWhatReadCopiesWhereTheHostSeesPages) {
+TEST_P(PagePoolTest, MappedShowsWhatReadCopiesWhereTheHostSeesPages) {
   auto pool = MakePool(kPage, 4 * kPage);
   ASSERT_NE(pool, nullptr);
   std::vector<PageId> pages;
@@ -211,7 +211,7 @@ TEST_P(PagePoolTest, ViewShowsWhatReadCopiesWhereTheHostSeesPages) {
     const std::vector<ReadRun> past = {{pages[0], kPage - 4, nullptr, 8}};
     const absl::Status refused = pool->Mapped(past, views);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(refused.message(), HasSubstr("View"));
+    EXPECT_THAT(refused.message(), HasSubstr("Mapped"));
     EXPECT_EQ(views.size(), 3u);
   }
   for (PageId page : pages) pool->Release(page);
