@@ -37,15 +37,15 @@ CacheSpec BatchSpec(const CacheSpec& base, const std::vector<uint64_t>& padding)
   return NormalizeSpec(std::move(spec));
 }
 
-// Right-aligns every row of `view` at `target`: the row moves by
-// target - view.to and keeps its padding's contents (mlx-lm extend's mx.pad).
-void AppendAligned(const CacheSnapshot& view, uint64_t target, BatchPlan& plan,
+// Right-aligns every row of `frozen` at `target`: the row moves by
+// target - frozen.to and keeps its padding's contents (mlx-lm extend's mx.pad).
+void AppendAligned(const CacheSnapshot& frozen, uint64_t target, BatchPlan& plan,
                    std::vector<uint64_t>& padding) {
-  const int64_t shift = static_cast<int64_t>(target - view.to);
-  for (uint32_t r = 0; r < view.spec.batch_size; ++r) {
-    const uint64_t pad = PaddingOf(view.spec, r);
-    plan.rows.push_back({.source = &view, .row = r, .shift = shift, .padding = pad});
-    padding.push_back(pad + (target - view.to));
+  const int64_t shift = static_cast<int64_t>(target - frozen.to);
+  for (uint32_t r = 0; r < frozen.spec.batch_size; ++r) {
+    const uint64_t pad = PaddingOf(frozen.spec, r);
+    plan.rows.push_back({.source = &frozen, .row = r, .shift = shift, .padding = pad});
+    padding.push_back(pad + (target - frozen.to));
   }
 }
 
@@ -75,80 +75,81 @@ absl::Status AsField(const std::string& field, const absl::Status& status) {
 
 }  // namespace
 
-absl::StatusOr<BatchPlan> PlanExtractRow(const CacheSnapshot& view, uint32_t row) {
-  if (row >= view.spec.batch_size) {
+absl::StatusOr<BatchPlan> PlanExtractRow(const CacheSnapshot& frozen, uint32_t row) {
+  if (row >= frozen.spec.batch_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "row: %d is out of range; the cache has %d rows", row, view.spec.batch_size));
+        "row: %d is out of range; the cache has %d rows", row, frozen.spec.batch_size));
   }
-  const uint64_t dropped = std::min(PaddingOf(view.spec, row), view.to);
-  BatchPlan plan{.field = "row", .spec = BatchSpec(view.spec, {0}), .offset = view.to - dropped};
-  plan.rows.push_back({.source = &view,
+  const uint64_t dropped = std::min(PaddingOf(frozen.spec, row), frozen.to);
+  BatchPlan plan{
+      .field = "row", .spec = BatchSpec(frozen.spec, {0}), .offset = frozen.to - dropped};
+  plan.rows.push_back({.source = &frozen,
                        .row = row,
                        .shift = -static_cast<int64_t>(dropped),
-                       .padding = PaddingOf(view.spec, row),
+                       .padding = PaddingOf(frozen.spec, row),
                        .copy_padding = false});
   return plan;
 }
 
-absl::StatusOr<BatchPlan> PlanFilterRows(const CacheSnapshot& view,
+absl::StatusOr<BatchPlan> PlanFilterRows(const CacheSnapshot& frozen,
                                          absl::Span<const uint32_t> keep_rows) {
   if (keep_rows.empty()) {
     return absl::InvalidArgumentError("keep_rows: a batch needs at least one row");
   }
   uint64_t common = UINT64_MAX;
   for (size_t i = 0; i < keep_rows.size(); ++i) {
-    if (keep_rows[i] >= view.spec.batch_size) {
+    if (keep_rows[i] >= frozen.spec.batch_size) {
       return absl::InvalidArgumentError(
           absl::StrFormat("keep_rows[%d]: row %d is out of range; the cache has %d rows", i,
-                          keep_rows[i], view.spec.batch_size));
+                          keep_rows[i], frozen.spec.batch_size));
     }
-    common = std::min(common, PaddingOf(view.spec, keep_rows[i]));
+    common = std::min(common, PaddingOf(frozen.spec, keep_rows[i]));
   }
-  const uint64_t dropped = std::min(common, view.to);
-  BatchPlan plan{.field = "keep_rows", .offset = view.to - dropped};
+  const uint64_t dropped = std::min(common, frozen.to);
+  BatchPlan plan{.field = "keep_rows", .offset = frozen.to - dropped};
   std::vector<uint64_t> padding;
   for (uint32_t row : keep_rows) {
-    const uint64_t pad = PaddingOf(view.spec, row);
+    const uint64_t pad = PaddingOf(frozen.spec, row);
     plan.rows.push_back(
-        {.source = &view, .row = row, .shift = -static_cast<int64_t>(dropped), .padding = pad});
+        {.source = &frozen, .row = row, .shift = -static_cast<int64_t>(dropped), .padding = pad});
     padding.push_back(pad - dropped);
   }
-  plan.spec = BatchSpec(view.spec, padding);
+  plan.spec = BatchSpec(frozen.spec, padding);
   return plan;
 }
 
-absl::StatusOr<BatchPlan> PlanExtend(const CacheSnapshot& view, const CacheSnapshot& other) {
-  if (!SameLayoutApartFromBatch(view.spec, other.spec))
+absl::StatusOr<BatchPlan> PlanExtend(const CacheSnapshot& frozen, const CacheSnapshot& other) {
+  if (!SameLayoutApartFromBatch(frozen.spec, other.spec))
     return LayoutDiffers("other_id", "cache_id");
-  BatchPlan plan{.field = "other_id", .offset = std::max(view.to, other.to)};
+  BatchPlan plan{.field = "other_id", .offset = std::max(frozen.to, other.to)};
   std::vector<uint64_t> padding;
-  AppendAligned(view, plan.offset, plan, padding);
+  AppendAligned(frozen, plan.offset, plan, padding);
   AppendAligned(other, plan.offset, plan, padding);
-  plan.spec = BatchSpec(view.spec, padding);
+  plan.spec = BatchSpec(frozen.spec, padding);
   return plan;
 }
 
-absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> views) {
-  if (views.empty())
+absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> frozen_caches) {
+  if (frozen_caches.empty())
     return absl::InvalidArgumentError("cache_ids: a merge needs at least one cache");
   uint64_t longest = 0;
-  for (size_t i = 0; i < views.size(); ++i) {
-    if (!SameLayoutApartFromBatch(views[0]->spec, views[i]->spec)) {
+  for (size_t i = 0; i < frozen_caches.size(); ++i) {
+    if (!SameLayoutApartFromBatch(frozen_caches[0]->spec, frozen_caches[i]->spec)) {
       return LayoutDiffers(absl::StrCat("cache_ids[", i, "]"), "cache_ids[0]");
     }
-    for (uint32_t r = 0; r < views[i]->spec.batch_size; ++r) {
-      const uint64_t pad = PaddingOf(views[i]->spec, r);
-      longest = std::max(longest, views[i]->to - std::min(pad, views[i]->to));
+    for (uint32_t r = 0; r < frozen_caches[i]->spec.batch_size; ++r) {
+      const uint64_t pad = PaddingOf(frozen_caches[i]->spec, r);
+      longest = std::max(longest, frozen_caches[i]->to - std::min(pad, frozen_caches[i]->to));
     }
   }
   BatchPlan plan{.field = "cache_ids", .offset = longest};
   std::vector<uint64_t> padding;
-  for (const CacheSnapshot* view : views) {
-    for (uint32_t r = 0; r < view->spec.batch_size; ++r) {
-      const uint64_t pad = PaddingOf(view->spec, r);
-      const uint64_t length = view->to - std::min(pad, view->to);
+  for (const CacheSnapshot* frozen : frozen_caches) {
+    for (uint32_t r = 0; r < frozen->spec.batch_size; ++r) {
+      const uint64_t pad = PaddingOf(frozen->spec, r);
+      const uint64_t length = frozen->to - std::min(pad, frozen->to);
       const uint64_t new_pad = longest - length;
-      plan.rows.push_back({.source = view,
+      plan.rows.push_back({.source = frozen,
                            .row = r,
                            .shift = static_cast<int64_t>(new_pad) - static_cast<int64_t>(pad),
                            .padding = pad,
@@ -156,7 +157,7 @@ absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> views
       padding.push_back(new_pad);
     }
   }
-  plan.spec = BatchSpec(views[0]->spec, padding);
+  plan.spec = BatchSpec(frozen_caches[0]->spec, padding);
   return plan;
 }
 

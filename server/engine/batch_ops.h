@@ -29,7 +29,7 @@
 // (keep > 0) cannot take padding: such batches need rows of equal lengths.
 //
 // Each operation plans the new cache (Plan*) and then builds it completely
-// (AssembleBatch) from views of its sources, so a failure changes nothing; the
+// (AssembleBatch) from frozen_caches of its sources, so a failure changes nothing; the
 // engine swaps the result in (filter, extend) or registers it (extract, merge).
 #pragma once
 
@@ -46,7 +46,7 @@
 
 namespace kvcache::engine {
 
-// One row of a batch being built: row `row` of `source` (a view of a cache whose
+// One row of a batch being built: row `row` of `source` (a frozen of a cache whose
 // layers are in step), moved by `shift` (see RowSource).
 struct BatchRow {
   const CacheSnapshot* source = nullptr;
@@ -64,15 +64,15 @@ struct BatchPlan {
 };
 
 // INVALID_ARGUMENT naming `row` when out of range.
-absl::StatusOr<BatchPlan> PlanExtractRow(const CacheSnapshot& view, uint32_t row);
+absl::StatusOr<BatchPlan> PlanExtractRow(const CacheSnapshot& frozen, uint32_t row);
 // INVALID_ARGUMENT naming keep_rows when empty or naming the entry out of range.
-absl::StatusOr<BatchPlan> PlanFilterRows(const CacheSnapshot& view,
+absl::StatusOr<BatchPlan> PlanFilterRows(const CacheSnapshot& frozen,
                                          absl::Span<const uint32_t> keep_rows);
 // INVALID_ARGUMENT naming other_id when the layouts (apart from batch size) differ.
-absl::StatusOr<BatchPlan> PlanExtend(const CacheSnapshot& view, const CacheSnapshot& other);
+absl::StatusOr<BatchPlan> PlanExtend(const CacheSnapshot& frozen, const CacheSnapshot& other);
 // INVALID_ARGUMENT naming cache_ids (empty) or cache_ids[i] (layout differs from
-// cache_ids[0]). A view may appear more than once: its rows repeat.
-absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> views);
+// cache_ids[0]). A frozen may appear more than once: its rows repeat.
+absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> frozen_caches);
 
 // The planned cache, every layer assembled. FAILED_PRECONDITION when padding
 // would land in a rotating layer that keeps sinks; INVALID_ARGUMENT naming

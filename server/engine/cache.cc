@@ -50,9 +50,9 @@ absl::Status CacheSnapshot::Read(uint32_t layer, TokenRange range, const KvOutpu
   return held->Read(range, out);
 }
 
-absl::Status CacheSnapshot::View(uint32_t layer, TokenRange range, KvViews& out) const {
+absl::Status CacheSnapshot::Mapped(uint32_t layer, TokenRange range, KvMappedPieces& out) const {
   ASSIGN_OR_RETURN(const LayerSnapshot* held, HeldLayer(layer));
-  return held->View(range, out);
+  return held->Mapped(range, out);
 }
 
 absl::Status CacheSnapshot::ReadPacked(uint32_t layer, TokenRange range,
@@ -163,16 +163,16 @@ absl::StatusOr<CacheSnapshotPtr> Cache::Snapshot(const std::string& cache_id,
   return snapshot;
 }
 
-absl::StatusOr<CacheSnapshotPtr> Cache::View(const std::string& cache_id) const {
-  auto view = std::make_shared<CacheSnapshot>();
-  view->cache_id = cache_id;
-  view->spec = spec_;
+absl::StatusOr<CacheSnapshotPtr> Cache::Freeze(const std::string& cache_id) const {
+  auto frozen = std::make_shared<CacheSnapshot>();
+  frozen->cache_id = cache_id;
+  frozen->spec = spec_;
   for (const auto& layer : layers_) {
     ASSIGN_OR_RETURN(LayerSnapshotPtr part, layer->Snapshot(0));
-    view->to = std::max(view->to, layer->offset());
-    view->layers.push_back(std::move(part));
+    frozen->to = std::max(frozen->to, layer->offset());
+    frozen->layers.push_back(std::move(part));
   }
-  return view;
+  return frozen;
 }
 
 // Works out every layer's restored state first (each at `target`, or refused)

@@ -15,7 +15,8 @@
 
 namespace kvcache::engine {
 
-// An immutable whole-cache snapshot (or a live view for Fetch). A null layer
+// An immutable whole-cache snapshot: a registered one, or the live cache (or
+// a speculation) frozen for a Fetch (Engine::Freeze). A null layer
 // entry holds nothing for that layer (the reference's nil snapshot).
 struct CacheSnapshot {
   std::string cache_id;
@@ -32,8 +33,8 @@ struct CacheSnapshot {
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
   std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;
   absl::Status Read(uint32_t layer, TokenRange range, const KvOutput& out) const;
-  // LayerSnapshot::View of one layer.
-  absl::Status View(uint32_t layer, TokenRange range, KvViews& out) const;
+  // LayerSnapshot::Mapped of one layer.
+  absl::Status Mapped(uint32_t layer, TokenRange range, KvMappedPieces& out) const;
   // Quantized layers: `range` as stored (packed). Recurrent layers: the state.
   absl::Status ReadPacked(uint32_t layer, TokenRange range, const PackedOutput& out) const;
   absl::Status ReadState(uint32_t layer, const StateOutput& out) const;
@@ -88,7 +89,7 @@ class Cache {
   absl::StatusOr<uint64_t> Trim(uint64_t n);
   absl::StatusOr<CacheSnapshotPtr> Snapshot(const std::string& cache_id, uint64_t from_offset) const;
   // Every layer as it is now (snapshot from 0), for reading without the lock.
-  absl::StatusOr<CacheSnapshotPtr> View(const std::string& cache_id) const;
+  absl::StatusOr<CacheSnapshotPtr> Freeze(const std::string& cache_id) const;
   // snapshot null: rewind live. All layers or none.
   absl::Status Restore(const CacheSnapshot* snapshot, uint64_t target);
   // Batch operations (engine/batch_ops.h): fills empty layer `layer` from

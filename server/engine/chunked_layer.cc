@@ -28,8 +28,8 @@ absl::Status ChunkedSnapshot::Read(TokenRange range, const KvOutput& out) const 
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
-absl::Status ChunkedSnapshot::View(TokenRange range, KvViews& out) const {
-  return ViewHeld(table_, geometry_, Ranges(), range, out);
+absl::Status ChunkedSnapshot::Mapped(TokenRange range, KvMappedPieces& out) const {
+  return MappedHeld(table_, geometry_, Ranges(), range, out);
 }
 
 uint64_t ChunkedSnapshot::size_bytes() const { return PoolBytes(table_); }
@@ -104,7 +104,7 @@ absl::Status ChunkedLayer::Stage(uint64_t staged, const KvInput& kv) {
   return WriteTokens(table_, geometry_, state_.offset + staged, kv, &writes_.right);
 }
 
-LayerSnapshotPtr ChunkedLayer::StagedView(uint64_t staged) const {
+LayerSnapshotPtr ChunkedLayer::FreezeStaged(uint64_t staged) const {
   ChunkedState next = state_;
   if (staged > 0) next = {.offset = state_.offset + staged, .start = TrimmedStart()};
   if (next.offset == 0) return nullptr;

@@ -68,7 +68,7 @@ class ChunkedSnapshot final : public LayerSnapshot {
   uint64_t held_begin() const { return std::max(from_, state_.start); }
   std::vector<TokenRange> Ranges() const override;
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  absl::Status View(TokenRange range, KvViews& out) const override;
+  absl::Status Mapped(TokenRange range, KvMappedPieces& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(uint64_t at) const override;
@@ -107,7 +107,7 @@ class ChunkedLayer final : public Layer, public StagedAppend {
   // Speculation: staged tokens are written past the offset; the front is
   // trimmed only when they are adopted (the update they make up).
   absl::Status Stage(uint64_t staged, const KvInput& kv) override;
-  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  LayerSnapshotPtr FreezeStaged(uint64_t staged) const override;
   void Adopt(uint64_t tokens) override;
   void DropStaged() override;
   StagedAppend* staged_append() override { return this; }

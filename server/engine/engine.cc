@@ -11,13 +11,13 @@
 namespace kvcache::engine {
 namespace {
 
-// A view of every layer of `cache`, which must be in step; refusals name `field`.
-absl::StatusOr<CacheSnapshotPtr> InStepView(const Cache& cache, const std::string& cache_id,
-                                            const std::string& field) {
+// Every layer of `cache` frozen, which must be in step; refusals name `field`.
+absl::StatusOr<CacheSnapshotPtr> FrozenInStep(const Cache& cache, const std::string& cache_id,
+                                              const std::string& field) {
   if (absl::Status in_step = cache.CommonOffset().status(); !in_step.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(field, ": ", in_step.message()));
   }
-  return cache.View(cache_id);
+  return cache.Freeze(cache_id);
 }
 
 }  // namespace
@@ -159,11 +159,11 @@ absl::StatusOr<uint64_t> Engine::UpdateLayer(
   return cache->layer(layer).offset();
 }
 
-absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::View(
+absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
     const std::string& cache_id, const std::string& snapshot_id) const {
   if (!snapshot_id.empty()) return snapshots_.Get(snapshot_id);
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  return cache->View(cache_id);
+  return cache->Freeze(cache_id);
 }
 
 absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n, CacheInfo* after) {
@@ -225,12 +225,12 @@ std::vector<SnapshotInfo> Engine::ListSnapshots(const std::string& cache_id) con
 }
 
 absl::StatusOr<CacheInfo> Engine::ExtractRow(const std::string& cache_id, uint32_t row) {
-  CacheSnapshotPtr view;
+  CacheSnapshotPtr frozen;
   {
     ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-    ASSIGN_OR_RETURN(view, InStepView(*cache, cache_id, "cache_id"));
+    ASSIGN_OR_RETURN(frozen, FrozenInStep(*cache, cache_id, "cache_id"));
   }
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtractRow(*view, row));
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtractRow(*frozen, row));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
   return AddCache(std::move(built));
@@ -240,8 +240,8 @@ absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
                                              absl::Span<const uint32_t> keep_rows) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*view, keep_rows));
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*frozen, keep_rows));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
   cache.Replace(std::move(built));
@@ -255,18 +255,18 @@ absl::StatusOr<CacheInfo> Engine::MergeCaches(absl::Span<const std::string> cach
   for (size_t i = 0; i < cache_ids.size(); ++i) {
     fields.push_back(absl::StrCat("cache_ids[", i, "]"));
   }
-  std::vector<CacheSnapshotPtr> views;
+  std::vector<CacheSnapshotPtr> frozen_caches;
   {
     ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, cache_ids, fields));
     for (size_t i = 0; i < cache_ids.size(); ++i) {
       const auto it = std::find_if(locked.begin(), locked.end(),
                                    [&](const auto& entry) { return entry.first == cache_ids[i]; });
-      ASSIGN_OR_RETURN(CacheSnapshotPtr view, InStepView(*it->second, cache_ids[i], fields[i]));
-      views.push_back(std::move(view));
+      ASSIGN_OR_RETURN(CacheSnapshotPtr frozen, FrozenInStep(*it->second, cache_ids[i], fields[i]));
+      frozen_caches.push_back(std::move(frozen));
     }
   }
   std::vector<const CacheSnapshot*> sources;
-  for (const CacheSnapshotPtr& view : views) sources.push_back(view.get());
+  for (const CacheSnapshotPtr& frozen : frozen_caches) sources.push_back(frozen.get());
   ASSIGN_OR_RETURN(const BatchPlan plan, PlanMerge(sources));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
@@ -284,10 +284,10 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
   };
   LockedCache& cache = find(cache_id);
   RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr view, InStepView(*cache, cache_id, "cache_id"));
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
   ASSIGN_OR_RETURN(const CacheSnapshotPtr other,
-                   InStepView(*find(other_id), other_id, "other_id"));
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*view, *other));
+                   FrozenInStep(*find(other_id), other_id, "other_id"));
+  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*frozen, *other));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
   cache.Replace(std::move(built));

@@ -92,10 +92,10 @@ class Engine {
                                        const StateInput& state,
                                        std::optional<uint64_t> expected_offset = std::nullopt);
 
-  // A consistent, immutable view to Fetch from: the live cache (snapshot_id
+  // The state a Fetch reads, frozen: the live cache (snapshot_id
   // empty) or a snapshot. Costs page references, not copies.
-  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> View(const std::string& cache_id,
-                                                           const std::string& snapshot_id) const;
+  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Freeze(const std::string& cache_id,
+                                                              const std::string& snapshot_id) const;
 
   // mlx-lm trim on every layer: FAILED_PRECONDITION unless all are trimmable
   // and in step. Returns the number trimmed: n, or less where a layer holds
@@ -145,7 +145,7 @@ class Engine {
   // Speculative decoding (engine/speculation.h has the semantics). One open
   // speculation per cache; while it is open the cache's live Update,
   // UpdateState, Trim, Restore, FilterRows and ExtendCache (as cache_id) are
-  // FAILED_PRECONDITION, and its snapshots, views and batch reads see the
+  // FAILED_PRECONDITION, and its snapshots, frozen copies and batch reads see the
   // committed history. Deleting the cache ends it. An unknown or ended
   // speculation_id is NOT_FOUND, as is one named with a cache_id (non-empty)
   // that is not its cache's.
@@ -157,7 +157,7 @@ class Engine {
   // `cache_id` as in UpdateSpeculation: empty, or the speculation's cache.
   absl::StatusOr<SpeculationInfo> GetSpeculation(const std::string& speculation_id,
                                                  const std::string& cache_id = "") const;
-  // Update / UpdateState of the speculative view: the tokens (state) are
+  // Update / UpdateState of the speculative state: the tokens (state) are
   // drafted on `layer`; expected_offset and the returned offset are the
   // layer's committed + drafted offset.
   absl::StatusOr<uint64_t> UpdateSpeculation(const std::string& speculation_id,
@@ -167,10 +167,10 @@ class Engine {
   absl::StatusOr<uint64_t> UpdateSpeculationState(
       const std::string& speculation_id, const std::string& cache_id, uint32_t layer,
       const StateInput& state, std::optional<uint64_t> expected_offset = std::nullopt);
-  // View for Fetch with FetchRequest's three ids: speculation_id empty is
-  // View(cache_id, snapshot_id); else the speculative view (committed +
+  // Freeze for Fetch with FetchRequest's three ids: speculation_id empty is
+  // Freeze(cache_id, snapshot_id); else the speculative state (committed +
   // drafted, from 0), and snapshot_id must be empty (INVALID_ARGUMENT).
-  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> View(
+  absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Freeze(
       const std::string& cache_id, const std::string& snapshot_id,
       const std::string& speculation_id) const;
   // Keeps the first `accepted` drafted tokens (isolated: none) and ends the

@@ -142,17 +142,17 @@ absl::StatusOr<uint64_t> Engine::UpdateDraft(const std::string& speculation_id,
   return speculation.layer_offset(layer);
 }
 
-absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::View(
+absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
     const std::string& cache_id, const std::string& snapshot_id,
     const std::string& speculation_id) const {
-  if (speculation_id.empty()) return View(cache_id, snapshot_id);
+  if (speculation_id.empty()) return Freeze(cache_id, snapshot_id);
   if (!snapshot_id.empty()) {
     return absl::InvalidArgumentError(
         "speculation_id: read a snapshot or a speculation, not both (snapshot_id is set)");
   }
   std::string owner_id;
   ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, cache_id, &owner_id));
-  return cache.speculation()->View(owner_id);
+  return cache.speculation()->Freeze(owner_id);
 }
 
 absl::StatusOr<CacheInfo> Engine::CommitSpeculation(const std::string& speculation_id,

@@ -27,7 +27,7 @@ absl::Status LayerSnapshot::ReadPacked(TokenRange, const PackedOutput&) const {
   return absl::InvalidArgumentError("packed: only quantized layers have a packed form");
 }
 
-absl::Status LayerSnapshot::View(TokenRange, KvViews&) const {
+absl::Status LayerSnapshot::Mapped(TokenRange, KvMappedPieces&) const {
   return absl::FailedPreconditionError("this layer's tokens are not stored as they are read");
 }
 

@@ -100,8 +100,8 @@ struct KvOutput {
 };
 
 // Keys and values where they lie, as pieces whose concatenation is the
-// [B, H, L, D] tensor (LayerSnapshot::View).
-struct KvViews {
+// [B, H, L, D] tensor (LayerSnapshot::Mapped).
+struct KvMappedPieces {
   std::vector<absl::Span<const std::byte>> keys;
   std::vector<absl::Span<const std::byte>> values;
 };
@@ -140,11 +140,11 @@ class LayerSnapshot : public std::enable_shared_from_this<LayerSnapshot> {
   virtual std::vector<TokenRange> Ranges() const = 0;
   // Copies `range` (inside one of Ranges()) out in [B, H, L, D] order.
   virtual absl::Status Read(TokenRange range, const KvOutput& out) const = 0;
-  // What Read would copy, as views of the pages it lies in, valid while this
-  // snapshot lives: for sending without a copy. FAILED_PRECONDITION where
-  // the bytes are not stored as they are read (quantized, recurrent layers)
-  // or not host-visible (the default).
-  virtual absl::Status View(TokenRange range, KvViews& out) const;
+  // What Read would copy, as pieces of the host-mapped pages it lies in,
+  // valid while this snapshot lives: for sending without a copy.
+  // FAILED_PRECONDITION where the bytes are not stored as they are read
+  // (quantized, recurrent layers) or not host-visible (the default).
+  virtual absl::Status Mapped(TokenRange range, KvMappedPieces& out) const;
   virtual uint64_t size_bytes() const = 0;
   // Quantized layers: `range` in its stored, packed form. Others: INVALID_ARGUMENT.
   virtual absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const;

@@ -29,7 +29,9 @@ class AttentionDraft final : public LayerDraft {
   absl::Status UpdateState(const StateInput& state) override {
     return target_.Layer::UpdateState(state);
   }
-  absl::StatusOr<LayerSnapshotPtr> View() const override { return staged_.StagedView(drafted_); }
+  absl::StatusOr<LayerSnapshotPtr> Freeze() const override {
+    return staged_.FreezeStaged(drafted_);
+  }
   absl::Status CheckCommit(uint64_t) const override { return absl::OkStatus(); }
   void Commit(uint64_t accepted) override {
     if (copy_ == nullptr && accepted > 0) staged_.Adopt(accepted);

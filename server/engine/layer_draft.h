@@ -40,7 +40,7 @@ class LayerDraft {
   virtual absl::Status UpdateState(const StateInput& state) = 0;
   // The layer with its drafted tokens (committed + drafted), for reading;
   // null when it holds nothing, as Layer::Snapshot(0).
-  virtual absl::StatusOr<LayerSnapshotPtr> View() const = 0;
+  virtual absl::StatusOr<LayerSnapshotPtr> Freeze() const = 0;
   // FAILED_PRECONDITION when the layer cannot keep exactly `accepted`
   // (<= drafted()) drafted tokens. Changes nothing.
   virtual absl::Status CheckCommit(uint64_t accepted) const = 0;

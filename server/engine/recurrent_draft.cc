@@ -23,7 +23,7 @@ class RecurrentDraft final : public LayerDraft {
   uint64_t drafted() const override { return scratch_->offset() - committed_; }
   absl::Status Update(const KvInput& kv) override { return scratch_->Update(kv); }
   absl::Status UpdateState(const StateInput& state) override;
-  absl::StatusOr<LayerSnapshotPtr> View() const override { return scratch_->Snapshot(0); }
+  absl::StatusOr<LayerSnapshotPtr> Freeze() const override { return scratch_->Snapshot(0); }
   absl::Status CheckCommit(uint64_t accepted) const override;
   void Commit(uint64_t accepted) override {
     if (!isolated_ && accepted > 0) live_.AdoptState(*Recorded(committed_ + accepted));

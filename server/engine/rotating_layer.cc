@@ -26,8 +26,8 @@ absl::Status RotatingSnapshot::Read(TokenRange range, const KvOutput& out) const
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
-absl::Status RotatingSnapshot::View(TokenRange range, KvViews& out) const {
-  return ViewHeld(table_, geometry_, Ranges(), range, out);
+absl::Status RotatingSnapshot::Mapped(TokenRange range, KvMappedPieces& out) const {
+  return MappedHeld(table_, geometry_, Ranges(), range, out);
 }
 
 uint64_t RotatingSnapshot::size_bytes() const { return PoolBytes(table_); }
@@ -80,7 +80,7 @@ absl::Status RotatingLayer::Stage(uint64_t staged, const KvInput& kv) {
 }
 
 // Sliced at the end: the view holds no page of positions past it.
-LayerSnapshotPtr RotatingLayer::StagedView(uint64_t staged) const {
+LayerSnapshotPtr RotatingLayer::FreezeStaged(uint64_t staged) const {
   const RotatingState next = staged == 0 ? state_ : Appended(staged);
   if (next.offset == 0) return nullptr;
   return std::make_shared<RotatingSnapshot>(

@@ -46,7 +46,7 @@ class RotatingSnapshot final : public LayerSnapshot {
   uint64_t to() const override { return state_.offset; }
   std::vector<TokenRange> Ranges() const override { return state_.Ranges(kind_.keep); }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  absl::Status View(TokenRange range, KvViews& out) const override;
+  absl::Status Mapped(TokenRange range, KvMappedPieces& out) const override;
   uint64_t size_bytes() const override;
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   bool ChildSupersedes() const override { return true; }
@@ -91,7 +91,7 @@ class RotatingLayer final : public Layer, public StagedAppend {
   // (the window is never overwritten); Adopt evicts what they push out, as the
   // one Update of them would (ollama speculativeRotatingKVCache.commit).
   absl::Status Stage(uint64_t staged, const KvInput& kv) override;
-  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  LayerSnapshotPtr FreezeStaged(uint64_t staged) const override;
   void Adopt(uint64_t tokens) override;
   void DropStaged() override;
   StagedAppend* staged_append() override { return this; }

@@ -45,12 +45,12 @@ absl::Status Speculation::UpdateState(uint32_t layer, const StateInput& state) {
   return drafts_[layer]->UpdateState(state);
 }
 
-absl::StatusOr<CacheSnapshotPtr> Speculation::View(const std::string& cache_id) const {
+absl::StatusOr<CacheSnapshotPtr> Speculation::Freeze(const std::string& cache_id) const {
   auto view = std::make_shared<CacheSnapshot>();
   view->cache_id = cache_id;
   view->spec = cache_.spec();
   for (size_t i = 0; i < drafts_.size(); ++i) {
-    ASSIGN_OR_RETURN(LayerSnapshotPtr part, drafts_[i]->View());
+    ASSIGN_OR_RETURN(LayerSnapshotPtr part, drafts_[i]->Freeze());
     view->to = std::max(view->to, layer_offset(i));
     view->layers.push_back(std::move(part));
   }

@@ -6,8 +6,8 @@
 //   Begin        the cache's layers must be in step; its offset C is the
 //                committed history.
 //   Update       drafted tokens, per layer (engine/layer_draft.h has how each
-//                kind holds them); the speculative view is committed + drafted.
-//   View         that view, for Fetch: a CacheSnapshot like a live view's.
+//                kind holds them); the speculative state is committed + drafted.
+//   Freeze       that state, for Fetch: a CacheSnapshot like a frozen live cache's.
 //   Commit(n)    n must not exceed the most tokens any layer drafted
 //                (checked first); the drafted layers must be in step (each
 //                has drafted d, so n <= d); every layer must be able to keep n
@@ -20,7 +20,7 @@
 //
 // While it exists the live cache's layers must not change (the engine refuses
 // live updates, trims, restores and batch operations on the cache); snapshots
-// and views of the live cache see the committed history only.
+// and frozen copies of the live cache see the committed history only.
 #pragma once
 
 #include <cstdint>
@@ -56,7 +56,7 @@ class Speculation {
   absl::Status Update(uint32_t layer, const KvInput& kv);
   absl::Status UpdateState(uint32_t layer, const StateInput& state);
   // Every layer, committed + drafted, for reading without the lock.
-  absl::StatusOr<CacheSnapshotPtr> View(const std::string& cache_id) const;
+  absl::StatusOr<CacheSnapshotPtr> Freeze(const std::string& cache_id) const;
   // Checks, then keeps the first `accepted` drafted tokens in the live cache
   // (isolated: nothing). The checks, in this order: INVALID_ARGUMENT naming
   // accepted when it exceeds the most tokens any layer drafted;

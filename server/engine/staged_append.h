@@ -1,6 +1,6 @@
 // What speculation (engine/speculation.h) needs of an attention layer: tokens
 // written past its offset ("staged") that no reader of the layer sees, since
-// its ranges, reads, snapshots and views all stop at the offset, until Adopt
+// its ranges, reads, snapshots and frozen copies all stop at the offset, until Adopt
 // makes them the layer's own exactly as one Update of them would have:
 //
 //   positions   0 ............ offset-1 | offset ...... offset+staged-1
@@ -29,7 +29,7 @@ class StagedAppend {
   virtual absl::Status Stage(uint64_t staged, const KvInput& kv) = 0;
   // The layer as one Update of its first `staged` staged tokens would leave
   // it, for reading (null when that holds no position at all, as Snapshot(0)).
-  virtual LayerSnapshotPtr StagedView(uint64_t staged) const = 0;
+  virtual LayerSnapshotPtr FreezeStaged(uint64_t staged) const = 0;
   // The first `tokens` (>= 1) staged tokens become the layer's, as
   // Update(those tokens) would have made them; the rest stay staged.
   virtual void Adopt(uint64_t tokens) = 0;

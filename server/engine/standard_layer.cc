@@ -13,8 +13,8 @@ absl::Status StandardSnapshot::Read(TokenRange range, const KvOutput& out) const
   return ReadHeld(table_, geometry_, Ranges(), range, out);
 }
 
-absl::Status StandardSnapshot::View(TokenRange range, KvViews& out) const {
-  return ViewHeld(table_, geometry_, Ranges(), range, out);
+absl::Status StandardSnapshot::Mapped(TokenRange range, KvMappedPieces& out) const {
+  return MappedHeld(table_, geometry_, Ranges(), range, out);
 }
 
 absl::Status StandardSnapshot::ReadPacked(TokenRange range, const PackedOutput& out) const {
@@ -34,7 +34,7 @@ absl::Status StandardLayer::Stage(uint64_t staged, const KvInput& kv) {
   return WriteTokens(table_, geometry_, offset_ + staged, kv, &writes_.right);
 }
 
-LayerSnapshotPtr StandardLayer::StagedView(uint64_t staged) const {
+LayerSnapshotPtr StandardLayer::FreezeStaged(uint64_t staged) const {
   const uint64_t end = offset_ + staged;
   if (end == 0) return nullptr;
   return std::make_shared<StandardSnapshot>(table_.Slice(0, PagesFor(end, geometry_.page_tokens)),

@@ -26,7 +26,7 @@ class StandardSnapshot final : public LayerSnapshot {
   uint64_t to() const override { return to_; }
   std::vector<TokenRange> Ranges() const override { return {{from_, to_}}; }
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
-  absl::Status View(TokenRange range, KvViews& out) const override;
+  absl::Status Mapped(TokenRange range, KvMappedPieces& out) const override;
   // Quantized geometry only: the range's planes as stored.
   absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const override;
   uint64_t size_bytes() const override;
@@ -66,7 +66,7 @@ class StandardLayer final : public Layer, public StagedAppend {
   // Speculation: staged tokens are written in place past the offset; commit
   // moves the offset (ollama speculativeKVCache).
   absl::Status Stage(uint64_t staged, const KvInput& kv) override;
-  LayerSnapshotPtr StagedView(uint64_t staged) const override;
+  LayerSnapshotPtr FreezeStaged(uint64_t staged) const override;
   void Adopt(uint64_t tokens) override { offset_ += tokens; }
   void DropStaged() override;
   StagedAppend* staged_append() override { return this; }

@@ -105,7 +105,7 @@ absl::Status CheckInput(const PageGeometry& g, const KvInput& kv) {
 }
 
 // A right still valid on this page or a later one stays: the layer wrote up to
-// its `from` (staged tokens of an open speculation, read through its views
+// its `from` (staged tokens of an open speculation, read through its frozen copies
 // later) and a claim from `offset` would forget those positions.
 void ClaimRight(const PageTable& table, const PageGeometry& g, uint64_t offset,
                 AppendRight& right, const RestoreSource* source) {
@@ -204,8 +204,9 @@ absl::Status ReadTokens(const PageTable& table, const PageGeometry& g, TokenRang
   return table.pool()->Read(runs);
 }
 
-absl::Status ViewHeld(const PageTable& table, const PageGeometry& geometry,
-                      const std::vector<TokenRange>& held, TokenRange range, KvViews& out) {
+absl::Status MappedHeld(const PageTable& table, const PageGeometry& geometry,
+                        const std::vector<TokenRange>& held, TokenRange range,
+                        KvMappedPieces& out) {
   RETURN_IF_ERROR(CheckHeld(held, range));
   if (geometry.quantized()) {
     return absl::FailedPreconditionError("a quantized layer's tokens are read by dequantizing");
@@ -214,8 +215,8 @@ absl::Status ViewHeld(const PageTable& table, const PageGeometry& geometry,
   RETURN_IF_ERROR(TokenRuns(table, geometry, range, key_runs, value_runs));
   out.keys.clear();
   out.values.clear();
-  RETURN_IF_ERROR(table.pool()->View(key_runs, out.keys));
-  return table.pool()->View(value_runs, out.values);
+  RETURN_IF_ERROR(table.pool()->Mapped(key_runs, out.keys));
+  return table.pool()->Mapped(value_runs, out.values);
 }
 
 absl::Status CheckHeld(const std::vector<TokenRange>& held, TokenRange range) {

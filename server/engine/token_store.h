@@ -34,8 +34,9 @@ void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& vi
 }
 
 // The one page a layer may go on appending to in place while others share it
-// (snapshots, views): without it, each snapshot taken between two decode steps
-// would cost the next step a copy of the page it ends in.
+// (snapshots, frozen copies for Fetch): without it, each snapshot taken
+// between two decode steps would cost the next step a copy of the page it
+// ends in.
 //
 //   page `page` at `index`:  [ read by holders: < from | unread by anyone else: >= from ]
 //
@@ -56,7 +57,7 @@ struct AppendRight {
 // Claims the right on the page holding position `offset` (the next write's)
 // when no one else holds that page and the layer wrote nothing past `offset`
 // that it may still show (a valid right there): called as a layer is about to
-// share its pages (a snapshot, a view), whose readers stop at `offset`. A restored layer
+// share its pages (a snapshot, a frozen copy), whose readers stop at `offset`. A restored layer
 // starts without a right; without this, its first snapshot would cost the next
 // write a copy of the page, however soon the snapshots it was restored among
 // are released.
@@ -87,7 +88,7 @@ struct InPlaceWrites {
   // Before a write at `position`: the first write after a restore claims the
   // right through the snapshot (while it lives), which is then forgotten.
   void ClaimBeforeWrite(const PageTable& table, const PageGeometry& geometry, uint64_t position);
-  // Before readers share the pages below `offset` (a snapshot, a view).
+  // Before readers share the pages below `offset` (a snapshot, a frozen copy).
   void ClaimBeforeSharing(const PageTable& table, const PageGeometry& geometry, uint64_t offset) {
     ClaimRight(table, geometry, offset, right, &restored_from);
   }
@@ -118,10 +119,10 @@ absl::Status ReadHeld(const PageTable& table, const PageGeometry& geometry,
                       const std::vector<TokenRange>& held, TokenRange range, const KvOutput& out);
 
 // Where a layer's or snapshot's `range` lies, as pieces of host-mapped pages
-// in [B, H, L, D] order (LayerSnapshot::View). FAILED_PRECONDITION for
+// in [B, H, L, D] order (LayerSnapshot::Mapped). FAILED_PRECONDITION for
 // quantized layers and on the staging path.
-absl::Status ViewHeld(const PageTable& table, const PageGeometry& geometry,
-                      const std::vector<TokenRange>& held, TokenRange range, KvViews& out);
+absl::Status MappedHeld(const PageTable& table, const PageGeometry& geometry,
+                        const std::vector<TokenRange>& held, TokenRange range, KvMappedPieces& out);
 
 // A quantized layer's `range` as stored (quantized_store.h); INVALID_ARGUMENT
 // for other layers, or unless CheckHeld passes.

@@ -96,8 +96,8 @@ class PagePool::Impl {
 
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
-  absl::Status View(absl::Span<const ReadRun> runs,
-                    std::vector<absl::Span<const std::byte>>& views);
+  absl::Status Mapped(absl::Span<const ReadRun> runs,
+                      std::vector<absl::Span<const std::byte>>& pieces);
   absl::Status Copy(absl::Span<const PageCopy> copies);
   absl::Status Move(absl::Span<const PageMove> moves);
 
@@ -180,22 +180,22 @@ absl::Status PagePool::Impl::Read(absl::Span<const ReadRun> runs) {
   return staged_->Read(reads);
 }
 
-absl::Status PagePool::Impl::View(absl::Span<const ReadRun> runs,
-                                  std::vector<absl::Span<const std::byte>>& views) {
+absl::Status PagePool::Impl::Mapped(absl::Span<const ReadRun> runs,
+                                    std::vector<absl::Span<const std::byte>>& pieces) {
   if (staged_ != nullptr) {
     return absl::FailedPreconditionError("pages are not host-visible (the staging path)");
   }
   for (size_t i = 0; i < runs.size(); ++i) {
-    RETURN_IF_ERROR(CheckRange("View", i, runs[i].page, runs[i].offset, runs[i].bytes));
+    RETURN_IF_ERROR(CheckRange("Mapped", i, runs[i].page, runs[i].offset, runs[i].bytes));
   }
-  const size_t first = views.size();
+  const size_t first = pieces.size();
   for (const ReadRun& run : runs) {
     std::byte* host = pages.Locate(run.page).host;
     if (host == nullptr) {
-      views.resize(first);
+      pieces.resize(first);
       return absl::FailedPreconditionError("pages are not host-mapped");
     }
-    views.emplace_back(host + run.offset, run.bytes);
+    pieces.emplace_back(host + run.offset, run.bytes);
   }
   return absl::OkStatus();
 }
@@ -340,9 +340,9 @@ absl::Status PagePool::Write(absl::Span<const WriteRun> runs) {
 absl::Status PagePool::Read(absl::Span<const ReadRun> runs) {
   return impl_->Read(runs);
 }
-absl::Status PagePool::View(absl::Span<const ReadRun> runs,
-                            std::vector<absl::Span<const std::byte>>& views) {
-  return impl_->View(runs, views);
+absl::Status PagePool::Mapped(absl::Span<const ReadRun> runs,
+                              std::vector<absl::Span<const std::byte>>& pieces) {
+  return impl_->Mapped(runs, pieces);
 }
 absl::Status PagePool::Copy(absl::Span<const PageCopy> copies) {
   return impl_->Copy(copies);

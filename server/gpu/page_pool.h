@@ -122,11 +122,11 @@ class PagePool {
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);
   // Where the runs' bytes lie in host-mapped pages (ReadRun::dst unused), one
-  // view per run, appended to `views`: to send them without a copy. Valid
+  // piece per run, appended to `pieces`: to send them without a copy. Valid
   // while the pages are held and unwritten. FAILED_PRECONDITION on the
   // staging path, whose device memory the host cannot see.
-  absl::Status View(absl::Span<const ReadRun> runs,
-                    std::vector<absl::Span<const std::byte>>& views);
+  absl::Status Mapped(absl::Span<const ReadRun> runs,
+                      std::vector<absl::Span<const std::byte>>& pieces);
   absl::Status Copy(absl::Span<const PageCopy> copies);
   // mlx affine quantization on the device: rows of the jobs' tensors into
   // pages, and back (gpu/quantizer.h has the run layout and the checks).

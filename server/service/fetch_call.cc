@@ -109,8 +109,8 @@ std::optional<uint64_t> FetchCall::TokenChunksBytes(uint64_t framing_bytes) {
 
 const FetchChunkFraming& FetchCall::NextFraming() { return FramingAt(next_); }
 
-bool FetchCall::ViewNext(engine::KvViews& out) {
-  if (!handlers_.ViewFetchChunk(plan_, next_, out).ok()) return false;
+bool FetchCall::MappedNext(engine::KvMappedPieces& out) {
+  if (!handlers_.MappedFetchChunk(plan_, next_, out).ok()) return false;
   ++next_;
   return true;
 }
@@ -136,7 +136,7 @@ absl::Status FetchCall::Fail(absl::Status status) {
 }
 
 absl::Status FetchCall::Finish(const absl::Status& transport) {
-  plan_ = FetchPlan();  // its view holds the pages' references
+  plan_ = FetchPlan();  // its frozen snapshot holds the pages' references
   framings_.clear();
   next_ = 0;
   if (status_.ok()) status_ = transport;

@@ -1,5 +1,5 @@
-// One Fetch call, whichever transport carries it: the plan (one consistent
-// view of the cache and the chunks cut from it), each chunk in the form its
+// One Fetch call, whichever transport carries it: the plan (the cache's
+// state, frozen, and the chunks cut from it), each chunk in the form its
 // transport frames, and the final status. The gRPC reactor and the data lane
 // only move the bytes; every rule about the call lives here.
 //
@@ -8,7 +8,7 @@
 //   FetchCall call(handlers, request);
 //   while (call.has_next()) {
 //     if (!call.next_is_tokens())        -> FillNext(message)   (packed, state)
-//     else if (call.ViewNext(views))     -> NextFraming() + views of the pages
+//     else if (call.MappedNext(pieces))  -> NextFraming() + pieces of mapped pages
 //     else                               -> ReadNext(buffer of NextFraming().size())
 //   }
 //   status = call.Finish(why_the_transport_stopped);   // pages let go first
@@ -75,7 +75,7 @@ class FetchCall {
 
   // Whether a chunk is left to send: none once one failed or Finish ran.
   bool has_next() const { return status_.ok() && next_ < plan_.chunks.size(); }
-  // Whether the next chunk is keys and values (NextFraming, ViewNext,
+  // Whether the next chunk is keys and values (NextFraming, MappedNext,
   // ReadNext), else a message of its own (FillNext).
   bool next_is_tokens() const;
   // The bytes of all the chunks' encodings, each with `framing_bytes` of the
@@ -86,7 +86,7 @@ class FetchCall {
   const FetchChunkFraming& NextFraming();
   // Where the next chunk's data lies in pages, valid until Finish, and moves
   // past it; false, staying, where the data must be read (ReadNext).
-  bool ViewNext(engine::KvViews& out);
+  bool MappedNext(engine::KvMappedPieces& out);
   // Writes the next chunk's encoding, framing and data, into `out`
   // (NextFraming().size() bytes) and moves past it. A failure ends the call.
   absl::Status ReadNext(absl::Span<std::byte> out);

@@ -45,18 +45,18 @@ engine::PackedOutput::Side ShapePacked(v1::QuantizedTensor* out, const engine::C
 
 void Handlers::PlanLayer(const v1::FetchRequest& request, uint32_t layer, uint64_t end,
                          FetchPlan& plan) const {
-  const engine::LayerSpec& spec = plan.view->spec.layers[layer];
+  const engine::LayerSpec& spec = plan.snapshot->spec.layers[layer];
   if (engine::IsRecurrent(spec)) {
     // One chunk with the whole state, when the layer has one.
-    const engine::LayerSnapshotPtr& part = plan.view->layers[layer];
+    const engine::LayerSnapshotPtr& part = plan.snapshot->layers[layer];
     if (part) plan.chunks.push_back({layer, {part->to(), part->to()}, FetchPlan::Form::kState});
     return;
   }
   // `packed` asks for the stored form: only quantized layers store another one.
   const bool packed = request.packed() && std::holds_alternative<engine::QuantizedKind>(spec.kind);
   const FetchPlan::Form form = packed ? FetchPlan::Form::kPacked : FetchPlan::Form::kTokens;
-  const uint64_t step = ChunkTokens(plan.view->spec, layer, request.max_chunk_tokens());
-  for (const engine::TokenRange& range : plan.view->Ranges(layer, {request.start(), end})) {
+  const uint64_t step = ChunkTokens(plan.snapshot->spec, layer, request.max_chunk_tokens());
+  for (const engine::TokenRange& range : plan.snapshot->Ranges(layer, {request.start(), end})) {
     for (uint64_t begin = range.begin; begin < range.end; begin += step) {
       plan.chunks.push_back({layer, {begin, std::min(range.end, begin + step)}, form});
     }
@@ -66,7 +66,7 @@ void Handlers::PlanLayer(const v1::FetchRequest& request, uint32_t layer, uint64
 absl::Status Handlers::FillPackedChunk(const FetchPlan& plan, size_t index,
                                        v1::FetchResponse* response) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
-  const engine::CacheSpec& spec = plan.view->spec;
+  const engine::CacheSpec& spec = plan.snapshot->spec;
   const engine::LayerSpec& layer = spec.layers[chunk.layer];
   const auto& q = std::get<engine::QuantizedKind>(layer.kind);
   response->set_layer(chunk.layer);
@@ -76,13 +76,13 @@ absl::Status Handlers::FillPackedChunk(const FetchPlan& plan, size_t index,
   out.keys = ShapePacked(response->mutable_packed_keys(), spec, layer, q, tokens, layer.k_head_dim);
   out.values =
       ShapePacked(response->mutable_packed_values(), spec, layer, q, tokens, layer.v_head_dim);
-  return plan.view->ReadPacked(chunk.layer, chunk.range, out);
+  return plan.snapshot->ReadPacked(chunk.layer, chunk.range, out);
 }
 
 absl::Status Handlers::FillStateChunk(const FetchPlan& plan, size_t index,
                                       v1::FetchResponse* response) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
-  const engine::CacheSpec& spec = plan.view->spec;
+  const engine::CacheSpec& spec = plan.snapshot->spec;
   const auto& r = std::get<engine::RecurrentKind>(spec.layers[chunk.layer].kind);
   response->set_layer(chunk.layer);
   response->set_start(chunk.range.begin);
@@ -92,7 +92,7 @@ absl::Status Handlers::FillStateChunk(const FetchPlan& plan, size_t index,
   out.conv = Resized(state->mutable_conv_state(), spec.dtype, {b, r.conv_tail, r.conv_dim});
   out.delta = Resized(state->mutable_delta_state(), spec.dtype,
                       {b, r.num_v_heads, r.head_v_dim, r.head_k_dim});
-  return plan.view->ReadState(chunk.layer, out);
+  return plan.snapshot->ReadState(chunk.layer, out);
 }
 
 }  // namespace kvcache::service

@@ -144,10 +144,10 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
         absl::StrFormat("end: %d is below start %d", end, request.start()));
   }
   FetchPlan plan;
-  ASSIGN_OR_RETURN(plan.view, engine_.View(request.cache_id(), request.snapshot_id(),
-                                                request.speculation_id()));
+  ASSIGN_OR_RETURN(plan.snapshot, engine_.Freeze(request.cache_id(), request.snapshot_id(),
+                                                 request.speculation_id()));
   std::vector<uint32_t> layers;
-  RETURN_IF_ERROR(CheckFetchLayers(request, plan.view->spec, layers));
+  RETURN_IF_ERROR(CheckFetchLayers(request, plan.snapshot->spec, layers));
   for (uint32_t layer : layers) PlanLayer(request, layer, end, plan);
   return plan;
 }
@@ -155,7 +155,7 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
 void Handlers::FetchChunkHeader(const FetchPlan& plan, size_t index, v1::FetchResponse* header,
                                 uint64_t* key_bytes, uint64_t* value_bytes) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
-  const engine::CacheSpec& spec = plan.view->spec;
+  const engine::CacheSpec& spec = plan.snapshot->spec;
   const engine::LayerSpec& layer = spec.layers[chunk.layer];
   const uint64_t tokens = chunk.range.size();
   const std::tuple<v1::Tensor*, uint32_t, uint64_t*> sides[] = {
@@ -174,13 +174,13 @@ void Handlers::FetchChunkHeader(const FetchPlan& plan, size_t index, v1::FetchRe
 absl::Status Handlers::ReadFetchChunk(const FetchPlan& plan, size_t index,
                                       const engine::KvOutput& out) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
-  return plan.view->Read(chunk.layer, chunk.range, out);
+  return plan.snapshot->Read(chunk.layer, chunk.range, out);
 }
 
-absl::Status Handlers::ViewFetchChunk(const FetchPlan& plan, size_t index,
-                                      engine::KvViews& out) const {
+absl::Status Handlers::MappedFetchChunk(const FetchPlan& plan, size_t index,
+                                        engine::KvMappedPieces& out) const {
   const FetchPlan::Chunk& chunk = plan.chunks[index];
-  return plan.view->View(chunk.layer, chunk.range, out);
+  return plan.snapshot->Mapped(chunk.layer, chunk.range, out);
 }
 
 absl::Status Handlers::FillFetchChunk(const FetchPlan& plan, size_t index,

@@ -30,7 +30,7 @@ struct ServiceOptions {
   std::string data_lane_address;
 };
 
-// What a Fetch sends: a consistent view and the chunks to cut from it.
+// What a Fetch sends: the state it reads, frozen, and the chunks to cut from it.
 struct FetchPlan {
   // What a chunk carries: keys and values, a quantized layer's stored form
   // (FetchRequest.packed), or a recurrent layer's state.
@@ -40,7 +40,7 @@ struct FetchPlan {
     engine::TokenRange range;
     Form form = Form::kTokens;
   };
-  std::shared_ptr<const engine::CacheSnapshot> view;
+  std::shared_ptr<const engine::CacheSnapshot> snapshot;
   std::vector<Chunk> chunks;
 };
 
@@ -84,7 +84,8 @@ class Handlers {
                               const engine::KvOutput& out) const;
   // Where a chunk's data lies in pages, to send without a copy (valid while
   // `plan` lives); FAILED_PRECONDITION where it must be read (ReadFetchChunk).
-  absl::Status ViewFetchChunk(const FetchPlan& plan, size_t index, engine::KvViews& out) const;
+  absl::Status MappedFetchChunk(const FetchPlan& plan, size_t index,
+                                engine::KvMappedPieces& out) const;
 
  private:
   // An update checked against `spec` (of `cache_id`, the live cache or the

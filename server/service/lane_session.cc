@@ -172,7 +172,7 @@ absl::Status LaneSession::SendChunks(FetchCall& call, bool& announced) {
     queued = used = 0;
     return writer_.empty() ? absl::OkStatus() : writer_.Send();
   };
-  engine::KvViews views;
+  engine::KvMappedPieces pieces;
   while (call.has_next()) {
     if (!call.next_is_tokens()) {
       v1::FetchResponse chunk;
@@ -183,8 +183,8 @@ absl::Status LaneSession::SendChunks(FetchCall& call, bool& announced) {
     }
     const FetchChunkFraming& framing = call.NextFraming();
     const size_t frame_bytes = lane::kHeaderBytes + framing.size();
-    if (call.ViewNext(views)) {
-      QueueViewedChunk(framing, views);
+    if (call.MappedNext(pieces)) {
+      QueueMappedChunk(framing, pieces);
     } else {
       if (used + frame_bytes > chunk_buffer_capacity_) {
         RETURN_IF_ERROR(flush());
@@ -207,13 +207,13 @@ absl::Status LaneSession::SendChunks(FetchCall& call, bool& announced) {
   return flush();  // also the chunks before a failed one
 }
 
-void LaneSession::QueueViewedChunk(const FetchChunkFraming& framing,
-                                   const engine::KvViews& views) {
+void LaneSession::QueueMappedChunk(const FetchChunkFraming& framing,
+                                   const engine::KvMappedPieces& pieces) {
   writer_.AddHeader(v1::LANE_FRAME_FETCH_CHUNK, static_cast<uint32_t>(framing.size()));
   writer_.AddCopy(framing.head());
-  for (absl::Span<const std::byte> piece : views.keys) writer_.AddReference(piece);
+  for (absl::Span<const std::byte> piece : pieces.keys) writer_.AddReference(piece);
   writer_.AddCopy(framing.middle());
-  for (absl::Span<const std::byte> piece : views.values) writer_.AddReference(piece);
+  for (absl::Span<const std::byte> piece : pieces.values) writer_.AddReference(piece);
 }
 
 void LaneSession::QueueStatus(const absl::Status& status) {

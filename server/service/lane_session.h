@@ -48,7 +48,7 @@ class LaneSession {
   // ends the call (FetchCall::Finish tells it).
   absl::Status SendChunks(FetchCall& call, bool& announced);
   // A chunk of keys and values sent from the pages it lies in.
-  void QueueViewedChunk(const FetchChunkFraming& framing, const engine::KvViews& views);
+  void QueueMappedChunk(const FetchChunkFraming& framing, const engine::KvMappedPieces& pieces);
   void QueueStatus(const absl::Status& status);
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 

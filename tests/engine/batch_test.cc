@@ -227,7 +227,7 @@ TEST_P(BatchTest, SnapshotsOutliveAFilterAndRefuseToRestoreIntoOtherRows) {
   ASSERT_TRUE(engine_->FilterRows(id, {2, 0}).ok());
   ExpectRefused(absl::StatusCode::kFailedPrecondition, "layout",
                 [&] { return engine_->Restore(id, snapshot->snapshot_id, 5); });
-  auto view = engine_->View("", snapshot->snapshot_id);
+  auto view = engine_->Freeze("", snapshot->snapshot_id);
   ASSERT_TRUE(view.ok()) << view.status();
   EXPECT_EQ((*view)->spec.batch_size, 3u);
 }

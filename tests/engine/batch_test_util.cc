@@ -92,7 +92,7 @@ void BatchTestBase::Append(const std::string& id, uint64_t tokens, int tag, uint
 
 BatchTestBase::RowContents BatchTestBase::Row(const std::string& id, uint32_t layer, uint32_t row) {
   RowContents contents;
-  auto view = engine_->View(id, "");
+  auto view = engine_->Freeze(id, "");
   EXPECT_TRUE(view.ok()) << view.status();
   if (!view.ok()) return contents;
   contents.ranges = (*view)->Ranges(layer, kEverything);

@@ -212,7 +212,7 @@ TEST_P(ChunkedRecurrentTest, RecurrentStateReadsAsZerosUntilTheFirstUpdate) {
   const CacheSpec spec = MakeSpec({ThreePageState()}, DType::kFloat32);
   HybridCache cache(*engine_, spec);
   EXPECT_EQ(UsedPages(), 0);  // no state, no pages
-  auto view = engine_->View(cache.id(), "");
+  auto view = engine_->Freeze(cache.id(), "");
   ASSERT_TRUE(view.ok());
   absl::StatusOr<RefState> state = ReadLayerState(**view, 0);
   ASSERT_TRUE(state.ok()) << state.status();
@@ -284,7 +284,7 @@ TEST_P(ChunkedRecurrentTest, RecurrentRefusalsChangeNothing) {
   status = engine_->Update(cache.id(), 1, kv.input()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_TRUE(Mentions(status, "keys: layer 1 is recurrent"));
-  auto view = engine_->View(cache.id(), "");
+  auto view = engine_->Freeze(cache.id(), "");
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(ReadRange(**view, 0, {0, 1}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(FullFingerprintOf(*engine_) == before);

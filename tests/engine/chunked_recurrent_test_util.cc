@@ -141,7 +141,7 @@ namespace {
 }  // namespace
 
 ::testing::AssertionResult HybridCache::Matches() {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View(id_, "");
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
     const RefLayer& ref = reference_.layer(layer);
@@ -159,7 +159,8 @@ namespace {
 ::testing::AssertionResult HybridSnapshotMatches(engine::Engine& engine,
                                                  const std::string& snapshot_id,
                                                  const RefCacheSnapshot& reference) {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine.View("", snapshot_id);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
+      engine.Freeze("", snapshot_id);
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   for (uint32_t layer = 0; layer < reference.spec.layers.size(); ++layer) {
     const RefLayerSnapshotPtr& part = reference.layers[layer];
@@ -192,10 +193,11 @@ void AppendStates(const engine::CacheSnapshot& view, std::vector<std::string>& o
 FullFingerprint FullFingerprintOf(engine::Engine& engine) {
   FullFingerprint fingerprint{.tokens = Fingerprint(engine)};
   for (const EngineFingerprint::Entry& cache : fingerprint.tokens.caches) {
-    if (auto view = engine.View(cache.id, ""); view.ok()) AppendStates(**view, fingerprint.states);
+    if (auto view = engine.Freeze(cache.id, ""); view.ok())
+      AppendStates(**view, fingerprint.states);
   }
   for (const EngineFingerprint::Entry& snapshot : fingerprint.tokens.snapshots) {
-    if (auto view = engine.View("", snapshot.id); view.ok()) {
+    if (auto view = engine.Freeze("", snapshot.id); view.ok()) {
       AppendStates(**view, fingerprint.states);
     }
   }

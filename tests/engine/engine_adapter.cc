@@ -130,7 +130,7 @@ absl::Status EngineAdapter::ReleaseSnapshot(const std::string& snapshot_id) {
 }
 
 absl::Status EngineAdapter::ReadSnapshot(const std::string& snapshot_id) {
-  return engine_.View("", snapshot_id).status();
+  return engine_.Freeze("", snapshot_id).status();
 }
 
 absl::StatusOr<std::vector<SnapshotState>> EngineAdapter::ListSnapshots(
@@ -169,7 +169,7 @@ absl::StatusOr<CacheState> EngineAdapter::ExtendCache(const std::string& cache_i
       info->layer_offsets != reference.layer_offsets()) {
     return ::testing::AssertionFailure() << "rows, padding or offsets differ";
   }
-  auto view = engine_.View(id, "");
+  auto view = engine_.Freeze(id, "");
   if (!view.ok()) return ::testing::AssertionFailure() << view.status();
   for (uint32_t layer = 0; layer < reference.num_layers(); ++layer) {
     if (engine::IsRecurrent(reference.spec().layers[layer])) {

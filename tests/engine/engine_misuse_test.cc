@@ -151,8 +151,8 @@ TEST_P(EngineMisuseTest, UnknownIdsAreNotFound) {
   ExpectRefused(not_found, "", [&] { return engine_->GetCache(kUnknownId); });
   ExpectRefused(not_found, "", [&] { return engine_->DeleteCache(kUnknownId); });
   ExpectRefused(not_found, "", [&] { return engine_->Update(kUnknownId, 0, kv.input()); });
-  ExpectRefused(not_found, "", [&] { return engine_->View(kUnknownId, ""); });
-  ExpectRefused(not_found, "", [&] { return engine_->View(cache->id(), kUnknownId); });
+  ExpectRefused(not_found, "", [&] { return engine_->Freeze(kUnknownId, ""); });
+  ExpectRefused(not_found, "", [&] { return engine_->Freeze(cache->id(), kUnknownId); });
   ExpectRefused(not_found, "", [&] { return engine_->Trim(kUnknownId, 1); });
   ExpectRefused(not_found, "", [&] { return engine_->Snapshot(kUnknownId, 0); });
   ExpectRefused(not_found, "", [&] { return engine_->Restore(kUnknownId, "", 0); });

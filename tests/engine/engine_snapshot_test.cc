@@ -273,7 +273,7 @@ TEST_P(EngineSnapshotTest, LiveViewIsImmutable) {
     for (uint32_t layer = 0; layer < named.spec.layers.size(); ++layer) {
       expected.push_back(cache.reference().layer(layer).Fetch());
     }
-    auto view = engine_->View(cache.id(), "");
+    auto view = engine_->Freeze(cache.id(), "");
     ASSERT_TRUE(view.ok()) << view.status();
     ASSERT_TRUE(cache.Decode(4));
     ASSERT_TRUE(cache.Append(17));

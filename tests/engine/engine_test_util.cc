@@ -154,13 +154,14 @@ EngineFingerprint Fingerprint(engine::Engine& engine) {
   for (const engine::CacheInfo& info : engine.ListCaches()) {
     EngineFingerprint::Entry entry{.id = info.cache_id, .cache_id = info.cache_id,
                                    .offsets = info.layer_offsets};
-    if (auto view = engine.View(info.cache_id, ""); view.ok()) entry.layers = FingerprintLayers(**view);
+    if (auto view = engine.Freeze(info.cache_id, ""); view.ok())
+      entry.layers = FingerprintLayers(**view);
     fingerprint.caches.push_back(std::move(entry));
   }
   for (const engine::SnapshotInfo& info : engine.ListSnapshots()) {
     EngineFingerprint::Entry entry{.id = info.snapshot_id, .cache_id = info.cache_id,
                                    .offsets = {info.from_offset, info.to_offset}};
-    if (auto view = engine.View(info.cache_id, info.snapshot_id); view.ok()) {
+    if (auto view = engine.Freeze(info.cache_id, info.snapshot_id); view.ok()) {
       entry.layers = FingerprintLayers(**view);
     }
     fingerprint.snapshots.push_back(std::move(entry));
@@ -264,7 +265,7 @@ std::string MirroredCache::Snapshot(uint64_t from, RefCacheSnapshotPtr* referenc
 }
 
 ::testing::AssertionResult MirroredCache::Matches() {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View(id_, "");
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
     absl::StatusOr<std::vector<RefToken>> actual = FetchLayer(**view, layer, kEverything);
@@ -277,7 +278,8 @@ std::string MirroredCache::Snapshot(uint64_t from, RefCacheSnapshotPtr* referenc
 
 ::testing::AssertionResult SnapshotMatches(engine::Engine& engine, const std::string& snapshot_id,
                                            const RefCacheSnapshot& reference) {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine.View("", snapshot_id);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
+      engine.Freeze("", snapshot_id);
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   for (uint32_t layer = 0; layer < reference.spec.layers.size(); ++layer) {
     absl::StatusOr<std::vector<RefToken>> actual = FetchLayer(**view, layer, kEverything);

@@ -56,7 +56,7 @@ class HybridEngineTest : public GpuTestBase {
   int64_t UsedPages() const { return pool_->stats().used_pages; }
 
   std::vector<engine::TokenRange> LiveRanges(const std::string& id, uint32_t layer) {
-    auto view = engine_->View(id, "");
+    auto view = engine_->Freeze(id, "");
     EXPECT_TRUE(view.ok()) << view.status();
     return view.ok() ? (*view)->Ranges(layer, kEverything) : std::vector<engine::TokenRange>{};
   }
@@ -105,7 +105,7 @@ class HybridEngineTest : public GpuTestBase {
   }
 
   std::vector<engine::TokenRange> SnapshotRanges(const std::string& id, uint32_t layer) {
-    auto view = engine_->View("", id);
+    auto view = engine_->Freeze("", id);
     EXPECT_TRUE(view.ok()) << view.status();
     return view.ok() ? (*view)->Ranges(layer, kEverything) : std::vector<engine::TokenRange>{};
   }

@@ -74,7 +74,7 @@ class QuantizedEngineTest : public GpuTestBase {
 
   ::testing::AssertionResult Matches(const std::string& cache_id, const std::string& snapshot_id,
                                      const RefCacheSnapshot* snapshot) {
-    auto view = engine_->View(cache_id, snapshot_id);
+    auto view = engine_->Freeze(cache_id, snapshot_id);
     if (!view.ok()) return ::testing::AssertionFailure() << view.status();
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
       absl::StatusOr<std::vector<RefToken>> actual = FetchStoredLayer(**view, layer, kEverything);
@@ -119,7 +119,7 @@ TEST_P(QuantizedEngineTest, DequantizedValuesLieWithinOneStepOfTheInput) {
   const std::string id = Create(spec);
   const KvTensors kv = RandomLayerKv(spec, 0, 9, rng_);
   ASSERT_TRUE(engine_->Update(id, 0, kv.input()).ok());
-  auto view = engine_->View(id, "");
+  auto view = engine_->Freeze(id, "");
   ASSERT_TRUE(view.ok());
   std::vector<std::byte> keys(kv.keys.size()), values(kv.values.size());
   ASSERT_TRUE((*view)->Read(0, {0, 9}, {absl::MakeSpan(keys), absl::MakeSpan(values)}).ok());
@@ -190,7 +190,7 @@ TEST_P(QuantizedEngineTest, RefusedUpdatesChangeNothing) {
 TEST_P(QuantizedEngineTest, ReadPackedRefusesBadBuffersRangesAndLayers) {
   const std::string id = Create(MixedSpec());
   Append(id, 5);
-  auto view = engine_->View(id, "");
+  auto view = engine_->Freeze(id, "");
   ASSERT_TRUE(view.ok());
   // Layer 0: 2 rows x 2 heads, Dk 64 and Dv 32 at 4 bits, group 32, bf16.
   const uint64_t rows = 2 * 2 * 3;

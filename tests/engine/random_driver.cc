@@ -21,7 +21,8 @@ RandomDriver::RandomDriver(engine::Engine& engine, const RandomConfig& config)
 void RandomDriver::FetchLive() {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   SCOPED_TRACE(absl::StrCat("fetch live layer ", layer));
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine().View(cache_id_, "");
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
+      engine().Freeze(cache_id_, "");
   ASSERT_TRUE(view.ok()) << view.status();
   if (IsRecurrent(layer)) {
     CheckState(**view, layer, ExpectedState(layer, nullptr));
@@ -40,7 +41,7 @@ void RandomDriver::FetchSnapshot() {
   SCOPED_TRACE(absl::StrCat("fetch snapshot [", snapshot.reference->from, ",",
                             snapshot.reference->to, ") layer ", layer));
   // A snapshot is found by its id alone; a cache id beside it is ignored.
-  auto view = engine().View(Chance(0.5) ? cache_id_ : "", snapshot.id);
+  auto view = engine().Freeze(Chance(0.5) ? cache_id_ : "", snapshot.id);
   ASSERT_TRUE(view.ok()) << view.status();
   EXPECT_EQ((*view)->from, snapshot.reference->from);
   EXPECT_EQ((*view)->to, snapshot.reference->to);
@@ -132,7 +133,7 @@ void RandomDriver::CheckState(const engine::CacheSnapshot& view, uint32_t layer,
 void RandomDriver::CheckAllSnapshots() {
   CheckSnapshotList();
   for (const TrackedSnapshot& snapshot : snapshots_) {
-    auto view = engine().View("", snapshot.id);
+    auto view = engine().Freeze("", snapshot.id);
     ASSERT_TRUE(view.ok()) << view.status();
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
       auto actual = FetchStoredLayer(**view, layer, kEverything);
@@ -149,7 +150,7 @@ void RandomDriver::CheckAllSnapshots() {
 void RandomDriver::Finish() {
   SCOPED_TRACE(absl::StrCat(config_.name, " seed=", config_.seed, " final check"));
   if (!::testing::Test::HasFailure()) {
-    auto view = engine().View(cache_id_, "");
+    auto view = engine().Freeze(cache_id_, "");
     ASSERT_TRUE(view.ok()) << view.status();
     for (uint32_t layer = 0; layer < reference_->num_layers(); ++layer) {
       auto actual = FetchStoredLayer(**view, layer, kEverything);

@@ -94,7 +94,7 @@ void RandomDriver::DraftAndProbe(const std::string& id, RefSpeculation& referenc
 void RandomDriver::EndWithReaderInFlight(const std::string& id, RefSpeculation& reference,
                                          const std::optional<PageShadow>& shadow) {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine().View("", "", id);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine().Freeze("", "", id);
   ASSERT_TRUE(view.ok()) << view.status();
   const std::vector<RefToken> tokens = IsRecurrent(layer) ? std::vector<RefToken>{}
                                                                : reference.Fetch(layer);
@@ -189,7 +189,7 @@ void RandomDriver::DraftStates(const std::string& id, RefSpeculation& reference,
 void RandomDriver::CheckSpeculativeView(const std::string& id, const RefSpeculation& reference) {
   SCOPED_TRACE("the speculative view");
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
-      engine().View(Chance(0.5) ? cache_id_ : "", "", id);
+      engine().Freeze(Chance(0.5) ? cache_id_ : "", "", id);
   ASSERT_TRUE(view.ok()) << view.status();
   const std::vector<uint64_t> offsets = reference.layer_offsets();
   EXPECT_EQ((*view)->to, *std::max_element(offsets.begin(), offsets.end()));
@@ -298,7 +298,7 @@ void RandomDriver::ExpectSpeculationGone(const std::string& id) {
   EXPECT_EQ(engine().CommitSpeculation(id, 0).status().code(), gone);
   EXPECT_EQ(engine().AbortSpeculation(id).status().code(), gone);
   EXPECT_EQ(engine().GetSpeculation(id).status().code(), gone);
-  EXPECT_EQ(engine().View("", "", id).status().code(), gone);
+  EXPECT_EQ(engine().Freeze("", "", id).status().code(), gone);
   EXPECT_EQ(engine().UpdateSpeculation(id, "", 0, kv.input()).status().code(), gone);
   stats_.speculation_refusals += 5;
 }

@@ -1,4 +1,4 @@
-// LayerSnapshot::View: the pages a Fetch chunk lies in, for sending without a
+// LayerSnapshot::Mapped: the pages a Fetch chunk lies in, for sending without a
 // copy (the data lane). Its pieces, joined, are exactly what Read copies, on
 // every layer kind whose pages hold tokens as they are read and over ranges
 // that cross pages and a rotating window's wrap; quantized and recurrent
@@ -35,7 +35,7 @@ TEST_P(SnapshotViewTest, PiecesJoinToWhatReadCopies) {
   HybridCache cache(*engine_, spec);
   ASSERT_TRUE(cache.Step(9));
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(cache.Step(1));  // the window wraps
-  auto view = engine_->View(cache.id(), "");
+  auto view = engine_->Freeze(cache.id(), "");
   ASSERT_TRUE(view.ok()) << view.status();
   const bool host_visible = GetParam() == TransferPath::kDirect;
   for (uint32_t layer = 0; layer < 3; ++layer) {
@@ -52,8 +52,8 @@ TEST_P(SnapshotViewTest, PiecesJoinToWhatReadCopies) {
         ASSERT_TRUE((*view)->Read(layer, part, {.keys = absl::MakeSpan(keys),
                                                 .values = absl::MakeSpan(values)})
                         .ok());
-        engine::KvViews pieces;
-        const absl::Status status = (*view)->View(layer, part, pieces);
+        engine::KvMappedPieces pieces;
+        const absl::Status status = (*view)->Mapped(layer, part, pieces);
         if (!host_visible) {
           EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
           continue;
@@ -64,11 +64,11 @@ TEST_P(SnapshotViewTest, PiecesJoinToWhatReadCopies) {
       }
     }
   }
-  engine::KvViews pieces;
-  EXPECT_EQ((*view)->View(3, {0, 4}, pieces).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*view)->View(4, {0, 1}, pieces).code(), absl::StatusCode::kFailedPrecondition);
+  engine::KvMappedPieces pieces;
+  EXPECT_EQ((*view)->Mapped(3, {0, 4}, pieces).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*view)->Mapped(4, {0, 1}, pieces).code(), absl::StatusCode::kFailedPrecondition);
   // A range it does not hold is refused like a Read of it.
-  EXPECT_EQ((*view)->View(0, {0, 99}, pieces).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*view)->Mapped(0, {0, 99}, pieces).code(), absl::StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(TransferPaths, SnapshotViewTest, ::testing::ValuesIn(kAllTransferPaths),

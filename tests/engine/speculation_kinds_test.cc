@@ -103,7 +103,7 @@ TEST_P(SpeculationTest, SnapshotPerDraftedTokenCopiesNoPage) {
     std::vector<std::shared_ptr<const engine::CacheSnapshot>> held;
     const auto covered = [&] {
       std::vector<std::shared_ptr<const engine::CacheSnapshot>> views = held;
-      views.push_back(*engine_->View(cache.id(), ""));
+      views.push_back(*engine_->Freeze(cache.id(), ""));
       return PagesCovering(views);
     };
     for (uint64_t k : {1, 4, 8}) {
@@ -116,7 +116,7 @@ TEST_P(SpeculationTest, SnapshotPerDraftedTokenCopiesNoPage) {
         absl::StatusOr<engine::SnapshotInfo> info = engine_->Snapshot(cache.id(), from);
         ASSERT_TRUE(info.ok()) << info.status();
         snapshots.emplace_back(info->snapshot_id, cache.reference().Snapshot(from));
-        held.push_back(*engine_->View("", info->snapshot_id));
+        held.push_back(*engine_->Freeze("", info->snapshot_id));
         ASSERT_TRUE(cache.Step(1));
         EXPECT_EQ(UsedPages(), covered()) << "step " << i << " copied a page";
       }
@@ -153,8 +153,8 @@ TEST_P(SpeculationTest, KeepingTheRestoredSnapshotCopiesNoPage) {
     };
     const auto covered = [&] {
       std::vector<std::shared_ptr<const engine::CacheSnapshot>> views = {
-          *engine_->View(cache.id(), "")};
-      for (const auto& snapshot : kept) views.push_back(*engine_->View("", snapshot.first));
+          *engine_->Freeze(cache.id(), "")};
+      for (const auto& snapshot : kept) views.push_back(*engine_->Freeze("", snapshot.first));
       return PagesCovering(views);
     };
     take();
@@ -288,9 +288,9 @@ TEST_P(SpeculationTest, AppendingInPlaceLeavesEveryOtherHolderAlone) {
     // A reader of the live cache meanwhile: it shares the page the drafted
     // tokens begin in, so the layer looks for a right (ClaimRight) with them
     // past its offset.
-    ASSERT_TRUE(engine_->View(cache.id(), "").ok());
+    ASSERT_TRUE(engine_->Freeze(cache.id(), "").ok());
     // A reader of the drafted tokens (a Fetch of the speculation in flight).
-    const auto drafted_view = engine_->View("", "", cache.speculation_id());
+    const auto drafted_view = engine_->Freeze("", "", cache.speculation_id());
     ASSERT_TRUE(drafted_view.ok()) << drafted_view.status();
     const std::vector<RefToken> drafted = cache.speculation()->Fetch(0);
     ASSERT_TRUE(cache.Commit(1).ok());

@@ -118,7 +118,7 @@ TEST_P(SpeculationTest, UnknownEndedAndForeignIdsAreNotFound) {
     ExpectRefused(kNotFound, "speculation_id", "",
                   [&] { return engine_->UpdateSpeculation(id, cache_id, 0, kv.input()); });
     ExpectRefused(kNotFound, "speculation_id", "",
-                  [&] { return engine_->View(cache_id, "", id); });
+                  [&] { return engine_->Freeze(cache_id, "", id); });
     if (!cache_id.empty()) return;
     ExpectRefused(kNotFound, "speculation_id", "", [&] { return engine_->GetSpeculation(id); });
     ExpectRefused(kNotFound, "speculation_id", "",
@@ -132,7 +132,7 @@ TEST_P(SpeculationTest, UnknownEndedAndForeignIdsAreNotFound) {
   ExpectRefused(kNotFound, "speculation_id", committed,
                 [&] { return engine_->UpdateSpeculation(committed, other.id(), 0, kv.input()); });
   ExpectRefused(kNotFound, "speculation_id", committed,
-                [&] { return engine_->View(other.id(), "", committed); });
+                [&] { return engine_->Freeze(other.id(), "", committed); });
   ASSERT_TRUE(cache.Commit(0).ok());
   expect_gone(committed, "");
   expect_gone(committed, cache.id());
@@ -153,7 +153,7 @@ TEST_P(SpeculationTest, DeletingTheCacheEndsItsSpeculation) {
   const std::string id = cache.speculation_id();
   EXPECT_EQ(engine_->CommitSpeculation(id, 1).status().code(), kNotFound);
   EXPECT_EQ(engine_->AbortSpeculation(id).status().code(), kNotFound);
-  EXPECT_EQ(engine_->View("", "", id).status().code(), kNotFound);
+  EXPECT_EQ(engine_->Freeze("", "", id).status().code(), kNotFound);
   EXPECT_EQ(engine_->GetSpeculation(id).status().code(), kNotFound);
 }
 
@@ -256,7 +256,7 @@ TEST_P(SpeculationTest, RefusedDraftsChangeNothing) {
   ExpectRefused(absl::StatusCode::kInvalidArgument, "keys", id,
                 [&] { return engine_->UpdateSpeculation(id, "", 0, kv.input()); });
   ExpectRefused(absl::StatusCode::kInvalidArgument, "speculation_id", id,
-                [&] { return engine_->View("", "some-snapshot", id); });
+                [&] { return engine_->Freeze("", "some-snapshot", id); });
   EXPECT_TRUE(cache.SpeculationMatches());
 }
 
@@ -345,7 +345,7 @@ TEST_P(SpeculationTest, ViewsOfTheSpeculationOutliveIt) {
     ASSERT_TRUE(cache.Begin(false));
     ASSERT_TRUE(cache.Draft(3));
     absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
-        engine_->View("", "", cache.speculation_id());
+        engine_->Freeze("", "", cache.speculation_id());
     ASSERT_TRUE(view.ok()) << view.status();
     std::vector<std::vector<RefToken>> tokens;
     std::vector<std::optional<RefState>> states;

@@ -124,7 +124,7 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
 }
 
 ::testing::AssertionResult SpeculatingCache::Matches() {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.View(id_, "");
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return reference_.layer(layer).Fetch(); },
@@ -133,7 +133,7 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
 
 ::testing::AssertionResult SpeculatingCache::SpeculationMatches() {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
-      engine_.View(id_, "", speculation_id_);
+      engine_.Freeze(id_, "", speculation_id_);
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return speculation_->Fetch(layer); },
@@ -143,7 +143,8 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
 ::testing::AssertionResult SnapshotViewMatches(engine::Engine& engine,
                                                const std::string& snapshot_id,
                                                const RefCacheSnapshot& reference) {
-  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine.View("", snapshot_id);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
+      engine.Freeze("", snapshot_id);
   if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return RefCache::FetchSnapshot(reference, layer); },
@@ -159,7 +160,7 @@ SpeculationFingerprint SpeculationFingerprintOf(engine::Engine& engine,
   if (speculation_id.empty()) return fingerprint;
   absl::StatusOr<engine::SpeculationInfo> info = engine.GetSpeculation(speculation_id);
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
-      engine.View("", "", speculation_id);
+      engine.Freeze("", "", speculation_id);
   if (!info.ok() || !view.ok()) {
     fingerprint.speculation = absl::StrCat(info.status().ToString(), view.status().ToString());
     return fingerprint;

@@ -184,7 +184,7 @@ TEST_P(PagePoolTest, ReleasingAFreePageIsIgnored) {
 
 // View hands out where bytes lie, for sending without a copy: the same bytes
 // Read copies, on the direct path; the staging paths cannot, and say so.
-TEST_P(PagePoolTest, ViewShowsWhatReadCopiesWhereTheHostSeesPages) {
+TEST_P(PagePoolTest, MappedShowsWhatReadCopiesWhereTheHostSeesPages) {
   auto pool = MakePool(kPage, 4 * kPage);
   ASSERT_NE(pool, nullptr);
   std::vector<PageId> pages;
@@ -196,7 +196,7 @@ TEST_P(PagePoolTest, ViewShowsWhatReadCopiesWhereTheHostSeesPages) {
                   .ok());
   const std::vector<ReadRun> runs = {{pages[1], 100, nullptr, 900}, {pages[0], 0, nullptr, 5}};
   std::vector<absl::Span<const std::byte>> views = {{}};  // View appends
-  const absl::Status status = pool->View(runs, views);
+  const absl::Status status = pool->Mapped(runs, views);
   if (GetParam() != testing::TransferPath::kDirect) {
     EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
     EXPECT_EQ(views.size(), 1u);
@@ -209,9 +209,9 @@ TEST_P(PagePoolTest, ViewShowsWhatReadCopiesWhereTheHostSeesPages) {
     EXPECT_EQ(views[2].size(), 5u);
     // A run past its page is refused, naming the call and the run.
     const std::vector<ReadRun> past = {{pages[0], kPage - 4, nullptr, 8}};
-    const absl::Status refused = pool->View(past, views);
+    const absl::Status refused = pool->Mapped(past, views);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(refused.message(), HasSubstr("View"));
+    EXPECT_THAT(refused.message(), HasSubstr("Mapped"));
     EXPECT_EQ(views.size(), 3u);
   }
   for (PageId page : pages) pool->Release(page);

@@ -43,8 +43,8 @@ class FetchCallTest : public HandlersTestBase {
     }
     const service::FetchChunkFraming& framing = call.NextFraming();
     std::string bytes(framing.size(), '\0');
-    engine::KvViews views;
-    if (!call.ViewNext(views)) {
+    engine::KvMappedPieces views;
+    if (!call.MappedNext(views)) {
       EXPECT_TRUE(call.ReadNext({reinterpret_cast<std::byte*>(bytes.data()), bytes.size()}).ok());
       return bytes;
     }

@@ -143,7 +143,7 @@ TEST_P(HandlersTest, TensorsInPiecesAreWrittenWhole) {
     v1::UpdateResponse ack;
     ASSERT_TRUE(handlers_->Update(view, nullptr, &ack).ok());
     const uint64_t tokens = request.keys().shape(2);
-    auto live = engine_->View(cache_id_, "");
+    auto live = engine_->Freeze(cache_id_, "");
     ASSERT_TRUE(live.ok()) << live.status();
     std::string keys(request.keys().data().size(), '\0');
     std::string values(request.values().data().size(), '\0');

@@ -113,7 +113,7 @@ v1::UpdateRequest HandlersTestBase::RandomLayerUpdate(const std::string& id,
       info->layer_offsets != reference.layer_offsets()) {
     return ::testing::AssertionFailure() << "rows, padding or offsets differ";
   }
-  auto view = engine_->View(id, "");
+  auto view = engine_->Freeze(id, "");
   if (!view.ok()) return ::testing::AssertionFailure() << view.status();
   for (uint32_t layer = 0; layer < reference.num_layers(); ++layer) {
     if (engine::IsRecurrent(spec.layers[layer])) {

@@ -96,7 +96,7 @@ class SpeculationHandlersTest : public HandlersTestBase {
 
   // The engine's view of speculation `id` equals speculation_.
   ::testing::AssertionResult SpeculationMatches(const std::string& id) {
-    auto view = engine_->View("", "", id);
+    auto view = engine_->Freeze("", "", id);
     if (!view.ok()) return ::testing::AssertionFailure() << view.status();
     return ViewMatches(
         **view, [&](uint32_t layer) { return speculation_->Fetch(layer); },
@@ -270,7 +270,7 @@ TEST_P(SpeculationHandlersTest, FetchPlansTheSpeculativeView) {
     request.set_max_chunk_tokens(3);
     absl::StatusOr<service::FetchPlan> plan = handlers_->PlanFetch(request);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_EQ(plan->view->to, 8u);
+    EXPECT_EQ(plan->snapshot->to, 8u);
     std::vector<RefToken> fetched;
     for (size_t i = 0; i < plan->chunks.size(); ++i) {
       v1::FetchResponse chunk;
