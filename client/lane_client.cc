@@ -85,6 +85,7 @@ class LaneUpdate final : public UpdateTransport {
       write_error_ = sent;
       return false;
     }
+    ++frames_sent_;
     if (++writes_since_ack_poll_ < kWritesPerAckPoll) return true;
     writes_since_ack_poll_ = 0;
     absl::MutexLock lock(&mutex_);
@@ -102,6 +103,15 @@ class LaneUpdate final : public UpdateTransport {
       absl::MutexLock lock(&mutex_);
       finished_ = true;
       return end_;
+    }
+    if (!write_error_.has_value() && frames_sent_ == 0) {
+      // An empty call, OK with no acknowledgements as over gRPC. The lane
+      // has no call without an UPDATE frame (a lone UPDATE_END is a protocol
+      // error), so nothing goes out and the connection stays as it was.
+      absl::MutexLock lock(&mutex_);
+      finished_ = true;
+      pool_.Give(std::move(connection_));
+      return absl::OkStatus();
     }
     if (!write_error_.has_value()) {
       connection_->writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
@@ -176,6 +186,7 @@ class LaneUpdate final : public UpdateTransport {
   bool finished_ ABSL_GUARDED_BY(mutex_) = false;
   std::optional<absl::Status> write_error_;  // the writer's own
   int writes_since_ack_poll_ = 0;
+  uint64_t frames_sent_ = 0;
 };
 
 // What a server sent instead of answering KVLANE02: the STATUS of a server

@@ -236,6 +236,21 @@ TEST_F(E2eDataLaneTest, UpdatesAndFetchesEqualGrpcs) {
   }
 }
 
+// A stream finished before any Write is an empty Update call: OK with no
+// acknowledgements on both transports, and the lane connection stays usable.
+TEST_F(E2eDataLaneTest, AnUpdateStreamWithNoMessagesEndsOkOnBothTransports) {
+  const std::vector<uint64_t> before = Offsets();
+  for (Client* client : {lane_client_.get(), &server_->client()}) {
+    SCOPED_TRACE(client == lane_client_.get() ? "over the lane" : "over gRPC");
+    auto stream = client->OpenUpdate(cache_id_);
+    absl::StatusOr<std::vector<v1::UpdateResponse>> acks = stream->Finish();
+    ASSERT_TRUE(acks.ok()) << acks.status();
+    EXPECT_TRUE(acks->empty());
+  }
+  EXPECT_EQ(Offsets(), before);
+  ExpectHealthy();
+}
+
 TEST_F(E2eDataLaneTest, AFailedRequestEndsTheCallKeepingWhatCameBefore) {
   auto raw = OpenRaw();
   raw->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 3));
