@@ -19,7 +19,7 @@ constexpr int kMostUnsentAcks = 64;
 }  // namespace
 
 LaneSession::LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes)
-    : handlers_(handlers), fd_(fd), reader_(fd, max_message_bytes), writer_(fd), update_(handlers) {}
+    : handlers_(handlers), reader_(fd, max_message_bytes), writer_(fd), update_(handlers) {}
 
 absl::Status LaneSession::Run() {
   ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));

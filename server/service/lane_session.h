@@ -53,7 +53,6 @@ class LaneSession {
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 
   Handlers& handlers_;
-  int fd_;
   lane::FrameReader reader_;
   lane::FrameWriter writer_;
   UpdateCall update_;  // the Update call under way, or the next one
