@@ -73,6 +73,12 @@ start_peers() {
     --max_message_bytes=$((256 << 20)) >"$work/kvcached.log" 2>&1 &
   pids+=($!)
   if [[ -n $BEFORE ]]; then
+    for binary in server/kvcached bench/service/service_bench; do
+      if [[ ! -x $BEFORE/$binary ]]; then
+        log "BEFORE=$BEFORE has no $binary (build it there first)"
+        exit 2
+      fi
+    done
     before_port=$(free_port $((lane_port + 1)))
     before_lane_port=$(free_port $((before_port + 1)))
     "$BEFORE/server/kvcached" --listen="127.0.0.1:$before_port" \
@@ -107,6 +113,14 @@ iperf3_once() {
            gsub(/[^0-9.e+]/, "", $2); printf "%.3f\n", $2 / 8e9; exit }'
 }
 
+# The before build's row (run_rows' variables), its system renamed.
+run_before() {
+  "$BEFORE/bench/service/service_bench" --address="127.0.0.1:$before_port" \
+    --ops="$kv_op" --streams="$streams" --chunks="$chunk" \
+    --update_path="$UPDATE_PATH" --data_lane="$lane" "${common[@]}" |
+    sed 's/^ROW kvcached/ROW before-kvcached/' >>"$raw"
+}
+
 run_rows() {
   local kv="$BUILD_DIR/bench/service/service_bench" redis="$BUILD_DIR/bench/service/redis_bench"
   local common=(--seconds="$ROW_SECONDS" --warmup=0.5)
@@ -118,15 +132,13 @@ run_rows() {
       for streams in $STREAMS; do
         for chunk in $CHUNKS; do
           for lane in auto ""; do
+            # The before build goes first in even rounds, second in odd
+            # ones, so an order effect does not always land on one side.
+            if [[ -n $BEFORE ]] && ((rep % 2 == 0)); then run_before; fi
             "$kv" --address="127.0.0.1:$kv_port" --ops="$kv_op" --streams="$streams" \
               --chunks="$chunk" --update_path="$UPDATE_PATH" --data_lane="$lane" \
               "${common[@]}" >>"$raw"
-            if [[ -n $BEFORE ]]; then
-              "$BEFORE/bench/service/service_bench" --address="127.0.0.1:$before_port" \
-                --ops="$kv_op" --streams="$streams" --chunks="$chunk" \
-                --update_path="$UPDATE_PATH" --data_lane="$lane" "${common[@]}" |
-                sed 's/^ROW kvcached/ROW before-kvcached/' >>"$raw"
-            fi
+            if [[ -n $BEFORE ]] && ((rep % 2 == 1)); then run_before; fi
           done
           "$redis" --port="$redis_port" --ops="$redis_op" --connections="$streams" \
             --chunks="$chunk" "${common[@]}" >>"$raw"
@@ -198,12 +210,13 @@ summarise_before_after() {
 }
 
 print_before_after() {
-  echo "| op | streams | chunk | lane before | lane after | after / before | gRPC before | gRPC after | after / before | lane spreads (before; after) | gRPC spreads (before; after) |"
+  echo -n "| op | streams | chunk | lane before | lane after | after / before "
+  echo "| gRPC before | gRPC after | after / before | lane spreads (before; after) | gRPC spreads (before; after) |"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
   awk '{
     lane = $4 > 0 ? $5 / $4 : 0; grpc = $6 > 0 ? $7 / $6 : 0
-    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s; %s | %s; %s |\n", $1, $2,
-      $3 / 1024, $4, $5, lane, $6, $7, grpc, $8, $9, $10, $11
+    printf "| %s | %d | %d KiB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s; %s | %s; %s |\n",
+      $1, $2, $3 / 1024, $4, $5, lane, $6, $7, grpc, $8, $9, $10, $11
   }' "$work/before_after"
 }
 
@@ -270,7 +283,7 @@ main() {
   print_plot "$ceiling"
   echo
   if [[ -n $BEFORE ]] || grep -q "^ROW before-" "$raw"; then
-    echo "### Before / after (GB/s, medians; the before build alternates with this one in every round)"
+    echo "### Before / after (GB/s, medians; the before build runs beside this one in every round)"
     summarise_before_after >"$work/before_after"
     print_before_after
     echo

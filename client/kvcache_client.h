@@ -184,10 +184,12 @@ class Client {
 
 // A long-lived Update stream: Write() sends one layer's tokens without waiting
 // for their acknowledgement. Over gRPC a reader thread collects the
-// acknowledgements; on the data lane Write and acknowledged_count take those
-// that have arrived (and Finish the rest). Finish() closes the stream and returns every
-// acknowledgement, or the status of the first failed request (those before
-// it were applied and acknowledged).
+// acknowledgements; on the data lane every eighth Write and each
+// acknowledged_count take those that have arrived (and Finish the rest), so
+// a Write may return true a few messages after the server refused one.
+// Finish() closes the stream and returns every acknowledgement, or the
+// status of the first failed request (those before it were applied and
+// acknowledged).
 class UpdateStream {
  public:
   // Over the data lane when the client uses one (Client::uses_data_lane).

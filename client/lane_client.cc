@@ -37,15 +37,15 @@ absl::Status Lost(const absl::Status& status) {
   return status;
 }
 
-// The acknowledgements are read by the writing thread itself: after every
+// The acknowledgements are read by the writing thread itself: every
 // kWritesPerAckPoll sends, those that have arrived (without waiting); at
-// Finish, the rest; and by acknowledged_count's caller. (The server sends
-// them many to a send, so a look after every send mostly finds none
-// and costs the client, the busier side on loopback, a system call per
-// message; a few sends' acknowledgements are far below what the socket
-// buffers, so the server never blocks on them.) A reader thread of its own would contend
-// with the writer for the socket's lock and cost a wake-up per
-// acknowledgement (a fifth of the client's time at 64 KiB per message, in perf).
+// Finish, the rest; and by acknowledged_count's caller. The server batches
+// them, so a look after each send would mostly find none and cost the
+// client, the busier side on loopback, a system call per message; a few
+// sends' worth is far below what the socket buffers, so the server never
+// blocks on them. A reader thread of its own would contend with the writer
+// for the socket's lock and cost a wake-up per acknowledgement (a fifth of
+// the client's time at 64 KiB per message, in perf).
 class LaneUpdate final : public UpdateTransport {
  public:
   LaneUpdate(LanePool& pool, absl::StatusOr<std::unique_ptr<LaneConnection>> connection,
@@ -83,6 +83,7 @@ class LaneUpdate final : public UpdateTransport {
     }
     if (absl::Status sent = writer.Send(); !sent.ok()) {
       write_error_ = sent;
+      send_failed_ = true;
       return false;
     }
     ++frames_sent_;
@@ -104,15 +105,7 @@ class LaneUpdate final : public UpdateTransport {
       finished_ = true;
       return end_;
     }
-    if (!write_error_.has_value() && frames_sent_ == 0) {
-      // An empty call, OK with no acknowledgements as over gRPC. The lane
-      // has no call without an UPDATE frame (a lone UPDATE_END is a protocol
-      // error), so nothing goes out and the connection stays as it was.
-      absl::MutexLock lock(&mutex_);
-      finished_ = true;
-      pool_.Give(std::move(connection_));
-      return absl::OkStatus();
-    }
+    if (frames_sent_ == 0 && !send_failed_) return FinishUnsent();
     if (!write_error_.has_value()) {
       connection_->writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
       if (absl::Status sent = connection_->writer.Send(); !sent.ok()) write_error_ = sent;
@@ -138,6 +131,19 @@ class LaneUpdate final : public UpdateTransport {
   }
 
  private:
+  // A call that sent no frame. Empty, it is OK with no acknowledgements, as
+  // over gRPC: the lane has no call without an UPDATE frame (a lone
+  // UPDATE_END is a protocol error), so nothing goes out. Refused before its
+  // first frame (over 4 GiB), it answers that. The connection goes back to
+  // the pool unless a look for acknowledgements found it closed.
+  absl::Status FinishUnsent() {
+    absl::MutexLock lock(&mutex_);
+    finished_ = true;
+    if (ended_) return end_;
+    pool_.Give(std::move(connection_));
+    return write_error_.value_or(absl::OkStatus());
+  }
+
   // Takes the acknowledgements that have arrived (wait: all, until the
   // call's STATUS or the connection's end).
   void ReadAcks(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
@@ -187,6 +193,7 @@ class LaneUpdate final : public UpdateTransport {
   std::optional<absl::Status> write_error_;  // the writer's own
   int writes_since_ack_poll_ = 0;
   uint64_t frames_sent_ = 0;
+  bool send_failed_ = false;  // a send failed: the connection is unusable
 };
 
 // What a server sent instead of answering KVLANE02: the STATUS of a server

@@ -21,7 +21,8 @@ class UpdateTransport {
 
   // Sends one request. With `owner`, the tensors may be sent from where they
   // lie after this returns, until `owner` is dropped; without, they are not
-  // used after it. False once the call has broken (Finish tells why).
+  // used after it. False once the call is known to have broken (Finish tells
+  // why); a transport may learn it a few messages late.
   virtual bool Write(const LayerUpdate& update, const std::shared_ptr<const void>* owner) = 0;
   // Ends the call: waits for every acknowledgement and the final status.
   virtual absl::Status Finish() = 0;

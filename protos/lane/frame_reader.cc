@@ -168,7 +168,8 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
     if (got > 0) {
       Received(static_cast<size_t>(got));
     } else if (got == 0) {
-      return absl::OutOfRangeError("data lane: the peer closed the connection");
+      if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
+      return absl::UnavailableError("data lane: the peer closed the connection within a frame");
     } else if (!WouldBlock(errno) && errno != EINTR) {
       return SocketError("receive");
     }

@@ -29,8 +29,9 @@
 // (keep > 0) cannot take padding: such batches need rows of equal lengths.
 //
 // Each operation plans the new cache (Plan*) and then builds it completely
-// (AssembleBatch) from frozen_caches of its sources, so a failure changes nothing; the
-// engine swaps the result in (filter, extend) or registers it (extract, merge).
+// (AssembleBatch) from frozen snapshots of its sources, so a failure changes
+// nothing; the engine swaps the result in (filter, extend) or registers it
+// (extract, merge).
 #pragma once
 
 #include <cstdint>
@@ -46,8 +47,8 @@
 
 namespace kvcache::engine {
 
-// One row of a batch being built: row `row` of `source` (a frozen of a cache whose
-// layers are in step), moved by `shift` (see RowSource).
+// One row of a batch being built: row `row` of `source` (a frozen snapshot of
+// a cache whose layers are in step), moved by `shift` (see RowSource).
 struct BatchRow {
   const CacheSnapshot* source = nullptr;
   uint32_t row = 0;
@@ -71,7 +72,7 @@ absl::StatusOr<BatchPlan> PlanFilterRows(const CacheSnapshot& frozen,
 // INVALID_ARGUMENT naming other_id when the layouts (apart from batch size) differ.
 absl::StatusOr<BatchPlan> PlanExtend(const CacheSnapshot& frozen, const CacheSnapshot& other);
 // INVALID_ARGUMENT naming cache_ids (empty) or cache_ids[i] (layout differs from
-// cache_ids[0]). A frozen may appear more than once: its rows repeat.
+// cache_ids[0]). A snapshot may appear more than once: its rows repeat.
 absl::StatusOr<BatchPlan> PlanMerge(absl::Span<const CacheSnapshot* const> frozen_caches);
 
 // The planned cache, every layer assembled. FAILED_PRECONDITION when padding

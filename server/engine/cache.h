@@ -16,8 +16,8 @@
 namespace kvcache::engine {
 
 // An immutable whole-cache snapshot: a registered one, or the live cache (or
-// a speculation) frozen for a Fetch (Engine::Freeze). A null layer
-// entry holds nothing for that layer (the reference's nil snapshot).
+// a speculation) frozen for a Fetch (Engine::Freeze). A null layer entry
+// holds nothing for that layer (the reference's nil snapshot).
 struct CacheSnapshot {
   std::string cache_id;
   CacheSpec spec;

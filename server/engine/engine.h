@@ -92,8 +92,8 @@ class Engine {
                                        const StateInput& state,
                                        std::optional<uint64_t> expected_offset = std::nullopt);
 
-  // The state a Fetch reads, frozen: the live cache (snapshot_id
-  // empty) or a snapshot. Costs page references, not copies.
+  // The state a Fetch reads, frozen: the live cache (snapshot_id empty) or a
+  // snapshot. Costs page references, not copies.
   absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Freeze(const std::string& cache_id,
                                                               const std::string& snapshot_id) const;
 
@@ -145,8 +145,8 @@ class Engine {
   // Speculative decoding (engine/speculation.h has the semantics). One open
   // speculation per cache; while it is open the cache's live Update,
   // UpdateState, Trim, Restore, FilterRows and ExtendCache (as cache_id) are
-  // FAILED_PRECONDITION, and its snapshots, frozen copies and batch reads see the
-  // committed history. Deleting the cache ends it. An unknown or ended
+  // FAILED_PRECONDITION, and its snapshots (registered or frozen for a
+  // Fetch) and batch reads see the committed history. Deleting the cache ends it. An unknown or ended
   // speculation_id is NOT_FOUND, as is one named with a cache_id (non-empty)
   // that is not its cache's.
   //

@@ -30,14 +30,20 @@ struct PageTable::Chunk {
       used[slot / 64] |= bit;
     }
   }
+  // Bits [lo, hi) of a word, lo <= hi <= 64. (Shifting a 64-bit word by 64
+  // is undefined, so the full and the empty ranges are their own cases.)
+  static uint64_t Bits(uint64_t lo, uint64_t hi) {
+    if (hi - lo == 64) return ~uint64_t{0};
+    if (hi == lo) return 0;
+    return ((uint64_t{1} << (hi - lo)) - 1) << lo;
+  }
   // True when no slot outside [begin, end) holds a page: two word tests, so
-  // a slice (every snapshot, view and restore) need not scan the chunk.
+  // a slice (every snapshot, frozen snapshot and restore) need not scan the chunk.
   bool EmptyOutside(uint64_t begin, uint64_t end) const {
     for (uint64_t word = 0; word < 2; ++word) {
       const uint64_t lo = std::clamp<uint64_t>(begin, word * 64, word * 64 + 64) - word * 64;
       const uint64_t hi = std::clamp<uint64_t>(end, word * 64, word * 64 + 64) - word * 64;
-      const uint64_t inside = hi - lo == 64 ? ~uint64_t{0} : ((uint64_t{1} << (hi - lo)) - 1) << lo;
-      if ((used[word] & ~inside) != 0) return false;
+      if ((used[word] & ~Bits(lo, hi)) != 0) return false;
     }
     return true;
   }

@@ -79,7 +79,7 @@ absl::Status RotatingLayer::Stage(uint64_t staged, const KvInput& kv) {
   return WriteTokens(table_, geometry_, state_.offset + staged, kv, &writes_.right);
 }
 
-// Sliced at the end: the view holds no page of positions past it.
+// Sliced at the end: the frozen layer holds no page of positions past it.
 LayerSnapshotPtr RotatingLayer::FreezeStaged(uint64_t staged) const {
   const RotatingState next = staged == 0 ? state_ : Appended(staged);
   if (next.offset == 0) return nullptr;

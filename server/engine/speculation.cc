@@ -46,15 +46,15 @@ absl::Status Speculation::UpdateState(uint32_t layer, const StateInput& state) {
 }
 
 absl::StatusOr<CacheSnapshotPtr> Speculation::Freeze(const std::string& cache_id) const {
-  auto view = std::make_shared<CacheSnapshot>();
-  view->cache_id = cache_id;
-  view->spec = cache_.spec();
+  auto frozen = std::make_shared<CacheSnapshot>();
+  frozen->cache_id = cache_id;
+  frozen->spec = cache_.spec();
   for (size_t i = 0; i < drafts_.size(); ++i) {
     ASSIGN_OR_RETURN(LayerSnapshotPtr part, drafts_[i]->Freeze());
-    view->to = std::max(view->to, layer_offset(i));
-    view->layers.push_back(std::move(part));
+    frozen->to = std::max(frozen->to, layer_offset(i));
+    frozen->layers.push_back(std::move(part));
   }
-  return view;
+  return frozen;
 }
 
 absl::StatusOr<uint64_t> Speculation::CommonDrafted() const {

@@ -6,8 +6,10 @@
 //   Begin        the cache's layers must be in step; its offset C is the
 //                committed history.
 //   Update       drafted tokens, per layer (engine/layer_draft.h has how each
-//                kind holds them); the speculative state is committed + drafted.
-//   Freeze       that state, for Fetch: a CacheSnapshot like a frozen live cache's.
+//                kind holds them); the speculative state is committed +
+//                drafted.
+//   Freeze       that state, for Fetch: a CacheSnapshot, as the live
+//                cache's is.
 //   Commit(n)    n must not exceed the most tokens any layer drafted
 //                (checked first); the drafted layers must be in step (each
 //                has drafted d, so n <= d); every layer must be able to keep n
@@ -20,7 +22,7 @@
 //
 // While it exists the live cache's layers must not change (the engine refuses
 // live updates, trims, restores and batch operations on the cache); snapshots
-// and frozen copies of the live cache see the committed history only.
+// of the live cache, registered or frozen, see the committed history only.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
 // What speculation (engine/speculation.h) needs of an attention layer: tokens
 // written past its offset ("staged") that no reader of the layer sees, since
-// its ranges, reads, snapshots and frozen copies all stop at the offset, until Adopt
-// makes them the layer's own exactly as one Update of them would have:
+// its ranges, reads and snapshots (registered or frozen) all stop at the
+// offset, until Adopt makes them the layer's own exactly as one Update of
+// them would have:
 //
 //   positions   0 ............ offset-1 | offset ...... offset+staged-1
 //               [ the layer's tokens    ] [ staged: drafted, unseen    ]

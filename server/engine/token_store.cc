@@ -105,8 +105,8 @@ absl::Status CheckInput(const PageGeometry& g, const KvInput& kv) {
 }
 
 // A right still valid on this page or a later one stays: the layer wrote up to
-// its `from` (staged tokens of an open speculation, read through its frozen copies
-// later) and a claim from `offset` would forget those positions.
+// its `from` (staged tokens of an open speculation, read through its frozen
+// snapshots later) and a claim from `offset` would forget those positions.
 void ClaimRight(const PageTable& table, const PageGeometry& g, uint64_t offset,
                 AppendRight& right, const RestoreSource* source) {
   const uint64_t index = offset / g.page_tokens;

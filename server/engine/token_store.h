@@ -34,7 +34,7 @@ void ForEachPage(uint64_t first, uint64_t last, uint32_t page_tokens, Visit&& vi
 }
 
 // The one page a layer may go on appending to in place while others share it
-// (snapshots, frozen copies for Fetch): without it, each snapshot taken
+// (snapshots, registered or frozen for a Fetch): without it, each snapshot taken
 // between two decode steps would cost the next step a copy of the page it
 // ends in.
 //
@@ -57,10 +57,10 @@ struct AppendRight {
 // Claims the right on the page holding position `offset` (the next write's)
 // when no one else holds that page and the layer wrote nothing past `offset`
 // that it may still show (a valid right there): called as a layer is about to
-// share its pages (a snapshot, a frozen copy), whose readers stop at `offset`. A restored layer
-// starts without a right; without this, its first snapshot would cost the next
-// write a copy of the page, however soon the snapshots it was restored among
-// are released.
+// share its pages (a snapshot, registered or frozen for a Fetch), whose
+// readers stop at `offset`. A restored layer starts without a right; without
+// this, its first snapshot would cost the next write a copy of the page,
+// however soon the snapshots it was restored among are released.
 //
 // A restored layer also claims it where the one other holder of the page is
 // the snapshot it was restored from (`source`), whose readers stop at its end:
@@ -88,7 +88,7 @@ struct InPlaceWrites {
   // Before a write at `position`: the first write after a restore claims the
   // right through the snapshot (while it lives), which is then forgotten.
   void ClaimBeforeWrite(const PageTable& table, const PageGeometry& geometry, uint64_t position);
-  // Before readers share the pages below `offset` (a snapshot, a frozen copy).
+  // Before readers share the pages below `offset` (a snapshot of any kind).
   void ClaimBeforeSharing(const PageTable& table, const PageGeometry& geometry, uint64_t offset) {
     ClaimRight(table, geometry, offset, right, &restored_from);
   }

@@ -1,7 +1,7 @@
 // The Fetch chunks that are not plain keys and values: a quantized layer's
 // stored form (FetchRequest.packed) and a recurrent layer's state. Both go
 // through protobuf (they are small next to the tokens' path, whose chunks
-// fetch_call.cc frames by hand around data read or viewed in pages).
+// fetch_call.cc frames by hand around data read from pages or mapped in them).
 #include <algorithm>
 #include <string>
 

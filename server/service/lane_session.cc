@@ -64,15 +64,19 @@ absl::Status LaneSession::Run() {
 // not while the client's next frame is already here: a client that streams
 // its Updates gets their acknowledgements many to a send, and the session
 // spends a send (and the client a wake-up) per batch, not per message. The
-// look for the next frame is the non-blocking read the session would make
-// anyway (no separate FIONREAD call per message). At most kMostUnsentAcks
-// wait, so a client that is always ahead still sees them.
+// look for that frame is the non-blocking read the session makes anyway. At
+// most kMostUnsentAcks wait, so a client that is always ahead still sees
+// them.
 absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
-  if (!writer_.empty() && unsent_acks_ < kMostUnsentAcks) {
+  if (writer_.empty()) {
+    unsent_acks_ = 0;
+    return reader_.Next();
+  }
+  if (unsent_acks_ < kMostUnsentAcks) {
     ASSIGN_OR_RETURN(std::optional<lane::Frame> arrived, reader_.Poll());
     if (arrived.has_value()) return *arrived;
   }
-  if (!writer_.empty()) RETURN_IF_ERROR(writer_.Send());
+  RETURN_IF_ERROR(writer_.Send());
   unsent_acks_ = 0;
   return reader_.Next();
 }

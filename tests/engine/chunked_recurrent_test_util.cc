@@ -142,7 +142,7 @@ namespace {
 
 ::testing::AssertionResult HybridCache::Matches() {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
     const RefLayer& ref = reference_.layer(layer);
     std::optional<RefState> state;
@@ -161,7 +161,7 @@ namespace {
                                                  const RefCacheSnapshot& reference) {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
       engine.Freeze("", snapshot_id);
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   for (uint32_t layer = 0; layer < reference.spec.layers.size(); ++layer) {
     const RefLayerSnapshotPtr& part = reference.layers[layer];
     ::testing::AssertionResult same =

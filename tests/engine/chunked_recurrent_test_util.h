@@ -1,6 +1,6 @@
 // Test helpers for chunked and recurrent layers: their specs, random states
 // shaped for a layer, and reading a layer's state back through a view
-// (Engine::View -> CacheSnapshot::ReadState), for comparing against the CPU
+// (Engine::Freeze -> CacheSnapshot::ReadState), for comparing against the CPU
 // reference.
 #pragma once
 

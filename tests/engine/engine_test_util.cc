@@ -266,7 +266,7 @@ std::string MirroredCache::Snapshot(uint64_t from, RefCacheSnapshotPtr* referenc
 
 ::testing::AssertionResult MirroredCache::Matches() {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
     absl::StatusOr<std::vector<RefToken>> actual = FetchLayer(**view, layer, kEverything);
     if (!actual.ok()) return ::testing::AssertionFailure() << "fetch: " << actual.status();
@@ -280,7 +280,7 @@ std::string MirroredCache::Snapshot(uint64_t from, RefCacheSnapshotPtr* referenc
                                            const RefCacheSnapshot& reference) {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
       engine.Freeze("", snapshot_id);
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   for (uint32_t layer = 0; layer < reference.spec.layers.size(); ++layer) {
     absl::StatusOr<std::vector<RefToken>> actual = FetchLayer(**view, layer, kEverything);
     if (!actual.ok()) return ::testing::AssertionFailure() << "fetch: " << actual.status();

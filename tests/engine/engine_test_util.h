@@ -1,5 +1,5 @@
 // Helpers shared by the engine tests: specs, random K/V tensors, fetching a
-// layer through Engine::View + Ranges + Read, comparing token lists, and a
+// layer through Engine::Freeze + Ranges + Read, comparing token lists, and a
 // fingerprint of everything the engine shows from outside (for "a failed call
 // changes nothing").
 #pragma once

@@ -125,7 +125,7 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
 
 ::testing::AssertionResult SpeculatingCache::Matches() {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine_.Freeze(id_, "");
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return reference_.layer(layer).Fetch(); },
       [&](uint32_t layer) { return reference_.layer(layer).FetchState(); });
@@ -134,7 +134,7 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
 ::testing::AssertionResult SpeculatingCache::SpeculationMatches() {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
       engine_.Freeze(id_, "", speculation_id_);
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return speculation_->Fetch(layer); },
       [&](uint32_t layer) { return speculation_->FetchState(layer); });
@@ -145,7 +145,7 @@ absl::Status SpeculatingCache::Commit(uint64_t accepted) {
                                                const RefCacheSnapshot& reference) {
   absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
       engine.Freeze("", snapshot_id);
-  if (!view.ok()) return ::testing::AssertionFailure() << "View: " << view.status();
+  if (!view.ok()) return ::testing::AssertionFailure() << "Freeze: " << view.status();
   return ViewMatches(
       **view, [&](uint32_t layer) { return RefCache::FetchSnapshot(reference, layer); },
       [&](uint32_t layer) -> std::optional<RefState> {

@@ -182,7 +182,7 @@ TEST_P(PagePoolTest, ReleasingAFreePageIsIgnored) {
   pool->Release(pages[1]);
 }
 
-// View hands out where bytes lie, for sending without a copy: the same bytes
+// Mapped hands out where bytes lie, for sending without a copy: the same bytes
 // Read copies, on the direct path; the staging paths cannot, and say so.
 TEST_P(PagePoolTest, MappedShowsWhatReadCopiesWhereTheHostSeesPages) {
   auto pool = MakePool(kPage, 4 * kPage);
@@ -195,24 +195,24 @@ TEST_P(PagePoolTest, MappedShowsWhatReadCopiesWhereTheHostSeesPages) {
                                                 {pages[1], 0, pattern.data() + kPage, kPage}})
                   .ok());
   const std::vector<ReadRun> runs = {{pages[1], 100, nullptr, 900}, {pages[0], 0, nullptr, 5}};
-  std::vector<absl::Span<const std::byte>> views = {{}};  // View appends
-  const absl::Status status = pool->Mapped(runs, views);
+  std::vector<absl::Span<const std::byte>> pieces = {{}};  // Mapped appends
+  const absl::Status status = pool->Mapped(runs, pieces);
   if (GetParam() != testing::TransferPath::kDirect) {
     EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
-    EXPECT_EQ(views.size(), 1u);
+    EXPECT_EQ(pieces.size(), 1u);
   } else {
     ASSERT_TRUE(status.ok()) << status;
-    ASSERT_EQ(views.size(), 3u);
-    EXPECT_TRUE(std::equal(views[1].begin(), views[1].end(), pattern.begin() + kPage + 100));
-    EXPECT_EQ(views[1].size(), 900u);
-    EXPECT_TRUE(std::equal(views[2].begin(), views[2].end(), pattern.begin()));
-    EXPECT_EQ(views[2].size(), 5u);
+    ASSERT_EQ(pieces.size(), 3u);
+    EXPECT_TRUE(std::equal(pieces[1].begin(), pieces[1].end(), pattern.begin() + kPage + 100));
+    EXPECT_EQ(pieces[1].size(), 900u);
+    EXPECT_TRUE(std::equal(pieces[2].begin(), pieces[2].end(), pattern.begin()));
+    EXPECT_EQ(pieces[2].size(), 5u);
     // A run past its page is refused, naming the call and the run.
     const std::vector<ReadRun> past = {{pages[0], kPage - 4, nullptr, 8}};
-    const absl::Status refused = pool->Mapped(past, views);
+    const absl::Status refused = pool->Mapped(past, pieces);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(refused.message(), HasSubstr("Mapped"));
-    EXPECT_EQ(views.size(), 3u);
+    EXPECT_EQ(pieces.size(), 3u);
   }
   for (PageId page : pages) pool->Release(page);
 }

@@ -69,6 +69,18 @@ TEST_P(FrameReaderTest, PollReturnsOnlyWholeFramesWithoutWaiting) {
   EXPECT_TRUE(absl::IsOutOfRange(reader.Poll().status()));
 }
 
+// A peer that closes with part of a frame sent broke it: UNAVAILABLE, as
+// from Next, not the OUT_OF_RANGE of a close between frames.
+TEST_P(FrameReaderTest, PollSaysAPeerThatClosedWithinAFrameBrokeIt) {
+  FrameReader reader(near_.get(), 1 << 20);
+  Feed(Framed(v1::LANE_FRAME_UPDATE_ACK, "ack!").substr(0, 7));
+  absl::StatusOr<std::optional<Frame>> polled = reader.Poll();
+  ASSERT_TRUE(polled.ok());
+  EXPECT_FALSE(polled->has_value());
+  far_ = OwnedFd();
+  EXPECT_TRUE(absl::IsUnavailable(reader.Poll().status()));
+}
+
 TEST_P(FrameReaderTest, RefusesFramesOverTheLimit) {
   FrameReader reader(near_.get(), 100);
   Feed(Framed(v1::LANE_FRAME_UPDATE, std::string(101, 'x')));
