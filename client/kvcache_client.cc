@@ -140,9 +140,11 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
     return stub_->Method(context, request, response);                                   \
   }
 
-absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec) {
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec,
+                                                  uint32_t ttl_seconds) {
   v1::CreateCacheRequest request;
   *request.mutable_spec() = spec;
+  request.set_ttl_seconds(ttl_seconds);
   return Unary<v1::CacheInfo>(*this, KV_UNARY(CreateCache, request));
 }
 
@@ -172,11 +174,13 @@ absl::StatusOr<v1::TrimResponse> Client::Trim(const std::string& cache_id, uint6
 }
 
 absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id,
-                                                  uint64_t from_offset, bool pinned) {
+                                                  uint64_t from_offset, bool pinned,
+                                                  uint32_t ttl_seconds) {
   v1::SnapshotRequest request;
   request.set_cache_id(cache_id);
   request.set_from_offset(from_offset);
   request.set_pinned(pinned);
+  request.set_ttl_seconds(ttl_seconds);
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(Snapshot, request));
 }
 
@@ -222,6 +226,21 @@ absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::s
 
 absl::StatusOr<v1::Stats> Client::GetStats() {
   return Unary<v1::Stats>(*this, KV_UNARY(GetStats, v1::GetStatsRequest()));
+}
+
+absl::StatusOr<v1::RenewLeaseResponse> Client::RenewLease(
+    absl::Span<const std::string> cache_ids, absl::Span<const std::string> snapshot_ids) {
+  v1::RenewLeaseRequest request;
+  for (const std::string& id : cache_ids) request.add_cache_ids(id);
+  for (const std::string& id : snapshot_ids) request.add_snapshot_ids(id);
+  return Unary<v1::RenewLeaseResponse>(*this, KV_UNARY(RenewLease, request));
+}
+
+absl::StatusOr<v1::SnapshotInfo> Client::SetPinned(const std::string& snapshot_id, bool pinned) {
+  v1::SetPinnedRequest request;
+  request.set_snapshot_id(snapshot_id);
+  request.set_pinned(pinned);
+  return Unary<v1::SnapshotInfo>(*this, KV_UNARY(SetPinned, request));
 }
 
 absl::StatusOr<v1::CacheInfo> Client::ExtractRow(const std::string& cache_id, uint32_t row) {

@@ -93,7 +93,9 @@ class Client {
   // Waits until the server answers (for start-up scripts and tests).
   absl::Status WaitForReady(absl::Duration timeout);
 
-  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec);
+  // ttl_seconds: the cache's lease (deleted once no call names it for that
+  // long); 0 takes the server's default.
+  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds = 0);
   absl::StatusOr<v1::CacheInfo> GetCache(const std::string& cache_id);
   absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches();
   absl::Status DeleteCache(const std::string& cache_id);
@@ -122,8 +124,9 @@ class Client {
   absl::StatusOr<std::vector<v1::FetchResponse>> FetchAll(const v1::FetchRequest& request);
 
   absl::StatusOr<v1::TrimResponse> Trim(const std::string& cache_id, uint64_t n);
+  // ttl_seconds: the snapshot's lease; 0 takes the server's default.
   absl::StatusOr<v1::SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
-                                            bool pinned = false);
+                                            bool pinned = false, uint32_t ttl_seconds = 0);
   // An empty snapshot_id rewinds the live cache.
   absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
                                         const std::string& snapshot_id, uint64_t target_offset);
@@ -134,6 +137,12 @@ class Client {
   absl::Status ReleaseSnapshot(const std::string& snapshot_id);
   absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "");
   absl::StatusOr<v1::Stats> GetStats();
+  // Renews the leases of these caches and snapshots (all, or none when an id
+  // is unknown); every other call that names a handle renews it too.
+  absl::StatusOr<v1::RenewLeaseResponse> RenewLease(absl::Span<const std::string> cache_ids,
+                                                    absl::Span<const std::string> snapshot_ids);
+  // Pinned: never evicted, never expires (within the server's max_pinned_bytes).
+  absl::StatusOr<v1::SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
 
   // A recurrent layer's state (of the live cache, or of snapshot_id if set).
   absl::StatusOr<v1::RecurrentState> FetchState(const std::string& cache_id,

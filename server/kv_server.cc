@@ -51,6 +51,11 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
               ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
   server->engine_ = std::make_unique<engine::Engine>(*server->pool_, config.engine);
+  server->lease_reaper_ =
+      std::make_unique<engine::LeaseReaper>(*server->engine_, config.lease_check_interval);
+  if (config.engine.default_ttl > absl::ZeroDuration()) {
+    LogInfo("leases: %s by default", absl::FormatDuration(config.engine.default_ttl));
+  }
   // The lane listens first, so GetStats can name its port.
   if (!config.data_lane_listen.empty()) {
     ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));

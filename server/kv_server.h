@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "engine/lease_reaper.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
 
@@ -34,6 +35,8 @@ struct ServerConfig {
   // host:port of the data lane (service/data_lane.h; port 0 picks a free
   // one); empty: no lane, Update and Fetch over gRPC only.
   std::string data_lane_listen;
+  // How often the lease reaper looks for leases that ran out (lease_reaper.h).
+  absl::Duration lease_check_interval = absl::Milliseconds(250);
 };
 
 class KvCacheServer {
@@ -64,6 +67,8 @@ class KvCacheServer {
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<gpu::PagePool> pool_;
   std::unique_ptr<engine::Engine> engine_;
+  // Declared after the engine, so it stops before the engine goes.
+  std::unique_ptr<engine::LeaseReaper> lease_reaper_;
   std::unique_ptr<service::Handlers> handlers_;
   std::unique_ptr<service::KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;

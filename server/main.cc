@@ -35,6 +35,14 @@ ABSL_FLAG(std::string, quantize_kernel, "auto",
           "where quantized layers are packed: auto (native CPU kernels on a CPU device such as "
           "lavapipe, compute shaders elsewhere), shader, or host (CPU kernels; direct path only)");
 ABSL_FLAG(bool, validation, false, "enable the Vulkan validation layer (debugging)");
+ABSL_FLAG(absl::Duration, default_ttl, absl::ZeroDuration(),
+          "lease of caches and snapshots created without a ttl_seconds: deleted once no call "
+          "has named them for this long (e.g. 10m); 0 = no lease");
+ABSL_FLAG(uint64_t, max_pinned_bytes, 0,
+          "most bytes pinned snapshots may hold (pinning past it is RESOURCE_EXHAUSTED); "
+          "0 = no limit");
+ABSL_FLAG(absl::Duration, lease_check_interval, absl::Milliseconds(250),
+          "how often expired leases are looked for");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 
@@ -60,6 +68,15 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.engine.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   config.engine.max_update_tokens = absl::GetFlag(FLAGS_max_update_tokens);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  config.engine.default_ttl = absl::GetFlag(FLAGS_default_ttl);
+  config.engine.max_pinned_bytes = absl::GetFlag(FLAGS_max_pinned_bytes);
+  config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
+  if (config.engine.default_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--default_ttl: must not be negative");
+  }
+  if (config.lease_check_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--lease_check_interval: must be positive");
+  }
   ASSIGN_OR_RETURN(config.pool.quantize_kernel,
                    QuantKernelFromFlag(absl::GetFlag(FLAGS_quantize_kernel)));
   return config;

@@ -23,7 +23,11 @@ absl::StatusOr<CacheSnapshotPtr> FrozenInStep(const Cache& cache, const std::str
 }  // namespace
 
 Engine::Engine(gpu::PagePool& pool, EngineOptions options)
-    : pool_(pool), options_(std::move(options)) {}
+    : pool_(pool),
+      options_(std::move(options)),
+      clock_(options_.clock != nullptr ? *options_.clock : LeaseClock::System()),
+      snapshots_(clock_, SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
+                                                 .max_pinned_bytes = options_.max_pinned_bytes}) {}
 
 Engine::~Engine() {
   {
@@ -39,40 +43,47 @@ absl::StatusOr<std::shared_ptr<Engine::Entry>> Engine::FindEntry(const std::stri
   absl::MutexLock lock(&caches_mutex_);
   auto it = caches_.find(cache_id);
   if (it == caches_.end()) return UnknownCache(cache_id);
+  // Renewed under the lock ExpireCaches takes: a call either renews it in
+  // time or finds it gone.
+  it->second->lease.Renew(clock_);
   return it->second;
 }
 
-CacheInfo Engine::Describe(const std::string& cache_id, const Cache& cache) {
+CacheInfo Engine::Describe(const std::string& cache_id, const Cache& cache, const Lease& lease) {
   CacheInfo info{.cache_id = cache_id, .spec = cache.spec(), .layer_offsets = cache.layer_offsets()};
   info.offset = *std::min_element(info.layer_offsets.begin(), info.layer_offsets.end());
   info.in_step = cache.CommonOffset().ok();
   info.size_bytes = cache.size_bytes();
+  info.ttl = lease.ttl();
+  info.expires_at = lease.expires_at();
   return info;
 }
 
-absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec) {
+absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec, absl::Duration ttl) {
   RETURN_IF_ERROR(ValidateSpec(spec, options_.limits));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
                    Cache::Create(NormalizeSpec(spec), pool_, options_.page_tokens));
-  return AddCache(std::move(cache));
+  return AddCache(std::move(cache), ttl);
 }
 
-CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache) {
-  auto entry = std::make_shared<Entry>();
-  const std::string id = NewRandomId();
-  CacheInfo info = Describe(id, *cache);
+CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
+  auto entry = std::make_shared<Entry>(ttl == absl::ZeroDuration() ? options_.default_ttl : ttl);
+  std::string id = NewRandomId();
+  entry->lease.Renew(clock_);
+  CacheInfo info = Describe(id, *cache, entry->lease);
   {
     absl::MutexLock lock(&entry->mutex);
     entry->cache = std::move(cache);
   }
   absl::MutexLock lock(&caches_mutex_);
+  cache_deadlines_.Push(entry->lease.expires_at(), id);
   caches_[id] = std::move(entry);
   return info;
 }
 
 absl::StatusOr<CacheInfo> Engine::GetCache(const std::string& cache_id) const {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
 }
 
 absl::StatusOr<CacheSpec> Engine::GetSpec(const std::string& cache_id) const {
@@ -112,15 +123,19 @@ absl::Status Engine::DeleteCache(const std::string& cache_id) {
     entry = std::move(it->second);
     caches_.erase(it);
   }
-  absl::MutexLock lock(&entry->mutex);
-  entry->deleted = true;
-  if (entry->speculation != nullptr) {  // ends with its cache: later use is NOT_FOUND
-    const std::string speculation_id = entry->speculation->id();
-    entry->speculation.reset();
+  Retire(*entry);
+  return absl::OkStatus();
+}
+
+void Engine::Retire(Entry& entry) {
+  absl::MutexLock lock(&entry.mutex);
+  entry.deleted = true;
+  if (entry.speculation != nullptr) {  // ends with its cache: later use is NOT_FOUND
+    const std::string speculation_id = entry.speculation->id();
+    entry.speculation.reset();
     ForgetSpeculation(speculation_id);
   }
-  entry->cache->Free();
-  return absl::OkStatus();
+  entry.cache->Free();
 }
 
 absl::StatusOr<uint64_t> Engine::Update(const std::string& cache_id, uint32_t layer,
@@ -170,15 +185,15 @@ absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n, C
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   ASSIGN_OR_RETURN(const uint64_t trimmed, cache->Trim(n));
-  if (after != nullptr) *after = Describe(cache_id, *cache);
+  if (after != nullptr) *after = cache.Describe(cache_id);
   return trimmed;
 }
 
 absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint64_t from_offset,
-                                              bool pinned) {
+                                              bool pinned, absl::Duration ttl) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot(cache_id, from_offset));
-  return snapshots_.Add(std::move(snapshot), pinned);
+  return snapshots_.Add(std::move(snapshot), pinned, ttl);
 }
 
 absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
@@ -190,7 +205,7 @@ absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
   RETURN_IF_ERROR(cache->Restore(snapshot.get(), target_offset));
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
 }
 
 absl::StatusOr<SnapshotInfo> Engine::MergeSnapshots(const std::string& parent_id,
@@ -245,7 +260,7 @@ absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
   cache.Replace(std::move(built));
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
 }
 
 // The sources are read under their locks and released before the copy: a
@@ -291,11 +306,76 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
   cache.Replace(std::move(built));
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
+}
+
+absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> cache_ids,
+                                                 absl::Span<const std::string> snapshot_ids) {
+  absl::MutexLock lock(&caches_mutex_);
+  for (size_t i = 0; i < cache_ids.size(); ++i) {
+    if (!caches_.contains(cache_ids[i])) {
+      return absl::NotFoundError(
+          absl::StrCat("cache_ids[", i, "]: no cache \"", cache_ids[i], "\""));
+    }
+  }
+  RenewedLeases renewed;
+  ASSIGN_OR_RETURN(renewed.snapshots, snapshots_.Renew(snapshot_ids, "snapshot_ids"));
+  for (const std::string& id : cache_ids) {
+    Lease& lease = caches_.find(id)->second->lease;
+    lease.Renew(clock_);
+    renewed.caches.push_back(
+        LeaseInfo{.id = id, .ttl = lease.ttl(), .expires_at = lease.expires_at()});
+  }
+  return renewed;
+}
+
+absl::StatusOr<SnapshotInfo> Engine::SetPinned(const std::string& snapshot_id, bool pinned) {
+  return snapshots_.SetPinned(snapshot_id, pinned);
+}
+
+std::pair<uint64_t, uint64_t> Engine::ExpireLeases() {
+  const uint64_t caches = ExpireCaches();
+  return {caches, snapshots_.Expire()};
+}
+
+uint64_t Engine::ExpireCaches() {
+  uint64_t count = 0;
+  for (;;) {
+    std::vector<std::shared_ptr<Entry>> expired;
+    size_t due_count = 0;
+    {
+      absl::MutexLock lock(&caches_mutex_);
+      const absl::Time now = clock_.Now();
+      const std::vector<std::string> due = cache_deadlines_.PopDue(now, kExpiriesPerLock);
+      due_count = due.size();
+      for (const std::string& id : due) {
+        auto it = caches_.find(id);
+        if (it == caches_.end()) continue;  // deleted since
+        if (it->second->lease.ExpiredAt(now)) {
+          expired.push_back(std::move(it->second));
+          caches_.erase(it);
+        } else {
+          cache_deadlines_.Push(it->second->lease.expires_at(), id);  // renewed since
+        }
+      }
+    }
+    // Out of the map now: no call can find them; in-flight ones finish first
+    // (Retire takes each cache's lock), as with DeleteCache.
+    for (const std::shared_ptr<Entry>& entry : expired) Retire(*entry);
+    count += expired.size();
+    if (due_count < kExpiriesPerLock) break;
+  }
+  caches_expired_.fetch_add(count, std::memory_order_relaxed);
+  return count;
 }
 
 EngineStats Engine::Stats() const {
-  EngineStats stats{.pool = pool_.stats(), .snapshots = snapshots_.size()};
+  EngineStats stats{.pool = pool_.stats(),
+                    .snapshots = snapshots_.size(),
+                    .caches_expired = caches_expired_.load(std::memory_order_relaxed),
+                    .snapshots_expired = snapshots_.expired(),
+                    .pinned_bytes = snapshots_.pinned_bytes(),
+                    .max_pinned_bytes = options_.max_pinned_bytes};
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();
   return stats;

@@ -7,6 +7,7 @@
 // that fails changes nothing. Thread-safe: one mutex per cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@
 #include "absl/types/span.h"
 #include "engine/cache.h"
 #include "engine/cache_spec.h"
+#include "engine/lease.h"
 #include "engine/snapshot_registry.h"
 #include "engine/speculation.h"
 #include "gpu/page_pool.h"
@@ -34,6 +36,12 @@ struct EngineOptions {
   SpecLimits limits;
   // Most tokens one Update may carry.
   uint64_t max_update_tokens = 1 << 16;
+  // The lease of a cache or snapshot created with no ttl of its own; zero: none.
+  absl::Duration default_ttl;
+  // Most bytes pinned snapshots may hold; 0: no limit.
+  uint64_t max_pinned_bytes = 0;
+  // Where leases read the time (tests pass a manual clock); null: the system's.
+  const LeaseClock* clock = nullptr;
 };
 
 struct CacheInfo {
@@ -43,6 +51,8 @@ struct CacheInfo {
   uint64_t offset = 0;          // the common offset of all layers (min while out of step)
   bool in_step = true;          // every layer at the same offset
   uint64_t size_bytes = 0;      // pool bytes its pages hold
+  absl::Duration ttl;           // zero: no lease
+  absl::Time expires_at = absl::InfiniteFuture();
 };
 
 // A speculation (engine/speculation.h) as the engine describes it.
@@ -58,6 +68,16 @@ struct EngineStats {
   gpu::PoolStats pool;
   uint64_t caches = 0;
   uint64_t snapshots = 0;
+  uint64_t caches_expired = 0;  // since the engine started
+  uint64_t snapshots_expired = 0;
+  uint64_t pinned_bytes = 0;
+  uint64_t max_pinned_bytes = 0;  // 0: no limit
+};
+
+// What renewing leases found: one per id asked for, in order.
+struct RenewedLeases {
+  std::vector<LeaseInfo> caches;
+  std::vector<LeaseInfo> snapshots;
 };
 
 class Engine {
@@ -65,7 +85,9 @@ class Engine {
   Engine(gpu::PagePool& pool, EngineOptions options);
   ~Engine();
 
-  absl::StatusOr<CacheInfo> CreateCache(const CacheSpec& spec);
+  // `ttl` zero takes options().default_ttl.
+  absl::StatusOr<CacheInfo> CreateCache(const CacheSpec& spec,
+                                        absl::Duration ttl = absl::ZeroDuration());
   absl::StatusOr<CacheInfo> GetCache(const std::string& cache_id) const;
   // The cache's (normalised) spec. FilterRows and ExtendCache change its
   // batch_size and left_padding; nothing else changes it.
@@ -105,8 +127,10 @@ class Engine {
   absl::StatusOr<uint64_t> Trim(const std::string& cache_id, uint64_t n,
                                 CacheInfo* after = nullptr);
 
+  // `ttl` zero takes options().default_ttl.
   absl::StatusOr<SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
-                                        bool pinned = false);
+                                        bool pinned = false,
+                                        absl::Duration ttl = absl::ZeroDuration());
   // Brings every layer to `target_offset` from the snapshot, or by rewinding the
   // live state when snapshot_id is empty; all layers or none.
   absl::StatusOr<CacheInfo> Restore(const std::string& cache_id, const std::string& snapshot_id,
@@ -185,6 +209,18 @@ class Engine {
   // Drops every drafted token and ends the speculation.
   absl::StatusOr<CacheInfo> AbortSpeculation(const std::string& speculation_id);
 
+  // Leases (lease.h). Every call above that finds a cache or snapshot by id
+  // renews its lease. RenewLease renews them all, or none when an id is
+  // unknown (NOT_FOUND naming cache_ids[i] or snapshot_ids[i]).
+  absl::StatusOr<RenewedLeases> RenewLease(absl::Span<const std::string> cache_ids,
+                                           absl::Span<const std::string> snapshot_ids);
+  // Pins (never evicted, never expires; within max_pinned_bytes) or unpins.
+  absl::StatusOr<SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
+  // Deletes every cache and releases every snapshot whose lease has run out,
+  // exactly as DeleteCache and ReleaseSnapshot would; the reaper's pass
+  // (lease_reaper.h). Returns how many of each.
+  std::pair<uint64_t, uint64_t> ExpireLeases();
+
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -193,6 +229,9 @@ class Engine {
   // A cache and the mutex that serialises calls on it. `deleted` turns away
   // calls that found the entry just before DeleteCache removed it.
   struct Entry {
+    explicit Entry(absl::Duration ttl) : lease(ttl) {}
+    // Renewed under caches_mutex_ (or by a speculation's calls), read anywhere.
+    Lease lease;
     absl::Mutex mutex;
     std::unique_ptr<Cache> cache ABSL_GUARDED_BY(mutex);
     bool deleted ABSL_GUARDED_BY(mutex) = false;
@@ -211,9 +250,13 @@ class Engine {
                                        std::optional<uint64_t> expected_offset,
                                        absl::FunctionRef<absl::Status(Cache&)> apply);
   absl::StatusOr<std::shared_ptr<Entry>> FindEntry(const std::string& cache_id) const;
-  static CacheInfo Describe(const std::string& cache_id, const Cache& cache);
-  // Registers `cache` under a new id.
-  CacheInfo AddCache(std::unique_ptr<Cache> cache);
+  static CacheInfo Describe(const std::string& cache_id, const Cache& cache, const Lease& lease);
+  // Registers `cache` under a new id, with a lease of `ttl` (zero: the default).
+  CacheInfo AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl = absl::ZeroDuration());
+  // What deleting a cache does once its entry is out of the map: ends its
+  // speculation and frees its pages.
+  void Retire(Entry& entry);
+  uint64_t ExpireCaches();
 
   // Speculations (engine_speculation.cc). The cache of open speculation
   // `speculation_id`, locked, and its id in `owner_id` (when not null).
@@ -233,8 +276,12 @@ class Engine {
 
   gpu::PagePool& pool_;
   const EngineOptions options_;
+  const LeaseClock& clock_;
   mutable absl::Mutex caches_mutex_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> caches_ ABSL_GUARDED_BY(caches_mutex_);
+  LeaseQueue cache_deadlines_ ABSL_GUARDED_BY(caches_mutex_);
+  std::atomic<uint64_t> caches_expired_{0};
+  // Lock order: caches_mutex_, then the registry's (RenewLease holds both).
   SnapshotRegistry snapshots_;
   // Lock order: a cache's mutex, then this one (never the other way round).
   mutable absl::Mutex speculations_mutex_;

@@ -73,6 +73,11 @@ class ABSL_SCOPED_LOCKABLE Engine::LockedCache {
     return entry_->cache.get();
   }
   const std::shared_ptr<Entry>& entry() const { return entry_; }
+  // The cache described for the caller, its lease included.
+  CacheInfo Describe(const std::string& cache_id) const {
+    entry_->mutex.AssertHeld();
+    return Engine::Describe(cache_id, *entry_->cache, entry_->lease);
+  }
   // Puts `cache` in the old one's place and frees the old one's pages.
   void Replace(std::unique_ptr<Cache> cache) {
     entry_->mutex.AssertHeld();

@@ -67,6 +67,9 @@ absl::StatusOr<Engine::LockedCache> Engine::OpenSpeculation(const std::string& s
     }
     entry = it->second.entry;
     if (owner_id != nullptr) *owner_id = it->second.cache_id;
+    // A call on the speculation names its cache too. (Not under caches_mutex_:
+    // one that comes just as the lease ran out may find the cache deleted.)
+    entry->lease.Renew(clock_);
   }
   absl::StatusOr<LockedCache> cache = LockedCache::OpenEntry(std::move(entry), cache_id);
   // Ended (and perhaps another begun) between the lookup and the lock.
@@ -161,14 +164,14 @@ absl::StatusOr<CacheInfo> Engine::CommitSpeculation(const std::string& speculati
   ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, "", &cache_id));
   RETURN_IF_ERROR(cache.speculation()->Commit(accepted));
   EndSpeculation(cache);
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
 }
 
 absl::StatusOr<CacheInfo> Engine::AbortSpeculation(const std::string& speculation_id) {
   std::string cache_id;
   ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, "", &cache_id));
   EndSpeculation(cache);
-  return Describe(cache_id, *cache);
+  return cache.Describe(cache_id);
 }
 
 }  // namespace kvcache::engine

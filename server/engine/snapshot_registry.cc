@@ -2,11 +2,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status_macros.h"
 
 namespace kvcache::engine {
 
@@ -39,37 +41,73 @@ SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
                       .from_offset = entry.snapshot->from,
                       .to_offset = entry.snapshot->to,
                       .size_bytes = entry.snapshot->size_bytes(),
-                      .pinned = entry.pinned};
-}
-
-SnapshotInfo SnapshotRegistry::Add(CacheSnapshotPtr snapshot, bool pinned) {
-  absl::MutexLock lock(&mutex_);
-  std::string id = NewRandomId();
-  while (entries_.contains(id)) id = NewRandomId();
-  const Entry& entry = entries_[id] = Entry{std::move(snapshot), pinned};
-  return Info(id, entry);
+                      .pinned = entry.pinned,
+                      .ttl = entry.lease.ttl(),
+                      .expires_at = entry.pinned ? absl::InfiniteFuture()
+                                                 : entry.lease.expires_at()};
 }
 
 namespace {
-absl::Status UnknownSnapshot(const std::string& id) {
-  return absl::NotFoundError(absl::StrCat("snapshot_id: no snapshot \"", id, "\""));
+
+absl::Status UnknownSnapshot(const std::string& id, const std::string& field = "snapshot_id") {
+  return absl::NotFoundError(absl::StrCat(field, ": no snapshot \"", id, "\""));
 }
+
 }  // namespace
+
+SnapshotInfo SnapshotRegistry::Insert(Entry entry) {
+  std::string id = NewRandomId();
+  while (entries_.contains(id)) id = NewRandomId();
+  if (entry.pinned) {
+    pinned_bytes_ += entry.snapshot->size_bytes();
+  } else {
+    entry.lease.Renew(clock_.Now());
+    deadlines_.Push(entry.lease.expires_at(), id);
+  }
+  const Entry& added = entries_.try_emplace(id, std::move(entry)).first->second;
+  return Info(id, added);
+}
+
+absl::Status SnapshotRegistry::CheckPinBudget(uint64_t more_bytes) const {
+  if (options_.max_pinned_bytes == 0 || pinned_bytes_ + more_bytes <= options_.max_pinned_bytes) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "max_pinned_bytes: pinning %d more bytes would pass the budget of %d (%d pinned)",
+      more_bytes, options_.max_pinned_bytes, pinned_bytes_));
+}
+
+void SnapshotRegistry::Erase(absl::flat_hash_map<std::string, Entry>::iterator it,
+                             std::vector<CacheSnapshotPtr>& dropped) {
+  if (it->second.pinned) pinned_bytes_ -= it->second.snapshot->size_bytes();
+  dropped.push_back(std::move(it->second.snapshot));
+  entries_.erase(it);
+}
+
+absl::StatusOr<SnapshotInfo> SnapshotRegistry::Add(CacheSnapshotPtr snapshot, bool pinned,
+                                                   absl::Duration ttl) {
+  absl::MutexLock lock(&mutex_);
+  if (pinned) RETURN_IF_ERROR(CheckPinBudget(snapshot->size_bytes()));
+  if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
+  return Insert(Entry{.snapshot = std::move(snapshot), .pinned = pinned, .lease = Lease(ttl)});
+}
 
 absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapshot_id) const {
   absl::MutexLock lock(&mutex_);
   auto it = entries_.find(snapshot_id);
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  // Renewed under the lock that Expire takes: a call either renews it in
+  // time or finds it gone.
+  it->second.lease.Renew(clock_.Now());
   return it->second.snapshot;
 }
 
 absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
-  CacheSnapshotPtr dropped;  // freed outside the lock
+  std::vector<CacheSnapshotPtr> dropped;  // freed outside the lock
   absl::MutexLock lock(&mutex_);
   auto it = entries_.find(snapshot_id);
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
-  dropped = std::move(it->second.snapshot);
-  entries_.erase(it);
+  Erase(it, dropped);
   return absl::OkStatus();
 }
 
@@ -77,23 +115,33 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
     const std::vector<std::string>& consumed, std::vector<CacheSnapshotPtr> added) {
   std::vector<CacheSnapshotPtr> dropped;
   absl::MutexLock lock(&mutex_);
-  for (const std::string& id : consumed) {
-    if (!entries_.contains(id)) return UnknownSnapshot(id);
-  }
   bool pinned = false;
+  absl::Duration ttl;
+  uint64_t consumed_pinned_bytes = 0;
+  for (size_t i = 0; i < consumed.size(); ++i) {
+    auto it = entries_.find(consumed[i]);
+    if (it == entries_.end()) return UnknownSnapshot(consumed[i]);
+    const bool repeated = std::find(consumed.begin(), consumed.begin() + i, consumed[i]) !=
+                          consumed.begin() + i;
+    if (it->second.pinned && !repeated) consumed_pinned_bytes += it->second.snapshot->size_bytes();
+    pinned |= it->second.pinned;
+    ttl = std::max(ttl, it->second.lease.ttl());
+  }
+  if (pinned) {
+    uint64_t added_bytes = 0;
+    for (const CacheSnapshotPtr& snapshot : added) added_bytes += snapshot->size_bytes();
+    if (added_bytes > consumed_pinned_bytes) {
+      RETURN_IF_ERROR(CheckPinBudget(added_bytes - consumed_pinned_bytes));
+    }
+  }
   for (const std::string& id : consumed) {
     auto it = entries_.find(id);
-    if (it == entries_.end()) continue;  // the same id consumed twice
-    pinned |= it->second.pinned;
-    dropped.push_back(std::move(it->second.snapshot));
-    entries_.erase(it);
+    if (it != entries_.end()) Erase(it, dropped);  // else the same id consumed twice
   }
   std::vector<SnapshotInfo> infos;
   for (CacheSnapshotPtr& snapshot : added) {
-    std::string id = NewRandomId();
-    while (entries_.contains(id)) id = NewRandomId();
-    const Entry& entry = entries_[id] = Entry{std::move(snapshot), pinned};
-    infos.push_back(Info(id, entry));
+    infos.push_back(
+        Insert(Entry{.snapshot = std::move(snapshot), .pinned = pinned, .lease = Lease(ttl)}));
   }
   return infos;
 }
@@ -107,15 +155,95 @@ std::vector<SnapshotInfo> SnapshotRegistry::List(const std::string& cache_id) co
   return infos;
 }
 
+absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snapshot_id,
+                                                         bool pinned) {
+  absl::MutexLock lock(&mutex_);
+  auto it = entries_.find(snapshot_id);
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  Entry& entry = it->second;
+  const uint64_t bytes = entry.snapshot->size_bytes();
+  if (pinned && !entry.pinned) {
+    RETURN_IF_ERROR(CheckPinBudget(bytes));
+    pinned_bytes_ += bytes;
+  } else if (!pinned && entry.pinned) {
+    pinned_bytes_ -= bytes;
+  }
+  entry.pinned = pinned;
+  // Naming it renews it; an unpinned lease runs from now.
+  entry.lease.Renew(clock_.Now());
+  if (!pinned) deadlines_.Push(entry.lease.expires_at(), snapshot_id);
+  return Info(snapshot_id, entry);
+}
+
+absl::StatusOr<std::vector<LeaseInfo>> SnapshotRegistry::Renew(absl::Span<const std::string> ids,
+                                                               const std::string& field) {
+  absl::MutexLock lock(&mutex_);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!entries_.contains(ids[i])) {
+      return UnknownSnapshot(ids[i], absl::StrCat(field, "[", i, "]"));
+    }
+  }
+  const absl::Time now = clock_.Now();
+  std::vector<LeaseInfo> leases;
+  for (const std::string& id : ids) {
+    Entry& entry = entries_.find(id)->second;
+    entry.lease.Renew(now);
+    const SnapshotInfo info = Info(id, entry);
+    leases.push_back(LeaseInfo{.id = id,
+                               .ttl = entry.pinned ? absl::ZeroDuration() : info.ttl,
+                               .expires_at = info.expires_at});
+  }
+  return leases;
+}
+
+uint64_t SnapshotRegistry::Expire() {
+  uint64_t count = 0;
+  for (;;) {
+    std::vector<CacheSnapshotPtr> dropped;  // freed outside the lock, between batches
+    absl::MutexLock lock(&mutex_);
+    const absl::Time now = clock_.Now();
+    const std::vector<std::string> due = deadlines_.PopDue(now, kExpiriesPerLock);
+    for (const std::string& id : due) {
+      auto it = entries_.find(id);
+      if (it == entries_.end() || it->second.pinned) continue;  // released, or pinned since
+      if (it->second.lease.ExpiredAt(now)) {
+        Erase(it, dropped);
+        ++count;
+      } else {
+        deadlines_.Push(it->second.lease.expires_at(), id);  // renewed since
+      }
+    }
+    expired_ += dropped.size();
+    if (due.size() < kExpiriesPerLock) return count;
+  }
+}
+
+absl::Time SnapshotRegistry::NextDeadline() const {
+  absl::MutexLock lock(&mutex_);
+  return deadlines_.Next();
+}
+
 size_t SnapshotRegistry::size() const {
   absl::MutexLock lock(&mutex_);
   return entries_.size();
+}
+
+uint64_t SnapshotRegistry::pinned_bytes() const {
+  absl::MutexLock lock(&mutex_);
+  return pinned_bytes_;
+}
+
+uint64_t SnapshotRegistry::expired() const {
+  absl::MutexLock lock(&mutex_);
+  return expired_;
 }
 
 void SnapshotRegistry::Clear() {
   absl::flat_hash_map<std::string, Entry> dropped;
   absl::MutexLock lock(&mutex_);
   dropped.swap(entries_);
+  deadlines_ = LeaseQueue();
+  pinned_bytes_ = 0;
 }
 
 }  // namespace kvcache::engine

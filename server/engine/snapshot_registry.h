@@ -1,5 +1,7 @@
 // Snapshot ids: unguessable 128-bit random names for immutable CacheSnapshots.
 // Holding a snapshot holds its pages; releasing the last holder frees them.
+// The registry also keeps each snapshot's lease (lease.h) and pin, and the
+// budget for pinned bytes.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +12,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "engine/cache.h"
+#include "engine/lease.h"
 
 namespace kvcache::engine {
 
@@ -21,33 +25,80 @@ struct SnapshotInfo {
   uint64_t to_offset = 0;
   uint64_t size_bytes = 0;
   bool pinned = false;
+  absl::Duration ttl;                             // zero: no lease
+  absl::Time expires_at = absl::InfiniteFuture();  // never while pinned or without a lease
+};
+
+// A handle's lease as a renewal left it.
+struct LeaseInfo {
+  std::string id;
+  absl::Duration ttl;
+  absl::Time expires_at = absl::InfiniteFuture();
 };
 
 // 32 lowercase hex digits from the OS's random source.
 std::string NewRandomId();
 
+struct SnapshotRegistryOptions {
+  // The lease of a snapshot added with no ttl of its own; zero: none.
+  absl::Duration default_ttl;
+  // Most bytes pinned snapshots may hold (size_bytes each); 0: no limit.
+  uint64_t max_pinned_bytes = 0;
+};
+
 class SnapshotRegistry {
  public:
-  SnapshotInfo Add(CacheSnapshotPtr snapshot, bool pinned);
+  SnapshotRegistry(const LeaseClock& clock, SnapshotRegistryOptions options)
+      : clock_(clock), options_(options) {}
+
+  // `ttl` zero takes the default. RESOURCE_EXHAUSTED (naming max_pinned_bytes)
+  // when pinning it would pass the budget.
+  absl::StatusOr<SnapshotInfo> Add(CacheSnapshotPtr snapshot, bool pinned, absl::Duration ttl);
+  // The snapshot, its lease renewed.
   absl::StatusOr<CacheSnapshotPtr> Get(const std::string& snapshot_id) const;
   absl::Status Release(const std::string& snapshot_id);
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no
-  // change) if any consumed id is gone by now.
+  // change) if any consumed id is gone by now. The added ones are pinned if
+  // any consumed one was, and take the longest of their leases.
   absl::StatusOr<std::vector<SnapshotInfo>> Replace(const std::vector<std::string>& consumed,
                                                     std::vector<CacheSnapshotPtr> added);
   std::vector<SnapshotInfo> List(const std::string& cache_id) const;
+  absl::StatusOr<SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
+  // Renews every one of `ids`, or none when one is unknown (NOT_FOUND naming
+  // `field`[i]).
+  absl::StatusOr<std::vector<LeaseInfo>> Renew(absl::Span<const std::string> ids,
+                                               const std::string& field);
+  // Releases every snapshot whose lease ran out by now; returns how many.
+  uint64_t Expire();
+  // The earliest deadline the reaper may find (a hint).
+  absl::Time NextDeadline() const;
+
   size_t size() const;
+  uint64_t pinned_bytes() const;
+  uint64_t expired() const;
   void Clear();
 
  private:
   struct Entry {
     CacheSnapshotPtr snapshot;
     bool pinned = false;
+    mutable Lease lease;  // renewed by lookups, which do not change the entry otherwise
   };
   static SnapshotInfo Info(const std::string& id, const Entry& entry);
+  // Registers `entry` under a new id, its lease started (unless pinned).
+  SnapshotInfo Insert(Entry entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  absl::Status CheckPinBudget(uint64_t more_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Drops `it`'s entry, handing its snapshot to `dropped` (freed outside the lock).
+  void Erase(absl::flat_hash_map<std::string, Entry>::iterator it,
+             std::vector<CacheSnapshotPtr>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
 
+  const LeaseClock& clock_;
+  const SnapshotRegistryOptions options_;
   mutable absl::Mutex mutex_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
+  LeaseQueue deadlines_ ABSL_GUARDED_BY(mutex_);
+  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mutex_) = 0;
+  uint64_t expired_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
 }  // namespace kvcache::engine

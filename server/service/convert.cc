@@ -99,6 +99,12 @@ void ToProto(const engine::CacheSpec& spec, v1::CacheSpec* out) {
   }
 }
 
+void ToProto(absl::Time time, google::protobuf::Timestamp* out) {
+  const int64_t nanos = absl::ToUnixNanos(time);
+  out->set_seconds(nanos / 1'000'000'000);
+  out->set_nanos(static_cast<int32_t>(nanos % 1'000'000'000));
+}
+
 void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out) {
   out->set_cache_id(info.cache_id);
   ToProto(info.spec, out->mutable_spec());
@@ -106,6 +112,8 @@ void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out) {
   out->set_offset(info.offset);
   out->set_size_bytes(info.size_bytes);
   out->set_in_step(info.in_step);
+  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
+  if (info.expires_at != absl::InfiniteFuture()) ToProto(info.expires_at, out->mutable_expires_at());
 }
 
 void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
@@ -115,6 +123,16 @@ void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
   out->set_to_offset(info.to_offset);
   out->set_size_bytes(info.size_bytes);
   out->set_pinned(info.pinned);
+  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
+  if (info.expires_at != absl::InfiniteFuture()) ToProto(info.expires_at, out->mutable_expires_at());
+}
+
+void ToProto(const engine::LeaseInfo& lease, v1::Lease* out) {
+  out->set_id(lease.id);
+  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(lease.ttl)));
+  if (lease.expires_at != absl::InfiniteFuture()) {
+    ToProto(lease.expires_at, out->mutable_expires_at());
+  }
 }
 
 }  // namespace kvcache::service

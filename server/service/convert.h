@@ -14,6 +14,8 @@ absl::StatusOr<engine::CacheSpec> FromProto(const v1::CacheSpec& spec);
 void ToProto(const engine::CacheSpec& spec, v1::CacheSpec* out);
 void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out);
 void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out);
+void ToProto(const engine::LeaseInfo& lease, v1::Lease* out);
+void ToProto(absl::Time time, google::protobuf::Timestamp* out);
 
 v1::DType ToProto(DType dtype);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "core/tensor_size.h"
@@ -17,7 +18,8 @@ Handlers::Handlers(engine::Engine& engine, ServiceOptions options)
 absl::Status Handlers::CreateCache(const v1::CreateCacheRequest& request,
                                    v1::CacheInfo* response) {
   ASSIGN_OR_RETURN(engine::CacheSpec spec, FromProto(request.spec()));
-  ASSIGN_OR_RETURN(engine::CacheInfo info, engine_.CreateCache(spec));
+  ASSIGN_OR_RETURN(engine::CacheInfo info,
+                   engine_.CreateCache(spec, absl::Seconds(request.ttl_seconds())));
   ToProto(info, response);
   return absl::OkStatus();
 }
@@ -219,7 +221,8 @@ absl::Status Handlers::Trim(const v1::TrimRequest& request, v1::TrimResponse* re
 absl::Status Handlers::Snapshot(const v1::SnapshotRequest& request, v1::SnapshotInfo* response) {
   RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
   ASSIGN_OR_RETURN(engine::SnapshotInfo info,
-                   engine_.Snapshot(request.cache_id(), request.from_offset(), request.pinned()));
+                   engine_.Snapshot(request.cache_id(), request.from_offset(), request.pinned(),
+                                    absl::Seconds(request.ttl_seconds())));
   ToProto(info, response);
   return absl::OkStatus();
 }
@@ -279,6 +282,38 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_caches(stats.caches);
   response->set_snapshots(stats.snapshots);
   response->set_evictions(0);
+  response->set_caches_expired(stats.caches_expired);
+  response->set_snapshots_expired(stats.snapshots_expired);
+  response->set_pinned_bytes(stats.pinned_bytes);
+  response->set_max_pinned_bytes(stats.max_pinned_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::RenewLease(const v1::RenewLeaseRequest& request,
+                                  v1::RenewLeaseResponse* response) {
+  const std::vector<std::string> cache_ids(request.cache_ids().begin(), request.cache_ids().end());
+  const std::vector<std::string> snapshot_ids(request.snapshot_ids().begin(),
+                                              request.snapshot_ids().end());
+  for (size_t i = 0; i < cache_ids.size(); ++i) {
+    RETURN_IF_ERROR(RequireId(absl::StrCat("cache_ids[", i, "]"), cache_ids[i]));
+  }
+  for (size_t i = 0; i < snapshot_ids.size(); ++i) {
+    RETURN_IF_ERROR(RequireId(absl::StrCat("snapshot_ids[", i, "]"), snapshot_ids[i]));
+  }
+  ASSIGN_OR_RETURN(const engine::RenewedLeases renewed,
+                   engine_.RenewLease(cache_ids, snapshot_ids));
+  for (const engine::LeaseInfo& lease : renewed.caches) ToProto(lease, response->add_caches());
+  for (const engine::LeaseInfo& lease : renewed.snapshots) {
+    ToProto(lease, response->add_snapshots());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Handlers::SetPinned(const v1::SetPinnedRequest& request, v1::SnapshotInfo* response) {
+  RETURN_IF_ERROR(RequireId("snapshot_id", request.snapshot_id()));
+  ASSIGN_OR_RETURN(const engine::SnapshotInfo info,
+                   engine_.SetPinned(request.snapshot_id(), request.pinned()));
+  ToProto(info, response);
   return absl::OkStatus();
 }
 

@@ -25,4 +25,6 @@
   X(BeginSpeculation, BeginSpeculationRequest, BeginSpeculationResponse) \
   X(CommitSpeculation, CommitSpeculationRequest, CacheInfo)       \
   X(AbortSpeculation, AbortSpeculationRequest, CacheInfo)         \
-  X(GetStats, GetStatsRequest, Stats)
+  X(GetStats, GetStatsRequest, Stats)                             \
+  X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)            \
+  X(SetPinned, SetPinnedRequest, SnapshotInfo)
