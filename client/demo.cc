@@ -138,6 +138,31 @@ int Check(const absl::Status& status, const char* what) {
   return 1;
 }
 
+// A snapshot leased for one second that no one names again runs out and is
+// released by the server; a pinned one would not.
+absl::Status ShowLeases(kvcache::Client& client, const std::string& cache_id) {
+  auto scratch = client.Snapshot(cache_id, 0, /*pinned=*/false, /*ttl_seconds=*/1);
+  if (!scratch.ok()) return scratch.status();
+  auto pinned = client.SetPinned(scratch->snapshot_id(), true);
+  if (!pinned.ok()) return pinned.status();
+  auto unpinned = client.SetPinned(scratch->snapshot_id(), false);
+  if (!unpinned.ok()) return unpinned.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::Status gone;
+  while ((gone = client.RenewLease({}, {scratch->snapshot_id()}).status()).ok() &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1200));  // longer than its lease: the renewal comes late
+  }
+  if (gone.code() != absl::StatusCode::kNotFound) {
+    return absl::InternalError(absl::StrCat("a 1 s lease did not run out: ", gone.ToString()));
+  }
+  auto stats = client.GetStats();
+  if (!stats.ok()) return stats.status();
+  absl::PrintF("a second snapshot, pinned then unpinned with a 1 s lease, ran out unrenewed: "
+               "now NOT_FOUND (%d snapshot(s) expired so far)\n", stats->snapshots_expired());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,10 +181,13 @@ int main(int argc, char** argv) {
   uint64_t offset = 0;
   if (Check(Generate(*client, id, offset, 200, 56), "prefill/decode")) return 1;
   absl::PrintF("streamed a 200-token prefill and 56 decode steps: offset %d\n", offset);
-  auto snapshot = client->Snapshot(id, 0);
+  auto snapshot = client->Snapshot(id, 0, /*pinned=*/false, /*ttl_seconds=*/600);
   if (Check(snapshot.status(), "Snapshot")) return 1;
-  absl::PrintF("snapshot %s covers [0, %d), %d bytes of shared pages (no copy)\n",
-              snapshot->snapshot_id().c_str(), snapshot->to_offset(), snapshot->size_bytes());
+  absl::PrintF("snapshot %s covers [0, %d), %d bytes of shared pages (no copy), leased for "
+               "%ds (each call that names it renews it)\n",
+               snapshot->snapshot_id().c_str(), snapshot->to_offset(), snapshot->size_bytes(),
+               snapshot->ttl_seconds());
+  if (Check(ShowLeases(*client, id), "leases")) return 1;
 
   if (Check(Generate(*client, id, offset, 0, 40), "branch")) return 1;
   absl::PrintF("decoded a 40-token branch: offset %d\n", offset);

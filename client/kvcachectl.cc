@@ -3,10 +3,14 @@
 //   kvcachectl [--server=host:port] stats
 //   kvcachectl caches
 //   kvcachectl snapshots [CACHE_ID]
-//   kvcachectl snapshot CACHE_ID [--from=N] [--pinned]
+//   kvcachectl snapshot CACHE_ID [--from=N] [--pinned] [--ttl=SECONDS]
 //   kvcachectl restore CACHE_ID [SNAPSHOT_ID] --target=N     (no snapshot: rewind)
 //   kvcachectl release SNAPSHOT_ID
+//   kvcachectl pin SNAPSHOT_ID | unpin SNAPSHOT_ID
+//   kvcachectl renew ID...                                   (caches or snapshots)
+#include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -22,6 +26,7 @@ ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(uint64_t, from, 0, "snapshot: first position to capture");
 ABSL_FLAG(bool, pinned, false, "snapshot: never evict it");
 ABSL_FLAG(int64_t, target, -1, "restore: the offset to bring every layer to");
+ABSL_FLAG(uint32_t, ttl, 0, "snapshot: its lease in seconds (0: the server's default)");
 
 namespace {
 
@@ -39,17 +44,25 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
+// "never", or how long until the lease runs out.
+std::string Expiry(bool has_expiry, const google::protobuf::Timestamp& expires_at) {
+  if (!has_expiry) return "never";
+  const int64_t left = expires_at.seconds() - static_cast<int64_t>(std::time(nullptr));
+  return left <= 0 ? "now" : absl::StrFormat("in %ds", left);
+}
+
 void PrintSnapshot(const kvcache::v1::SnapshotInfo& s) {
-  std::printf("%-32s  %-32s  [%8llu, %8llu)  %10s%s\n", s.snapshot_id().c_str(),
+  std::printf("%-32s  %-32s  [%8llu, %8llu)  %10s  %-8s  %s\n", s.snapshot_id().c_str(),
               s.cache_id().c_str(), (unsigned long long)s.from_offset(),
               (unsigned long long)s.to_offset(), Bytes(s.size_bytes()).c_str(),
-              s.pinned() ? "  pinned" : "");
+              Expiry(s.has_expires_at(), s.expires_at()).c_str(), s.pinned() ? "pinned" : "");
 }
 
 void PrintCache(const kvcache::v1::CacheInfo& c) {
-  std::printf("%-32s  %6d  %8llu  %-9s  %10s  %s\n", c.cache_id().c_str(), c.spec().layers_size(),
-              (unsigned long long)c.offset(), c.in_step() ? "in step" : "mid-step",
-              Bytes(c.size_bytes()).c_str(), c.spec().model().c_str());
+  std::printf("%-32s  %6d  %8llu  %-9s  %10s  %-8s  %s\n", c.cache_id().c_str(),
+              c.spec().layers_size(), (unsigned long long)c.offset(),
+              c.in_step() ? "in step" : "mid-step", Bytes(c.size_bytes()).c_str(),
+              Expiry(c.has_expires_at(), c.expires_at()).c_str(), c.spec().model().c_str());
 }
 
 int Stats(kvcache::Client& client) {
@@ -63,8 +76,13 @@ int Stats(kvcache::Client& client) {
               Bytes(stats->pool_bytes_used()).c_str(), Bytes(stats->pool_bytes_total()).c_str(),
               (unsigned long long)stats->pages_used(), (unsigned long long)stats->pages_total(),
               Bytes(stats->page_bytes()).c_str());
-  std::printf("caches        %llu\nsnapshots     %llu\nevictions     %llu\n",
-              (unsigned long long)stats->caches(), (unsigned long long)stats->snapshots(),
+  std::printf("caches        %llu (%llu expired)\nsnapshots     %llu (%llu expired)\n",
+              (unsigned long long)stats->caches(), (unsigned long long)stats->caches_expired(),
+              (unsigned long long)stats->snapshots(),
+              (unsigned long long)stats->snapshots_expired());
+  std::printf("pinned        %s of %s\nevictions     %llu\n", Bytes(stats->pinned_bytes()).c_str(),
+              stats->max_pinned_bytes() == 0 ? "no limit"
+                                             : Bytes(stats->max_pinned_bytes()).c_str(),
               (unsigned long long)stats->evictions());
   return 0;
 }
@@ -72,8 +90,8 @@ int Stats(kvcache::Client& client) {
 int Caches(kvcache::Client& client) {
   auto caches = client.ListCaches();
   if (!caches.ok()) return Fail(caches.status());
-  std::printf("%-32s  %6s  %8s  %-9s  %10s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE", "SIZE",
-              "MODEL");
+  std::printf("%-32s  %6s  %8s  %-9s  %10s  %-8s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE", "SIZE",
+              "EXPIRES", "MODEL");
   for (const auto& cache : *caches) PrintCache(cache);
   return 0;
 }
@@ -81,14 +99,16 @@ int Caches(kvcache::Client& client) {
 int Snapshots(kvcache::Client& client, const Args& args) {
   auto snapshots = client.ListSnapshots(args.size() > 1 ? args[1] : "");
   if (!snapshots.ok()) return Fail(snapshots.status());
-  std::printf("%-32s  %-32s  %-20s  %10s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE");
+  std::printf("%-32s  %-32s  %-20s  %10s  %-8s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE",
+              "EXPIRES");
   for (const auto& snapshot : *snapshots) PrintSnapshot(snapshot);
   return 0;
 }
 
 int Snapshot(kvcache::Client& client, const Args& args) {
   if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: snapshot CACHE_ID"));
-  auto snapshot = client.Snapshot(args[1], absl::GetFlag(FLAGS_from), absl::GetFlag(FLAGS_pinned));
+  auto snapshot = client.Snapshot(args[1], absl::GetFlag(FLAGS_from), absl::GetFlag(FLAGS_pinned),
+                                  absl::GetFlag(FLAGS_ttl));
   if (!snapshot.ok()) return Fail(snapshot.status());
   PrintSnapshot(*snapshot);
   return 0;
@@ -112,12 +132,47 @@ int Release(kvcache::Client& client, const Args& args) {
   return 0;
 }
 
+int Pin(kvcache::Client& client, const Args& args, bool pinned) {
+  if (args.size() != 2) {
+    return Fail(absl::InvalidArgumentError(pinned ? "usage: pin SNAPSHOT_ID"
+                                                  : "usage: unpin SNAPSHOT_ID"));
+  }
+  auto snapshot = client.SetPinned(args[1], pinned);
+  if (!snapshot.ok()) return Fail(snapshot.status());
+  PrintSnapshot(*snapshot);
+  return 0;
+}
+
+// Renews each id's lease, as a snapshot if the server lists one by that id,
+// else as a cache.
+int Renew(kvcache::Client& client, const Args& args) {
+  if (args.size() < 2) return Fail(absl::InvalidArgumentError("usage: renew ID..."));
+  auto snapshots = client.ListSnapshots();
+  if (!snapshots.ok()) return Fail(snapshots.status());
+  std::vector<std::string> cache_ids, snapshot_ids;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const bool is_snapshot = std::any_of(snapshots->begin(), snapshots->end(),
+                                         [&](const auto& s) { return s.snapshot_id() == args[i]; });
+    (is_snapshot ? snapshot_ids : cache_ids).push_back(args[i]);
+  }
+  auto renewed = client.RenewLease(cache_ids, snapshot_ids);
+  if (!renewed.ok()) return Fail(renewed.status());
+  for (const auto& leases : {renewed->caches(), renewed->snapshots()}) {
+    for (const kvcache::v1::Lease& lease : leases) {
+      std::printf("%-32s  expires %s\n", lease.id().c_str(),
+                  Expiry(lease.has_expires_at(), lease.expires_at()).c_str());
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
-      "[--pinned] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT");
+      "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin SNAPSHOT "
+      "| unpin SNAPSHOT | renew ID...");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());
   if (args.empty()) {
@@ -132,6 +187,9 @@ int main(int argc, char** argv) {
   if (command == "snapshot") return Snapshot(*client, args);
   if (command == "restore") return Restore(*client, args);
   if (command == "release") return Release(*client, args);
+  if (command == "pin") return Pin(*client, args, true);
+  if (command == "unpin") return Pin(*client, args, false);
+  if (command == "renew") return Renew(*client, args);
   std::fprintf(stderr, "kvcachectl: unknown command \"%s\"\n%s\n", command.c_str(),
                absl::ProgramUsageMessage().data());
   return 2;

@@ -45,7 +45,7 @@ absl::StatusOr<std::shared_ptr<Engine::Entry>> Engine::FindEntry(const std::stri
   if (it == caches_.end()) return UnknownCache(cache_id);
   // Renewed under the lock ExpireCaches takes: a call either renews it in
   // time or finds it gone.
-  it->second->lease.Renew(clock_);
+  if (!it->second->lease.RenewIfLive(clock_)) return UnknownCache(cache_id);
   return it->second;
 }
 
@@ -69,7 +69,7 @@ absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec, absl::Durat
 CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
   auto entry = std::make_shared<Entry>(ttl == absl::ZeroDuration() ? options_.default_ttl : ttl);
   std::string id = NewRandomId();
-  entry->lease.Renew(clock_);
+  entry->lease.Renew(clock_.Now());
   CacheInfo info = Describe(id, *cache, entry->lease);
   {
     absl::MutexLock lock(&entry->mutex);
@@ -119,7 +119,10 @@ absl::Status Engine::DeleteCache(const std::string& cache_id) {
   {
     absl::MutexLock lock(&caches_mutex_);
     auto it = caches_.find(cache_id);
-    if (it == caches_.end()) return UnknownCache(cache_id);
+    // One whose lease ran out is the reaper's to delete.
+    if (it == caches_.end() || it->second->lease.ExpiredAt(clock_.Now())) {
+      return UnknownCache(cache_id);
+    }
     entry = std::move(it->second);
     caches_.erase(it);
   }
@@ -312,8 +315,10 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
 absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> cache_ids,
                                                  absl::Span<const std::string> snapshot_ids) {
   absl::MutexLock lock(&caches_mutex_);
+  const absl::Time now = clock_.Now();
   for (size_t i = 0; i < cache_ids.size(); ++i) {
-    if (!caches_.contains(cache_ids[i])) {
+    const auto it = caches_.find(cache_ids[i]);
+    if (it == caches_.end() || it->second->lease.ExpiredAt(now)) {
       return absl::NotFoundError(
           absl::StrCat("cache_ids[", i, "]: no cache \"", cache_ids[i], "\""));
     }
@@ -322,7 +327,7 @@ absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> c
   ASSIGN_OR_RETURN(renewed.snapshots, snapshots_.Renew(snapshot_ids, "snapshot_ids"));
   for (const std::string& id : cache_ids) {
     Lease& lease = caches_.find(id)->second->lease;
-    lease.Renew(clock_);
+    lease.Renew(now);
     renewed.caches.push_back(
         LeaseInfo{.id = id, .ttl = lease.ttl(), .expires_at = lease.expires_at()});
   }

@@ -68,8 +68,8 @@ absl::StatusOr<Engine::LockedCache> Engine::OpenSpeculation(const std::string& s
     entry = it->second.entry;
     if (owner_id != nullptr) *owner_id = it->second.cache_id;
     // A call on the speculation names its cache too. (Not under caches_mutex_:
-    // one that comes just as the lease ran out may find the cache deleted.)
-    entry->lease.Renew(clock_);
+    // one that comes just as the lease runs out may find the cache deleted.)
+    if (!entry->lease.RenewIfLive(clock_)) return UnknownSpeculation(speculation_id);
   }
   absl::StatusOr<LockedCache> cache = LockedCache::OpenEntry(std::move(entry), cache_id);
   // Ended (and perhaps another begun) between the lookup and the lock.

@@ -46,9 +46,15 @@ class Lease {
     if (!has_ttl()) return absl::InfiniteFuture();
     return absl::FromUnixNanos(expires_ns_.load(std::memory_order_relaxed));
   }
-  // Renew(clock.Now()), reading the clock only for a lease that has a ttl.
-  void Renew(const LeaseClock& clock) {
-    if (has_ttl()) Renew(clock.Now());
+  // What a call that names the handle does: false if the lease has run out
+  // (the handle is gone for callers, even before the reaper releases it),
+  // else renews it. Reads the clock only for a lease that has a ttl.
+  bool RenewIfLive(const LeaseClock& clock) {
+    if (!has_ttl()) return true;
+    const absl::Time now = clock.Now();
+    if (ExpiredAt(now)) return false;
+    Renew(now);
+    return true;
   }
   bool ExpiredAt(absl::Time now) const { return expires_at() <= now; }
 

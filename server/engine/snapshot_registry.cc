@@ -55,6 +55,17 @@ absl::Status UnknownSnapshot(const std::string& id, const std::string& field = "
 
 }  // namespace
 
+bool SnapshotRegistry::Live(const Entry& entry, absl::Time now) {
+  return entry.pinned || !entry.lease.ExpiredAt(now);
+}
+
+absl::flat_hash_map<std::string, SnapshotRegistry::Entry>::iterator SnapshotRegistry::FindLive(
+    const std::string& snapshot_id, absl::Time now) const {
+  auto it = entries_.find(snapshot_id);
+  if (it != entries_.end() && !Live(it->second, now)) return entries_.end();
+  return it;
+}
+
 SnapshotInfo SnapshotRegistry::Insert(Entry entry) {
   std::string id = NewRandomId();
   while (entries_.contains(id)) id = NewRandomId();
@@ -94,19 +105,20 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::Add(CacheSnapshotPtr snapshot, bo
 
 absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapshot_id) const {
   absl::MutexLock lock(&mutex_);
-  auto it = entries_.find(snapshot_id);
+  const absl::Time now = clock_.Now();
+  auto it = FindLive(snapshot_id, now);
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
   // Renewed under the lock that Expire takes: a call either renews it in
   // time or finds it gone.
-  it->second.lease.Renew(clock_.Now());
+  it->second.lease.Renew(now);
   return it->second.snapshot;
 }
 
 absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
   std::vector<CacheSnapshotPtr> dropped;  // freed outside the lock
   absl::MutexLock lock(&mutex_);
-  auto it = entries_.find(snapshot_id);
-  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  auto it = FindLive(snapshot_id, clock_.Now());
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);  // expired: the reaper's
   Erase(it, dropped);
   return absl::OkStatus();
 }
@@ -118,8 +130,9 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
   bool pinned = false;
   absl::Duration ttl;
   uint64_t consumed_pinned_bytes = 0;
+  const absl::Time now = clock_.Now();
   for (size_t i = 0; i < consumed.size(); ++i) {
-    auto it = entries_.find(consumed[i]);
+    auto it = FindLive(consumed[i], now);
     if (it == entries_.end()) return UnknownSnapshot(consumed[i]);
     const bool repeated = std::find(consumed.begin(), consumed.begin() + i, consumed[i]) !=
                           consumed.begin() + i;
@@ -148,8 +161,10 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
 
 std::vector<SnapshotInfo> SnapshotRegistry::List(const std::string& cache_id) const {
   absl::MutexLock lock(&mutex_);
+  const absl::Time now = clock_.Now();
   std::vector<SnapshotInfo> infos;
   for (const auto& [id, entry] : entries_) {
+    if (!Live(entry, now)) continue;
     if (cache_id.empty() || entry.snapshot->cache_id == cache_id) infos.push_back(Info(id, entry));
   }
   return infos;
@@ -158,7 +173,8 @@ std::vector<SnapshotInfo> SnapshotRegistry::List(const std::string& cache_id) co
 absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snapshot_id,
                                                          bool pinned) {
   absl::MutexLock lock(&mutex_);
-  auto it = entries_.find(snapshot_id);
+  const absl::Time now = clock_.Now();
+  auto it = FindLive(snapshot_id, now);
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
   Entry& entry = it->second;
   const uint64_t bytes = entry.snapshot->size_bytes();
@@ -170,7 +186,7 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snap
   }
   entry.pinned = pinned;
   // Naming it renews it; an unpinned lease runs from now.
-  entry.lease.Renew(clock_.Now());
+  entry.lease.Renew(now);
   if (!pinned) deadlines_.Push(entry.lease.expires_at(), snapshot_id);
   return Info(snapshot_id, entry);
 }
@@ -178,12 +194,12 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snap
 absl::StatusOr<std::vector<LeaseInfo>> SnapshotRegistry::Renew(absl::Span<const std::string> ids,
                                                                const std::string& field) {
   absl::MutexLock lock(&mutex_);
+  const absl::Time now = clock_.Now();
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (!entries_.contains(ids[i])) {
+    if (FindLive(ids[i], now) == entries_.end()) {
       return UnknownSnapshot(ids[i], absl::StrCat(field, "[", i, "]"));
     }
   }
-  const absl::Time now = clock_.Now();
   std::vector<LeaseInfo> leases;
   for (const std::string& id : ids) {
     Entry& entry = entries_.find(id)->second;

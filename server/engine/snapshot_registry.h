@@ -82,9 +82,15 @@ class SnapshotRegistry {
   struct Entry {
     CacheSnapshotPtr snapshot;
     bool pinned = false;
-    mutable Lease lease;  // renewed by lookups, which do not change the entry otherwise
+    Lease lease;
   };
   static SnapshotInfo Info(const std::string& id, const Entry& entry);
+  // Pinned, or its lease not yet run out: callers can name it.
+  static bool Live(const Entry& entry, absl::Time now);
+  // The live entry of that id, or end().
+  absl::flat_hash_map<std::string, Entry>::iterator FindLive(const std::string& snapshot_id,
+                                                             absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Registers `entry` under a new id, its lease started (unless pinned).
   SnapshotInfo Insert(Entry entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status CheckPinBudget(uint64_t more_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
@@ -95,7 +101,8 @@ class SnapshotRegistry {
   const LeaseClock& clock_;
   const SnapshotRegistryOptions options_;
   mutable absl::Mutex mutex_;
-  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
+  // Mutable so that const lookups can hand out an iterator whose lease they renew.
+  mutable absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mutex_);
   LeaseQueue deadlines_ ABSL_GUARDED_BY(mutex_);
   uint64_t pinned_bytes_ ABSL_GUARDED_BY(mutex_) = 0;
   uint64_t expired_ ABSL_GUARDED_BY(mutex_) = 0;

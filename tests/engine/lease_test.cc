@@ -129,6 +129,29 @@ TEST_P(LeaseTest, ASnapshotExpiresButPagesALiveHandleSharesStay) {
   EXPECT_EQ(engine_->Stats().snapshots_expired, 1u);
 }
 
+TEST_P(LeaseTest, ARunOutLeaseIsNotFoundBeforeTheReaperComes) {
+  StartEngine(absl::Seconds(3));
+  MirroredCache cache(*engine_, Spec());
+  ASSERT_TRUE(cache.Append(5));
+  RefCacheSnapshotPtr reference;
+  const std::string snapshot_id = cache.Snapshot(0, &reference);
+  auto begun = engine_->BeginSpeculation(cache.id(), false);
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  clock_.Advance(absl::Seconds(3));  // no ExpireLeases: the handles are still registered
+  EXPECT_EQ(engine_->GetCache(cache.id()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->DeleteCache(cache.id()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->GetSpeculation(begun->speculation_id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Freeze("", snapshot_id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->ReleaseSnapshot(snapshot_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->SetPinned(snapshot_id, true).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->RenewLease({cache.id()}, {}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->RenewLease({}, {snapshot_id}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(engine_->ListSnapshots().empty());
+  EXPECT_EQ(engine_->ExpireLeases(), std::make_pair(uint64_t{1}, uint64_t{1}));
+  EXPECT_EQ(pool_->stats().used_pages, 0u);
+}
+
 TEST_P(LeaseTest, RestoreAndFetchRenewASnapshot) {
   StartEngine(absl::Seconds(3));
   MirroredCache cache(*engine_, Spec());

@@ -35,6 +35,11 @@ struct ServerSetup {
   bool data_lane = true;
   // The first client's Update and Fetch go over the data lane.
   bool client_on_lane = false;
+  // Leases: the server's --default_ttl, --max_pinned_bytes and
+  // --lease_check_interval.
+  absl::Duration default_ttl;
+  uint64_t max_pinned_bytes = 0;
+  absl::Duration lease_check_interval = absl::Milliseconds(250);
 };
 
 class TestServer {
