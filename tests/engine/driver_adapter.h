@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "reference_model.h"
 #include "reference_recurrent.h"
+#include "reference_speculation.h"
 
 namespace kvcache::testing {
 
@@ -69,6 +70,16 @@ struct StepPart {
   std::string speculation_id;  // empty: a live update
 };
 
+// A speculation as BeginSpeculation describes it.
+struct SpeculationState {
+  std::string speculation_id;
+  uint64_t committed_offset = 0;
+  // Where the answer carries them (the engine's does, the wire's not): its
+  // cache, and per layer committed + drafted; else empty.
+  std::string cache_id;
+  std::vector<uint64_t> layer_offsets;
+};
+
 // What an update stream answered: how it ended, and the offset each applied
 // part left its layer at, in order.
 struct StreamResult {
@@ -116,6 +127,29 @@ class DriverAdapter {
   // layer read back in full (recurrent layers: their states).
   virtual ::testing::AssertionResult CacheMatches(const std::string& cache_id,
                                                   const RefCache& reference) = 0;
+  // Pages in use in the pool the driven caches draw from.
+  virtual absl::StatusOr<uint64_t> PagesInUse() = 0;
+
+  // Speculations. Drafts are SendUpdates parts with speculation_id set; the
+  // answers' CacheState is the live cache after the commit or abort.
+  virtual absl::StatusOr<SpeculationState> BeginSpeculation(const std::string& cache_id,
+                                                            bool isolated) = 0;
+  virtual absl::StatusOr<CacheState> CommitSpeculation(const std::string& speculation_id,
+                                                       uint64_t accepted) = 0;
+  virtual absl::StatusOr<CacheState> AbortSpeculation(const std::string& speculation_id) = 0;
+  // Reads speculation `speculation_id`, named beside `cache_id` and
+  // `snapshot_id` when they are not empty; only the status matters.
+  virtual absl::Status ReadSpeculation(const std::string& speculation_id,
+                                       const std::string& cache_id,
+                                       const std::string& snapshot_id) = 0;
+  // Layer `layer` of speculation `speculation_id` (named beside `cache_id`
+  // when that is not empty) equals `reference`'s view: its whole history
+  // (quantized layers also in their stored form where the transport has
+  // both), or a recurrent layer's state (zeros before any); and what the
+  // answer says of the speculation's offsets.
+  virtual ::testing::AssertionResult SpeculationMatches(const std::string& speculation_id,
+                                                        const std::string& cache_id, uint32_t layer,
+                                                        const RefSpeculation& reference) = 0;
 };
 
 }  // namespace kvcache::testing

@@ -8,9 +8,9 @@
 // the adapter: update streams (whole steps, pipelined steps, streams a bad
 // message ends part way, torn steps and their repair), trims, snapshots,
 // restores, merges, splits, releases, recreation, batch operations, the
-// snapshot way to speculate and the page check. The engine's RandomDriver
-// (random_driver.h) and the wire's WireDriver (tests/service/wire_driver.h)
-// add the reads and the speculation rounds, whose forms differ: the engine
+// snapshot way to speculate, speculation rounds and the page check. The
+// engine's RandomDriver (random_driver.h) and the wire's WireDriver
+// (tests/service/wire_driver.h) add the reads, whose forms differ: the engine
 // reads views range by range and can hold one across other calls; the wire
 // reads chunked Fetch streams, dequantized and packed.
 #pragma once
@@ -92,6 +92,12 @@ struct DriverStats {
   uint64_t page_checks = 0;
 };
 
+// One line of a run's speculation counts (driver_core_speculation.cc).
+void PrintSpeculationStats(const DriverConfig& config, const DriverStats& stats);
+// Every run commits (some partly), aborts, isolates, ends rounds by the
+// snapshot way, reads speculative views, probes refusals and checks pages.
+void ExpectSpeculationCoverage(const std::string& name, const DriverStats& stats);
+
 class DriverCore {
  public:
   virtual ~DriverCore() = default;
@@ -130,12 +136,26 @@ class DriverCore {
   // Creates the first cache; subclasses call it once constructed.
   void Start();
 
-  // Reads, and speculation rounds, in the subclass's own forms.
+  // Reads in the subclass's own forms.
   virtual void FetchLive() = 0;
   virtual void FetchSnapshot() = 0;
   // A windowed read of the live cache or a snapshot; by default FetchLive.
   virtual void FetchWindow() { FetchLive(); }
-  virtual void Speculate() = 0;
+  // A windowed read of a speculation's view: ranges and sub-ranges of a
+  // frozen view on the engine, a Fetch of random layers, window and chunks
+  // (sometimes packed) over the wire. SpeculationMatches reads whole layers.
+  virtual void FetchSpeculationWindow(const std::string& speculation_id,
+                                      const RefSpeculation& reference) = 0;
+  // A read of the speculation that stays in flight across its end: the
+  // returned check runs once the round has ended and the live cache has
+  // written over the drafted positions. Only the engine can hold one (a
+  // view); a Fetch over the wire ends before the next call starts, so by
+  // default there is none (null).
+  using HeldRead = std::function<void()>;
+  virtual HeldRead HoldSpeculationRead(const std::string& /*speculation_id*/,
+                                       const RefSpeculation& /*reference*/) {
+    return nullptr;
+  }
 
   // Operations (driver_core.cc).
   Op PickOp();
@@ -177,7 +197,9 @@ class DriverCore {
   // wrong size, else FAILED_PRECONDITION (a live update while a speculation is
   // open, or a wrong expected_offset).
   void SendStream(const std::deque<StepPart>& parts, size_t applied);
-  void SendStream(const std::deque<StepPart>& parts, size_t applied, const Mirror& mirror);
+  // To cache `cache_id` (empty: named by the parts' speculation alone).
+  void SendStream(const std::deque<StepPart>& parts, size_t applied, const Mirror& mirror,
+                  const std::string& cache_id);
   static void ApplyTo(RefCache& reference, const StepPart& part);
 
   // Batch operations (driver_core_batch.cc).
@@ -231,6 +253,42 @@ class DriverCore {
   // `kept` is 0): one per attention layer, and each recurrent layer's live
   // state advancing by them.
   std::deque<StepPart> KeptParts(const RefSpeculation& reference, uint64_t kept) const;
+
+  // Speculation rounds (driver_core_speculation.cc), mirrored by
+  // RefSpeculation: begin (isolated sometimes), draft 1..8 tokens on every
+  // layer, probe the refusals while it is open, read its view, then commit
+  // 0..k accepted tokens, abort, or delete the cache; the page check and the
+  // pool's page count around it.
+  void Speculate();
+  // Drafts 1..kMaxDraft tokens, probing refusals before or after sometimes;
+  // adds to `page_shift` the pages the probes' snapshots took (or freed).
+  void DraftAndProbe(const std::string& speculation_id, RefSpeculation& reference,
+                     int64_t& page_shift);
+  // `tokens` on every layer, in pieces sent in one stream or several.
+  void DraftTokens(const std::string& speculation_id, RefSpeculation& reference, uint64_t tokens);
+  void AddDraftParts(uint32_t layer, uint64_t tokens, std::deque<StepPart>& parts);
+  // Sends `parts` as drafts in one stream, sometimes with one bad message
+  // that ends it part way; then sends what it did not apply.
+  void SendDraft(const std::string& speculation_id, RefSpeculation& reference,
+                 std::deque<StepPart> parts);
+  // A draft named with a cache that is not the speculation's: NOT_FOUND.
+  void ProbeDraftElsewhere(const std::string& speculation_id, StepPart part);
+  // A token drafted on layer 0 alone, a commit refused, then the others.
+  void DraftOutOfStep(const std::string& speculation_id, RefSpeculation& reference);
+  // Drafted layers out of step (else nothing): a commit is refused.
+  void ProbeCommitOutOfStep(const std::string& speculation_id, const RefSpeculation& reference);
+  void CheckSpeculativeView(const std::string& speculation_id, const RefSpeculation& reference);
+  // Live mutations are refused while a speculation is open and change
+  // nothing; reads, snapshots and ExtractRow of the committed history are not.
+  void ProbeWhileSpeculating(const std::string& speculation_id, int64_t& page_shift);
+  // Commits or aborts; returns the drafted tokens the live cache kept.
+  uint64_t EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
+  // A speculation that kept nothing holds no page once it ends.
+  void CheckPagesAfterSpeculation(bool isolated, uint64_t pages_before);
+  // Pages in use (nullopt when the server is shared, see DriverConfig).
+  std::optional<uint64_t> PagesInUse();
+  // Every use of the ended speculation (a draft to `cache_id`) is NOT_FOUND.
+  void ExpectSpeculationGone(const std::string& speculation_id, const std::string& cache_id);
 
   // Checks (driver_core.cc).
   void CheckSnapshotInfo(const SnapshotState& info, const RefCacheSnapshot& reference,

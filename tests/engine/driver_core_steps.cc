@@ -60,16 +60,19 @@ void DriverCore::ApplyTo(RefCache& reference, const StepPart& part) {
 }
 
 void DriverCore::SendStream(const std::deque<StepPart>& parts, size_t applied) {
-  SendStream(parts, applied, [this](const StepPart& part) {
-    ApplyTo(*reference_, part);
-    return reference_->layer(part.layer).offset();
-  });
+  SendStream(
+      parts, applied,
+      [this](const StepPart& part) {
+        ApplyTo(*reference_, part);
+        return reference_->layer(part.layer).offset();
+      },
+      cache_id_);
 }
 
-void DriverCore::SendStream(const std::deque<StepPart>& parts, size_t applied,
-                            const Mirror& mirror) {
+void DriverCore::SendStream(const std::deque<StepPart>& parts, size_t applied, const Mirror& mirror,
+                            const std::string& cache_id) {
   const bool one_call = applied == parts.size() && Chance(0.5);
-  const StreamResult result = adapter_.SendUpdates(cache_id_, reference_->spec(), parts, one_call);
+  const StreamResult result = adapter_.SendUpdates(cache_id, reference_->spec(), parts, one_call);
   const absl::Status& status = result.status;
   const std::string message(status.message());
   if (applied == parts.size()) {

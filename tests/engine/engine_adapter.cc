@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "chunked_recurrent_test_util.h"
 #include "reference_quantized.h"
 
@@ -20,6 +21,26 @@ SnapshotState SnapshotStateOf(const engine::SnapshotInfo& info) {
           .from = info.from_offset,
           .to = info.to_offset,
           .pinned = info.pinned};
+}
+
+// Layer `layer` of `view` holds `tokens` in its stored form, or, recurrent,
+// no tokens and `state` (zeros when nullopt).
+::testing::AssertionResult ViewLayerMatches(const engine::CacheSnapshot& view,
+                                            const engine::CacheSpec& spec, uint32_t layer,
+                                            const std::vector<RefToken>& tokens,
+                                            const std::optional<RefState>& state) {
+  if (!engine::IsRecurrent(spec.layers[layer])) {
+    absl::StatusOr<std::vector<RefToken>> actual = FetchStoredLayer(view, layer, kEverything);
+    if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
+    return SameTokens(tokens, *actual) << " (layer " << layer << ")";
+  }
+  absl::StatusOr<RefState> actual = ReadLayerState(view, layer);
+  if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
+  if (!(*actual == state.value_or(ZeroState(spec, layer))) ||
+      !view.Ranges(layer, kEverything).empty()) {
+    return ::testing::AssertionFailure() << "recurrent layer " << layer << " differs";
+  }
+  return ::testing::AssertionSuccess();
 }
 
 // The engine drops all-zero padding from a spec.
@@ -172,22 +193,68 @@ absl::StatusOr<CacheState> EngineAdapter::ExtendCache(const std::string& cache_i
   auto view = engine_.Freeze(id, "");
   if (!view.ok()) return ::testing::AssertionFailure() << view.status();
   for (uint32_t layer = 0; layer < reference.num_layers(); ++layer) {
-    if (engine::IsRecurrent(reference.spec().layers[layer])) {
-      absl::StatusOr<RefState> actual = ReadLayerState(**view, layer);
-      if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
-      const RefState expected =
-          reference.layer(layer).FetchState().value_or(ZeroState(reference.spec(), layer));
-      if (!(*actual == expected)) {
-        return ::testing::AssertionFailure() << "recurrent layer " << layer << " state differs";
-      }
-      continue;
-    }
-    absl::StatusOr<std::vector<RefToken>> actual = FetchStoredLayer(**view, layer, kEverything);
-    if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
-    ::testing::AssertionResult same = SameTokens(reference.layer(layer).Fetch(), *actual);
-    if (!same) return same << " (layer " << layer << ")";
+    const bool recurrent = engine::IsRecurrent(reference.spec().layers[layer]);
+    ::testing::AssertionResult same =
+        ViewLayerMatches(**view, reference.spec(), layer, reference.layer(layer).Fetch(),
+                         recurrent ? reference.layer(layer).FetchState() : std::nullopt);
+    if (!same) return same;
   }
   return ::testing::AssertionSuccess();
+}
+
+absl::StatusOr<uint64_t> EngineAdapter::PagesInUse() { return engine_.Stats().pool.used_pages; }
+
+absl::StatusOr<SpeculationState> EngineAdapter::BeginSpeculation(const std::string& cache_id,
+                                                                 bool isolated) {
+  absl::StatusOr<engine::SpeculationInfo> info = engine_.BeginSpeculation(cache_id, isolated);
+  if (!info.ok()) return info.status();
+  return SpeculationState{.speculation_id = info->speculation_id,
+                          .committed_offset = info->committed_offset,
+                          .cache_id = info->cache_id,
+                          .layer_offsets = info->layer_offsets};
+}
+
+absl::StatusOr<CacheState> EngineAdapter::CommitSpeculation(const std::string& speculation_id,
+                                                            uint64_t accepted) {
+  return StateOr(engine_.CommitSpeculation(speculation_id, accepted));
+}
+
+absl::StatusOr<CacheState> EngineAdapter::AbortSpeculation(const std::string& speculation_id) {
+  return StateOr(engine_.AbortSpeculation(speculation_id));
+}
+
+absl::Status EngineAdapter::ReadSpeculation(const std::string& speculation_id,
+                                            const std::string& cache_id,
+                                            const std::string& snapshot_id) {
+  const absl::Status frozen = engine_.Freeze(cache_id, snapshot_id, speculation_id).status();
+  if (!snapshot_id.empty()) return frozen;
+  const absl::Status described = engine_.GetSpeculation(speculation_id, cache_id).status();
+  if (described.code() != frozen.code()) {
+    return absl::InternalError(absl::StrCat("GetSpeculation answers ", described.ToString(),
+                                            ", Freeze ", frozen.ToString()));
+  }
+  return frozen;
+}
+
+::testing::AssertionResult EngineAdapter::SpeculationMatches(const std::string& speculation_id,
+                                                             const std::string& cache_id,
+                                                             uint32_t layer,
+                                                             const RefSpeculation& reference) {
+  absl::StatusOr<engine::SpeculationInfo> info = engine_.GetSpeculation(speculation_id, cache_id);
+  if (!info.ok()) return ::testing::AssertionFailure() << "GetSpeculation: " << info.status();
+  const std::vector<uint64_t> offsets = reference.layer_offsets();
+  if (info->layer_offsets != offsets || info->committed_offset != reference.committed() ||
+      info->isolated != reference.isolated()) {
+    return ::testing::AssertionFailure() << "GetSpeculation: offsets or isolation differ";
+  }
+  auto view = engine_.Freeze(cache_id, "", speculation_id);
+  if (!view.ok()) return ::testing::AssertionFailure() << view.status();
+  if ((*view)->to != *std::max_element(offsets.begin(), offsets.end())) {
+    return ::testing::AssertionFailure() << "the view ends at " << (*view)->to;
+  }
+  const bool recurrent = engine::IsRecurrent(reference.spec().layers[layer]);
+  return ViewLayerMatches(**view, reference.spec(), layer, reference.Fetch(layer),
+                          recurrent ? reference.FetchState(layer) : std::nullopt);
 }
 
 }  // namespace kvcache::testing

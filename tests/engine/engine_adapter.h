@@ -52,6 +52,21 @@ class EngineAdapter : public DriverAdapter {
   // every layer of a view read back in its stored form.
   ::testing::AssertionResult CacheMatches(const std::string& cache_id,
                                           const RefCache& reference) override;
+  absl::StatusOr<uint64_t> PagesInUse() override;
+  absl::StatusOr<SpeculationState> BeginSpeculation(const std::string& cache_id,
+                                                    bool isolated) override;
+  absl::StatusOr<CacheState> CommitSpeculation(const std::string& speculation_id,
+                                               uint64_t accepted) override;
+  absl::StatusOr<CacheState> AbortSpeculation(const std::string& speculation_id) override;
+  // Freeze of the speculation; without a snapshot_id also GetSpeculation,
+  // which must answer the same code.
+  absl::Status ReadSpeculation(const std::string& speculation_id, const std::string& cache_id,
+                               const std::string& snapshot_id) override;
+  // GetSpeculation's offsets and isolation, the view's end, and the layer
+  // read back whole in its stored form.
+  ::testing::AssertionResult SpeculationMatches(const std::string& speculation_id,
+                                                const std::string& cache_id, uint32_t layer,
+                                                const RefSpeculation& reference) override;
 
  private:
   // One part as its engine call.

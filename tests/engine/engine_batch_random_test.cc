@@ -178,7 +178,7 @@ class EngineBatchRandomTest : public GpuTestBase {
           static_cast<unsigned long long>(s.restores_refused));
       PrintSpeculationStats(config, s);
       EXPECT_EQ(s.operations, config.operations) << config.name;
-      ExpectSpeculationCoverage(config, s);
+      ExpectSpeculationCoverage(config.name, s);
       // Each run exercises the batch operations, and the long ones their refusals.
       EXPECT_GT(s.batch_ops_ok, config.operations / 40) << config.name;
       if (config.operations >= kFullOperations) {

@@ -330,7 +330,7 @@ class EngineRandomTest : public GpuTestBase {
       // Each run reaches restores that succeed and ones that are refused.
       EXPECT_GT(s.restores_ok, 0u) << config.name;
       EXPECT_GT(s.restores_refused, 0u) << config.name;
-      ExpectSpeculationCoverage(config, s);
+      ExpectSpeculationCoverage(config.name, s);
       // Every page is back on the free list once snapshots and caches are gone.
       EXPECT_EQ(pool->stats().used_pages, 0u) << config.name;
     }

@@ -1,7 +1,8 @@
-// RandomDriver's reads (random_driver.h): the live cache and snapshots read
-// through engine views, and the final comparison.
+// RandomDriver's reads (random_driver.h): the live cache, snapshots and
+// speculations read through engine views, and the final comparison.
 #include "random_driver.h"
 
+#include <utility>
 #include <variant>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "reference_chunked.h"
 #include "reference_quantized.h"
+#include "reference_recurrent.h"
 
 namespace kvcache::testing {
 
@@ -52,6 +54,37 @@ void RandomDriver::FetchSnapshot() {
     CheckLayer(**view, layer, Expected(layer, reference));
   }
   ++stats_.snapshot_fetches;
+}
+
+void RandomDriver::FetchSpeculationWindow(const std::string& id, const RefSpeculation& reference) {
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view =
+      engine().Freeze(Chance(0.5) ? cache_id_ : "", "", id);
+  ASSERT_TRUE(view.ok()) << view.status();
+  const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
+  if (IsRecurrent(layer)) {
+    return CheckState(**view, layer,
+                      reference.FetchState(layer).value_or(ZeroState(reference_->spec(), layer)));
+  }
+  CheckLayer(**view, layer, reference.Fetch(layer));
+}
+
+// Only the engine can hold a read across other calls: a Fetch over the wire
+// ends before the next call starts.
+DriverCore::HeldRead RandomDriver::HoldSpeculationRead(const std::string& id,
+                                                       const RefSpeculation& reference) {
+  const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
+  absl::StatusOr<std::shared_ptr<const engine::CacheSnapshot>> view = engine().Freeze("", "", id);
+  EXPECT_TRUE(view.ok()) << view.status();
+  if (!view.ok()) return nullptr;
+  if (IsRecurrent(layer)) {
+    return [this, view = *std::move(view), layer,
+            state = reference.FetchState(layer).value_or(ZeroState(reference_->spec(), layer))] {
+      CheckState(*view, layer, state);
+    };
+  }
+  return [this, view = *std::move(view), layer, tokens = reference.Fetch(layer)] {
+    CheckLayer(*view, layer, tokens);
+  };
 }
 
 void RandomDriver::CheckLayer(const engine::CacheSnapshot& view, uint32_t layer,

@@ -3,8 +3,8 @@
 // the engine serves a Fetch: views of the live cache, of snapshots and of
 // speculations, range by range (windows, sub-ranges that start inside a
 // range, quantized layers in their stored form), recurrent layers through
-// CacheSnapshot::ReadState. Its speculation rounds call the engine layer by
-// layer, and can hold a view of a speculation across its end.
+// CacheSnapshot::ReadState; and it can hold a view of a speculation across
+// its end.
 #pragma once
 
 #include <cstdint>
@@ -22,11 +22,6 @@ namespace kvcache::testing {
 
 using RandomConfig = DriverConfig;
 using RandomRunStats = DriverStats;
-
-// One line of a run's speculation counts.
-void PrintSpeculationStats(const RandomConfig& config, const RandomRunStats& stats);
-// Every run commits (some partly), aborts and compares speculative views.
-void ExpectSpeculationCoverage(const RandomConfig& config, const RandomRunStats& stats);
 
 // Holds the adapter, so that it is built before the DriverCore that uses it.
 struct EngineAdapterHolder {
@@ -55,35 +50,12 @@ class RandomDriver : private EngineAdapterHolder, public DriverCore {
   void CheckReferenceShape(uint32_t layer, const std::vector<RefToken>& tokens);
   void CheckAllSnapshots();
 
-  // A speculation round (random_driver_speculation.cc): begin (isolated
-  // sometimes), draft 1..8 tokens on every layer in pieces, compare views of
-  // the speculation and of the live cache, probe the refusals, then commit
-  // 0..k accepted tokens or abort (or delete the cache), mirrored by
-  // RefSpeculation; the page check around it.
-  void Speculate() override;
-  void DraftTokens(const std::string& speculation_id, RefSpeculation& reference, uint64_t tokens);
-  void DraftLayer(const std::string& speculation_id, RefSpeculation& reference, uint32_t layer,
-                  uint64_t tokens);
-  void DraftStates(const std::string& speculation_id, RefSpeculation& reference, uint32_t layer,
-                   uint64_t tokens);
-  void CheckSpeculativeView(const std::string& speculation_id, const RefSpeculation& reference);
-  // Live mutations are refused while a speculation is open (and change
-  // nothing); snapshots and reads of the committed history are not.
-  void ProbeWhileSpeculating(const std::string& speculation_id);
-  // Drafts 1..kMaxDraft tokens, probing the refused live operations before
-  // or after drafting sometimes.
-  void DraftAndProbe(const std::string& speculation_id, RefSpeculation& reference);
-  // Commits or aborts; returns the drafted tokens the live cache kept.
-  uint64_t EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
-  // Ends it while a reader of the speculation is still in flight; the live
-  // cache then writes over the drafted positions, and the reader keeps what
-  // it read. Only the engine can hold a view across other calls: a Fetch
-  // over the wire ends before the next call starts.
-  void EndWithReaderInFlight(const std::string& speculation_id, RefSpeculation& reference,
-                             const std::optional<PageShadow>& shadow);
-  // Commit with drafted layers out of step, then finish the step.
-  void ProbeCommitOutOfStep(const std::string& speculation_id, RefSpeculation& reference);
-  void ExpectSpeculationGone(const std::string& speculation_id);
+  // The speculation hooks (driver_core.h): a frozen view of the speculation
+  // read range by range, and one held across the round's end.
+  void FetchSpeculationWindow(const std::string& speculation_id,
+                              const RefSpeculation& reference) override;
+  HeldRead HoldSpeculationRead(const std::string& speculation_id,
+                               const RefSpeculation& reference) override;
 };
 
 }  // namespace kvcache::testing

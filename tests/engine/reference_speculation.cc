@@ -16,7 +16,8 @@ void SpeculationCheck(bool condition, const char* what) {
 
 }  // namespace
 
-RefSpeculation::RefSpeculation(const RefCache& live, bool isolated) : isolated_(isolated) {
+RefSpeculation::RefSpeculation(const RefCache& live, bool isolated)
+    : spec_(live.spec()), isolated_(isolated) {
   SpeculationCheck(live.CommonOffset().has_value(), "began on layers out of step");
   committed_ = *live.CommonOffset();
   for (size_t i = 0; i < live.num_layers(); ++i) {

@@ -34,6 +34,7 @@ class RefSpeculation {
   // Begins on `live` (whose layers must be in step).
   RefSpeculation(const RefCache& live, bool isolated);
 
+  const engine::CacheSpec& spec() const { return spec_; }  // the live cache's
   bool isolated() const { return isolated_; }
   uint64_t committed() const { return committed_; }
   // Per layer: committed + drafted.
@@ -66,6 +67,7 @@ class RefSpeculation {
   // The state a recurrent layer drafted reaching `offset`, or null.
   const RefState* StateAt(const LayerDraft& draft, uint64_t offset) const;
 
+  engine::CacheSpec spec_;
   bool isolated_;
   uint64_t committed_;
   std::vector<bool> recurrent_;

@@ -1,6 +1,9 @@
 #include "wire_adapter.h"
 
+#include <variant>
+
 #include "e2e_test_util.h"
+#include "reference_recurrent.h"
 #include "wire_forms_util.h"
 
 namespace kvcache::testing {
@@ -177,6 +180,86 @@ absl::StatusOr<CacheState> WireAdapter::ExtendCache(const std::string& cache_id,
 ::testing::AssertionResult WireAdapter::CacheMatches(const std::string& cache_id,
                                                      const RefCache& reference) {
   return CacheMatchesReference(client_, cache_id, reference);
+}
+
+absl::StatusOr<uint64_t> WireAdapter::PagesInUse() {
+  absl::StatusOr<v1::Stats> stats = client_.GetStats();
+  if (!stats.ok()) return stats.status();
+  return stats->pages_used();
+}
+
+absl::StatusOr<SpeculationState> WireAdapter::BeginSpeculation(const std::string& cache_id,
+                                                               bool isolated) {
+  absl::StatusOr<v1::BeginSpeculationResponse> begun = client_.BeginSpeculation(cache_id, isolated);
+  if (!begun.ok()) return begun.status();
+  return SpeculationState{.speculation_id = begun->speculation_id(),
+                          .committed_offset = begun->offset()};
+}
+
+absl::StatusOr<CacheState> WireAdapter::CommitSpeculation(const std::string& speculation_id,
+                                                          uint64_t accepted) {
+  return StateOr(client_.CommitSpeculation(speculation_id, accepted));
+}
+
+absl::StatusOr<CacheState> WireAdapter::AbortSpeculation(const std::string& speculation_id) {
+  return StateOr(client_.AbortSpeculation(speculation_id));
+}
+
+absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
+                                          const std::string& cache_id,
+                                          const std::string& snapshot_id) {
+  v1::FetchRequest request;
+  request.set_speculation_id(speculation_id);
+  request.set_cache_id(cache_id);
+  request.set_snapshot_id(snapshot_id);
+  return client_.FetchAll(request).status();
+}
+
+::testing::AssertionResult WireAdapter::SpeculationMatches(const std::string& speculation_id,
+                                                           const std::string& cache_id,
+                                                           uint32_t layer,
+                                                           const RefSpeculation& reference) {
+  const engine::CacheSpec& spec = reference.spec();
+  v1::FetchRequest request;
+  request.set_speculation_id(speculation_id);
+  request.set_cache_id(cache_id);  // its own cache: allowed
+  request.add_layers(layer);
+  if (engine::IsRecurrent(spec.layers[layer])) {
+    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+    if (!chunks.ok()) return ::testing::AssertionFailure() << "Fetch: " << chunks.status();
+    const uint64_t offset = reference.layer_offsets()[layer];
+    if (chunks->size() != 1 || !(*chunks)[0].has_state() || (*chunks)[0].start() != offset) {
+      return ::testing::AssertionFailure()
+             << chunks->size() << " chunks, not one state at " << offset;
+    }
+    absl::StatusOr<RefState> actual = StateOf(spec, layer, (*chunks)[0].state());
+    if (!actual.ok()) return ::testing::AssertionFailure() << actual.status();
+    if (!(*actual == reference.FetchState(layer).value_or(ZeroState(spec, layer)))) {
+      return ::testing::AssertionFailure() << "state bytes differ";
+    }
+    return ::testing::AssertionSuccess();
+  }
+  const std::vector<RefToken> stored = reference.Fetch(layer);
+  absl::StatusOr<LayerHistory> history = absl::UnknownError("not read");
+  if (cache_id.empty()) {
+    history = client_.FetchSpeculation(speculation_id, layer);  // by its id alone
+  } else if (absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+             chunks.ok()) {
+    history = AssembleHistory(*chunks);
+  } else {
+    history = chunks.status();
+  }
+  ::testing::AssertionResult same =
+      HistoryMatches(AsFetched(spec, layer, stored), history, ShapeOf(spec, layer));
+  if (!same || !std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind)) {
+    return same;
+  }
+  request.set_packed(true);
+  absl::StatusOr<std::vector<v1::FetchResponse>> packed = client_.FetchAll(request);
+  if (!packed.ok()) return ::testing::AssertionFailure() << "packed Fetch: " << packed.status();
+  absl::StatusOr<std::vector<RefToken>> tokens = PackedTokensOf(spec, layer, *packed);
+  if (!tokens.ok()) return ::testing::AssertionFailure() << tokens.status();
+  return SameTokens(stored, *tokens) << " (packed)";
 }
 
 }  // namespace kvcache::testing

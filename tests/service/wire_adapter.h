@@ -56,6 +56,23 @@ class WireAdapter : public DriverAdapter {
   // packed, recurrent layers by FetchState.
   ::testing::AssertionResult CacheMatches(const std::string& cache_id,
                                           const RefCache& reference) override;
+  // GetStats' pages_used.
+  absl::StatusOr<uint64_t> PagesInUse() override;
+  // The answer carries the speculation_id and the committed offset only.
+  absl::StatusOr<SpeculationState> BeginSpeculation(const std::string& cache_id,
+                                                    bool isolated) override;
+  absl::StatusOr<CacheState> CommitSpeculation(const std::string& speculation_id,
+                                               uint64_t accepted) override;
+  absl::StatusOr<CacheState> AbortSpeculation(const std::string& speculation_id) override;
+  // A Fetch with speculation_id (and the other ids where set).
+  absl::Status ReadSpeculation(const std::string& speculation_id, const std::string& cache_id,
+                               const std::string& snapshot_id) override;
+  // The client's FetchSpeculation (or a Fetch naming the cache too); a
+  // quantized layer also packed; a recurrent layer's one state chunk at its
+  // offset in the view.
+  ::testing::AssertionResult SpeculationMatches(const std::string& speculation_id,
+                                                const std::string& cache_id, uint32_t layer,
+                                                const RefSpeculation& reference) override;
 
  private:
   Client& client_;

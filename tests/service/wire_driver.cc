@@ -1,6 +1,6 @@
-// WireDriver (wire_driver.h): fetches of the live cache and of snapshots
-// (whole layers, windows cut into small chunks, quantized layers dequantized
-// and packed, recurrent states), and the final comparison.
+// WireDriver (wire_driver.h): fetches of the live cache, of snapshots and of
+// speculations (whole layers, windows cut into small chunks, quantized layers
+// dequantized and packed, recurrent states), and the final comparison.
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -81,6 +81,19 @@ void WireDriver::FetchWindow() {
   ASSERT_TRUE(status.ok()) << status;
   CheckFetchedChunks(request, layers, chunks, snapshot ? snapshot->reference.get() : nullptr);
   ++(snapshot ? stats_.snapshot_fetches : stats_.fetches);
+}
+
+void WireDriver::FetchSpeculationWindow(const std::string& id, const RefSpeculation& reference) {
+  const std::vector<uint64_t> offsets = reference.layer_offsets();
+  std::vector<uint32_t> layers;
+  v1::FetchRequest request =
+      RandomFetchRequest(*std::max_element(offsets.begin(), offsets.end()) + 2, layers);
+  request.set_speculation_id(id);
+  if (Chance(0.5)) request.set_cache_id(cache_id_);
+  SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
+  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client().FetchAll(request);
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  CheckFetchedChunks(request, layers, *chunks, nullptr, &reference);
 }
 
 namespace {

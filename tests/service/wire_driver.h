@@ -5,12 +5,8 @@
 // layers both dequantized (equal to the CPU dequantization of the reference's
 // packed tokens) and packed (words, scales and biases equal to the reference
 // quantizer's), recurrent layers with FetchState, and Fetch streams with a
-// random window, a random subset of layers in random order, small chunks.
-// Speculation rounds (wire_driver_speculation.cc): Begin (isolated
-// sometimes), drafts through Update streams with speculation_id, reads of the
-// speculative view through Fetch with speculation_id, refused live
-// operations, then Commit or Abort, against reference_speculation.h, with the
-// server's page count checked after rounds that kept nothing.
+// random window, a random subset of layers in random order, small chunks,
+// of the live cache, snapshots and speculations (whose rounds DriverCore runs).
 // Several drivers may share one server (each on its own cache), one per thread.
 #pragma once
 
@@ -48,7 +44,7 @@ class WireDriver : private WireAdapterHolder, public DriverCore {
  private:
   Client& client() { return wire_adapter.client(); }
 
-  // Reads (wire_driver_checks.cc).
+  // Reads.
   void FetchLive() override;
   void FetchSnapshot() override;
   // A Fetch of the live cache or a snapshot with a random window, a random
@@ -74,39 +70,10 @@ class WireDriver : private WireAdapterHolder, public DriverCore {
                                           const std::vector<RefToken>& expected,
                                           const std::optional<RefState>& state);
 
-  // Speculation rounds (wire_driver_speculation.cc).
-  void Speculate() override;
-  // Drafts `tokens` tokens on every layer, in pieces sent in one Update
-  // stream or several; recurrent layers mostly one state per token.
-  void DraftTokens(const std::string& speculation_id, RefSpeculation& reference,
-                   uint64_t tokens);
-  void AddDraftParts(uint32_t layer, uint64_t tokens, std::deque<StepPart>& parts);
-  // Sends `parts` as drafts in one stream, sometimes with one bad message
-  // that ends it part way; then sends what it did not apply.
-  void SendDraft(const std::string& speculation_id, RefSpeculation& reference,
-                 std::deque<StepPart> parts);
-  void CheckSpeculativeView(const std::string& speculation_id, const RefSpeculation& reference);
-  ::testing::AssertionResult SpeculativeLayerMatches(const std::string& speculation_id,
-                                                     uint32_t layer,
-                                                     const RefSpeculation& reference);
-  void FetchSpeculationWindow(const std::string& speculation_id, const RefSpeculation& reference);
-  // Live mutations are refused while a speculation is open and change nothing;
-  // reads and snapshots of the committed history are allowed.
-  // Adds to `page_shift` the pages its snapshot took (or the release that made
-  // room for it freed).
-  void ProbeWhileSpeculating(const std::string& speculation_id, int64_t& page_shift);
-  // Drafted layers out of step: a commit is refused.
-  void ProbeCommitOutOfStep(const std::string& speculation_id, const RefSpeculation& reference);
-  // Commits or aborts; returns the drafted tokens the live cache kept (none
-  // when aborted or isolated).
-  uint64_t EndSpeculation(const std::string& speculation_id, RefSpeculation& reference);
-  // A speculation that kept nothing holds no page once it ends.
-  void CheckPagesAfterSpeculation(bool isolated, uint64_t pages_before);
-  // Pages in use on the server (nullopt when it is shared, see DriverConfig).
-  std::optional<uint64_t> PagesInUse();
-  // Every use of the ended speculation is NOT_FOUND naming speculation_id; a
-  // draft names `cache_id`, the cache it was open on.
-  void ExpectSpeculationGone(const std::string& speculation_id, const std::string& cache_id);
+  // A Fetch of the speculation as FetchWindow reads the live cache (the
+  // speculation hook of driver_core.h).
+  void FetchSpeculationWindow(const std::string& speculation_id,
+                              const RefSpeculation& reference) override;
 };
 
 }  // namespace kvcache::testing
