@@ -101,15 +101,21 @@ absl::Status Engine::RefreshSpec(const std::string& cache_id, uint64_t& layout_i
   return absl::OkStatus();
 }
 
+// A listing names no handle: it renews nothing, and leaves out those whose
+// lease has run out.
 std::vector<CacheInfo> Engine::ListCaches() const {
-  std::vector<std::string> ids;
+  std::vector<std::pair<std::string, std::shared_ptr<Entry>>> entries;
   {
     absl::MutexLock lock(&caches_mutex_);
-    for (const auto& [id, entry] : caches_) ids.push_back(id);
+    const absl::Time now = clock_.Now();
+    for (const auto& [id, entry] : caches_) {
+      if (!entry->lease.ExpiredAt(now)) entries.emplace_back(id, entry);
+    }
   }
   std::vector<CacheInfo> infos;
-  for (const std::string& id : ids) {
-    if (auto info = GetCache(id); info.ok()) infos.push_back(*std::move(info));
+  for (auto& [id, entry] : entries) {
+    absl::StatusOr<LockedCache> cache = LockedCache::OpenEntry(std::move(entry), id);
+    if (cache.ok()) infos.push_back(cache->Describe(id));
   }
   return infos;
 }

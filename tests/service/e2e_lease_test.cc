@@ -3,6 +3,8 @@
 // streams (over gRPC and over the data lane), Fetch and Restore renew the
 // handles they name; RenewLease and SetPinned answer as the contract says,
 // refusing bad input with a status naming the field.
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -47,14 +49,29 @@ class E2eLeaseTest : public ::testing::Test {
     return via.Update(cache.cache_id(), updates).status();
   }
 
-  // Waits (at most 10 s) until `gone` says NOT_FOUND; false if it never does.
-  static bool BecomesNotFound(const std::function<absl::Status()>& gone) {
+  // Waits (at most 10 s) until `listed` is false. Listings name no handle,
+  // so polling them renews nothing.
+  static bool Disappears(const std::function<bool()>& listed) {
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (absl::Now() < deadline) {
-      if (gone().code() == absl::StatusCode::kNotFound) return true;
+      if (!listed()) return true;
       absl::SleepFor(absl::Milliseconds(50));
     }
     return false;
+  }
+  bool CacheListed(const std::string& cache_id) {
+    auto caches = client().ListCaches();
+    EXPECT_TRUE(caches.ok()) << caches.status();
+    return caches.ok() && std::any_of(caches->begin(), caches->end(), [&](const auto& cache) {
+             return cache.cache_id() == cache_id;
+           });
+  }
+  bool SnapshotListed(const std::string& snapshot_id) {
+    auto snapshots = client().ListSnapshots();
+    EXPECT_TRUE(snapshots.ok()) << snapshots.status();
+    return snapshots.ok() &&
+           std::any_of(snapshots->begin(), snapshots->end(),
+                       [&](const auto& snapshot) { return snapshot.snapshot_id() == snapshot_id; });
   }
 
   std::unique_ptr<TestServer> server_;
@@ -90,9 +107,16 @@ TEST_F(E2eLeaseTest, HandlesNoCallNamesRunOutWhileUpdatesKeepTheirCacheAlive) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->offset(), steps);
 
-  EXPECT_TRUE(BecomesNotFound([&] { return client().GetCache(cache->cache_id()).status(); }));
+  EXPECT_TRUE(Disappears([&] { return CacheListed(cache->cache_id()); }));
+  EXPECT_EQ(client().GetCache(cache->cache_id()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Step(*lane_client_, *cache).code(), absl::StatusCode::kNotFound);
-  auto stats = client().GetStats();
+  EXPECT_EQ(Step(client(), *cache).code(), absl::StatusCode::kNotFound);
+  // Gone for callers at once; released by the reaper within its interval.
+  absl::StatusOr<v1::Stats> stats;
+  EXPECT_TRUE(Disappears([&] {
+    stats = client().GetStats();
+    return stats.ok() && stats->caches_expired() == 0;
+  }));
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->caches_expired(), 1u);
   EXPECT_EQ(stats->snapshots_expired(), 1u);
@@ -128,7 +152,7 @@ TEST_F(E2eLeaseTest, RenewLeaseRefusesBadIdsNamingThem) {
   auto cache = client().CreateCache(ProtoSpec(1, 2, 8));
   ASSERT_TRUE(cache.ok()) << cache.status();
   EXPECT_FALSE(cache->has_expires_at()) << "no lease without a ttl";
-  auto malformed = client().RenewLease({cache->cache_id(), "not-an-id"}, {});
+  auto malformed = client().RenewLease({cache->cache_id(), ""}, {});
   EXPECT_EQ(malformed.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(malformed.status().message(), HasSubstr("cache_ids[1]"));
   auto unknown = client().RenewLease({cache->cache_id()}, {kUnknownId});
@@ -174,8 +198,9 @@ TEST_F(E2eLeaseTest, PinsOutliveLeasesWithinTheirBudget) {
   auto unpinned = client().SetPinned(pinned->snapshot_id(), false);
   ASSERT_TRUE(unpinned.ok()) << unpinned.status();
   EXPECT_TRUE(unpinned->has_expires_at());
-  EXPECT_TRUE(BecomesNotFound(
-      [&] { return client().FetchLayer("", pinned->snapshot_id(), 0).status(); }));
+  EXPECT_TRUE(Disappears([&] { return SnapshotListed(pinned->snapshot_id()); }));
+  EXPECT_EQ(client().FetchLayer("", pinned->snapshot_id(), 0).status().code(),
+            absl::StatusCode::kNotFound);
   for (const std::string& id : more) EXPECT_TRUE(client().ReleaseSnapshot(id).ok());
 }
 
