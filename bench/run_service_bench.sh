@@ -15,6 +15,8 @@
 #       # first, e.g. by this script in that tree) run every kvcached row
 #       # too, alternating with this build's within each round, so both
 #       # see the same load; adds a before / after table
+#   SERVER_FLAGS=--default_ttl=10m BEFORE=... bash bench/run_service_bench.sh
+#       # this build's kvcached with more flags (BEFORE's gets none)
 #
 # Installs the peers (.ci/setup --bench), builds Release into build-bench/,
 # starts kvcached, redis-server and iperf3 on free loopback ports, and stops
@@ -32,6 +34,9 @@ BUILD_DIR=${BUILD_DIR:-build-bench}
 KVCACHED=${KVCACHED:-$BUILD_DIR/server/kvcached}
 UPDATE_PATH=${UPDATE_PATH:-shared}
 BEFORE=${BEFORE:-}
+# More flags for this tree's kvcached only (e.g. --default_ttl=10m, so that
+# every call renews a lease), not for BEFORE's.
+SERVER_FLAGS=${SERVER_FLAGS:-}
 work=$(mktemp -d)
 raw="$BUILD_DIR/service_bench_raw.txt"
 pids=()
@@ -70,7 +75,7 @@ start_peers() {
   lane_port=$(free_port $((kv_port + 1)))
   "$KVCACHED" --listen="127.0.0.1:$kv_port" --data_lane_listen="127.0.0.1:$lane_port" \
     --pool_bytes=$((6 << 30)) \
-    --max_message_bytes=$((256 << 20)) >"$work/kvcached.log" 2>&1 &
+    --max_message_bytes=$((256 << 20)) $SERVER_FLAGS >"$work/kvcached.log" 2>&1 &
   pids+=($!)
   if [[ -n $BEFORE ]]; then
     for binary in server/kvcached bench/service/service_bench; do
