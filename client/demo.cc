@@ -158,8 +158,10 @@ absl::Status ShowLeases(kvcache::Client& client, const std::string& cache_id) {
   }
   auto stats = client.GetStats();
   if (!stats.ok()) return stats.status();
-  absl::PrintF("a second snapshot, pinned then unpinned with a 1 s lease, ran out unrenewed: "
-               "now NOT_FOUND (%d snapshot(s) expired so far)\n", stats->snapshots_expired());
+  absl::PrintF(
+      "a second snapshot, pinned then unpinned with a 1 s lease, ran out unrenewed: "
+      "now NOT_FOUND (%d snapshot(s) expired so far)\n",
+      stats->snapshots_expired());
   return absl::OkStatus();
 }
 
@@ -183,10 +185,11 @@ int main(int argc, char** argv) {
   absl::PrintF("streamed a 200-token prefill and 56 decode steps: offset %d\n", offset);
   auto snapshot = client->Snapshot(id, 0, /*pinned=*/false, /*ttl_seconds=*/600);
   if (Check(snapshot.status(), "Snapshot")) return 1;
-  absl::PrintF("snapshot %s covers [0, %d), %d bytes of shared pages (no copy), leased for "
-               "%ds (each call that names it renews it)\n",
-               snapshot->snapshot_id().c_str(), snapshot->to_offset(), snapshot->size_bytes(),
-               snapshot->ttl_seconds());
+  absl::PrintF(
+      "snapshot %s covers [0, %d), %d bytes of shared pages (no copy), leased for "
+      "%ds (each call that names it renews it)\n",
+      snapshot->snapshot_id().c_str(), snapshot->to_offset(), snapshot->size_bytes(),
+      snapshot->ttl_seconds());
   if (Check(ShowLeases(*client, id), "leases")) return 1;
 
   if (Check(Generate(*client, id, offset, 0, 40), "branch")) return 1;

@@ -140,8 +140,7 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
     return stub_->Method(context, request, response);                                   \
   }
 
-absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec,
-                                                  uint32_t ttl_seconds) {
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds) {
   v1::CreateCacheRequest request;
   *request.mutable_spec() = spec;
   request.set_ttl_seconds(ttl_seconds);
@@ -173,9 +172,8 @@ absl::StatusOr<v1::TrimResponse> Client::Trim(const std::string& cache_id, uint6
   return Unary<v1::TrimResponse>(*this, KV_UNARY(Trim, request));
 }
 
-absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id,
-                                                  uint64_t from_offset, bool pinned,
-                                                  uint32_t ttl_seconds) {
+absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id, uint64_t from_offset,
+                                                  bool pinned, uint32_t ttl_seconds) {
   v1::SnapshotRequest request;
   request.set_cache_id(cache_id);
   request.set_from_offset(from_offset);

@@ -80,18 +80,18 @@ int Stats(kvcache::Client& client) {
               (unsigned long long)stats->caches(), (unsigned long long)stats->caches_expired(),
               (unsigned long long)stats->snapshots(),
               (unsigned long long)stats->snapshots_expired());
-  std::printf("pinned        %s of %s\nevictions     %llu\n", Bytes(stats->pinned_bytes()).c_str(),
-              stats->max_pinned_bytes() == 0 ? "no limit"
-                                             : Bytes(stats->max_pinned_bytes()).c_str(),
-              (unsigned long long)stats->evictions());
+  std::printf(
+      "pinned        %s of %s\nevictions     %llu\n", Bytes(stats->pinned_bytes()).c_str(),
+      stats->max_pinned_bytes() == 0 ? "no limit" : Bytes(stats->max_pinned_bytes()).c_str(),
+      (unsigned long long)stats->evictions());
   return 0;
 }
 
 int Caches(kvcache::Client& client) {
   auto caches = client.ListCaches();
   if (!caches.ok()) return Fail(caches.status());
-  std::printf("%-32s  %6s  %8s  %-9s  %10s  %-8s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE", "SIZE",
-              "EXPIRES", "MODEL");
+  std::printf("%-32s  %6s  %8s  %-9s  %10s  %-8s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE",
+              "SIZE", "EXPIRES", "MODEL");
   for (const auto& cache : *caches) PrintCache(cache);
   return 0;
 }
@@ -134,8 +134,8 @@ int Release(kvcache::Client& client, const Args& args) {
 
 int Pin(kvcache::Client& client, const Args& args, bool pinned) {
   if (args.size() != 2) {
-    return Fail(absl::InvalidArgumentError(pinned ? "usage: pin SNAPSHOT_ID"
-                                                  : "usage: unpin SNAPSHOT_ID"));
+    return Fail(
+        absl::InvalidArgumentError(pinned ? "usage: pin SNAPSHOT_ID" : "usage: unpin SNAPSHOT_ID"));
   }
   auto snapshot = client.SetPinned(args[1], pinned);
   if (!snapshot.ok()) return Fail(snapshot.status());
@@ -171,7 +171,8 @@ int Renew(kvcache::Client& client, const Args& args) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
-      "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin SNAPSHOT "
+      "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
+      "SNAPSHOT "
       "| unpin SNAPSHOT | renew ID...");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());

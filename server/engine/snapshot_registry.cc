@@ -36,15 +36,15 @@ std::string NewRandomId() {
 }
 
 SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
-  return SnapshotInfo{.snapshot_id = id,
-                      .cache_id = entry.snapshot->cache_id,
-                      .from_offset = entry.snapshot->from,
-                      .to_offset = entry.snapshot->to,
-                      .size_bytes = entry.snapshot->size_bytes(),
-                      .pinned = entry.pinned,
-                      .ttl = entry.lease.ttl(),
-                      .expires_at = entry.pinned ? absl::InfiniteFuture()
-                                                 : entry.lease.expires_at()};
+  return SnapshotInfo{
+      .snapshot_id = id,
+      .cache_id = entry.snapshot->cache_id,
+      .from_offset = entry.snapshot->from,
+      .to_offset = entry.snapshot->to,
+      .size_bytes = entry.snapshot->size_bytes(),
+      .pinned = entry.pinned,
+      .ttl = entry.lease.ttl(),
+      .expires_at = entry.pinned ? absl::InfiniteFuture() : entry.lease.expires_at()};
 }
 
 namespace {
@@ -84,8 +84,8 @@ absl::Status SnapshotRegistry::CheckPinBudget(uint64_t more_bytes) const {
     return absl::OkStatus();
   }
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "max_pinned_bytes: pinning %d more bytes would pass the budget of %d (%d pinned)",
-      more_bytes, options_.max_pinned_bytes, pinned_bytes_));
+      "max_pinned_bytes: pinning %d more bytes would pass the budget of %d (%d pinned)", more_bytes,
+      options_.max_pinned_bytes, pinned_bytes_));
 }
 
 void SnapshotRegistry::Erase(absl::flat_hash_map<std::string, Entry>::iterator it,
@@ -134,8 +134,8 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
   for (size_t i = 0; i < consumed.size(); ++i) {
     auto it = FindLive(consumed[i], now);
     if (it == entries_.end()) return UnknownSnapshot(consumed[i]);
-    const bool repeated = std::find(consumed.begin(), consumed.begin() + i, consumed[i]) !=
-                          consumed.begin() + i;
+    const bool repeated =
+        std::find(consumed.begin(), consumed.begin() + i, consumed[i]) != consumed.begin() + i;
     if (it->second.pinned && !repeated) consumed_pinned_bytes += it->second.snapshot->size_bytes();
     pinned |= it->second.pinned;
     ttl = std::max(ttl, it->second.lease.ttl());

@@ -25,7 +25,7 @@ struct SnapshotInfo {
   uint64_t to_offset = 0;
   uint64_t size_bytes = 0;
   bool pinned = false;
-  absl::Duration ttl;                             // zero: no lease
+  absl::Duration ttl;                              // zero: no lease
   absl::Time expires_at = absl::InfiniteFuture();  // never while pinned or without a lease
 };
 

@@ -113,7 +113,8 @@ void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out) {
   out->set_size_bytes(info.size_bytes);
   out->set_in_step(info.in_step);
   out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
-  if (info.expires_at != absl::InfiniteFuture()) ToProto(info.expires_at, out->mutable_expires_at());
+  if (info.expires_at != absl::InfiniteFuture())
+    ToProto(info.expires_at, out->mutable_expires_at());
 }
 
 void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
@@ -124,7 +125,8 @@ void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
   out->set_size_bytes(info.size_bytes);
   out->set_pinned(info.pinned);
   out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
-  if (info.expires_at != absl::InfiniteFuture()) ToProto(info.expires_at, out->mutable_expires_at());
+  if (info.expires_at != absl::InfiniteFuture())
+    ToProto(info.expires_at, out->mutable_expires_at());
 }
 
 void ToProto(const engine::LeaseInfo& lease, v1::Lease* out) {

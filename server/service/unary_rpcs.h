@@ -6,25 +6,25 @@
 // stream and are registered raw (kv_cache_service.h).
 #pragma once
 
-#define KV_FOR_EACH_UNARY_RPC(X)                                  \
-  X(CreateCache, CreateCacheRequest, CacheInfo)                   \
-  X(GetCache, GetCacheRequest, CacheInfo)                         \
-  X(ListCaches, ListCachesRequest, ListCachesResponse)            \
-  X(DeleteCache, DeleteCacheRequest, DeleteCacheResponse)         \
-  X(Trim, TrimRequest, TrimResponse)                              \
-  X(Snapshot, SnapshotRequest, SnapshotInfo)                      \
-  X(Restore, RestoreRequest, CacheInfo)                           \
-  X(MergeSnapshots, MergeSnapshotsRequest, SnapshotInfo)          \
-  X(SplitSnapshot, SplitSnapshotRequest, SplitSnapshotResponse)   \
-  X(ReleaseSnapshot, ReleaseSnapshotRequest, ReleaseSnapshotResponse) \
-  X(ListSnapshots, ListSnapshotsRequest, ListSnapshotsResponse)   \
-  X(ExtractRow, ExtractRowRequest, CacheInfo)                     \
-  X(FilterRows, FilterRowsRequest, CacheInfo)                     \
-  X(MergeCaches, MergeCachesRequest, CacheInfo)                   \
-  X(ExtendCache, ExtendCacheRequest, CacheInfo)                   \
+#define KV_FOR_EACH_UNARY_RPC(X)                                         \
+  X(CreateCache, CreateCacheRequest, CacheInfo)                          \
+  X(GetCache, GetCacheRequest, CacheInfo)                                \
+  X(ListCaches, ListCachesRequest, ListCachesResponse)                   \
+  X(DeleteCache, DeleteCacheRequest, DeleteCacheResponse)                \
+  X(Trim, TrimRequest, TrimResponse)                                     \
+  X(Snapshot, SnapshotRequest, SnapshotInfo)                             \
+  X(Restore, RestoreRequest, CacheInfo)                                  \
+  X(MergeSnapshots, MergeSnapshotsRequest, SnapshotInfo)                 \
+  X(SplitSnapshot, SplitSnapshotRequest, SplitSnapshotResponse)          \
+  X(ReleaseSnapshot, ReleaseSnapshotRequest, ReleaseSnapshotResponse)    \
+  X(ListSnapshots, ListSnapshotsRequest, ListSnapshotsResponse)          \
+  X(ExtractRow, ExtractRowRequest, CacheInfo)                            \
+  X(FilterRows, FilterRowsRequest, CacheInfo)                            \
+  X(MergeCaches, MergeCachesRequest, CacheInfo)                          \
+  X(ExtendCache, ExtendCacheRequest, CacheInfo)                          \
   X(BeginSpeculation, BeginSpeculationRequest, BeginSpeculationResponse) \
-  X(CommitSpeculation, CommitSpeculationRequest, CacheInfo)       \
-  X(AbortSpeculation, AbortSpeculationRequest, CacheInfo)         \
-  X(GetStats, GetStatsRequest, Stats)                             \
-  X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)            \
+  X(CommitSpeculation, CommitSpeculationRequest, CacheInfo)              \
+  X(AbortSpeculation, AbortSpeculationRequest, CacheInfo)                \
+  X(GetStats, GetStatsRequest, Stats)                                    \
+  X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)                   \
   X(SetPinned, SetPinnedRequest, SnapshotInfo)

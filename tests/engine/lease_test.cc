@@ -4,13 +4,14 @@
 // or none; pinned snapshots never expire and stay within max_pinned_bytes.
 // Time is a manual clock, so expiry is exact; one test runs the reaper thread
 // on the system clock.
+#include "engine/lease.h"
+
 #include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "engine/lease.h"
 #include "engine/lease_reaper.h"
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
@@ -20,8 +21,8 @@
 namespace kvcache::testing {
 namespace {
 
-using ::testing::HasSubstr;
 using engine::Engine;
+using ::testing::HasSubstr;
 
 constexpr uint64_t kPageBytes = 8 << 10;
 constexpr uint64_t kBudgetBytes = 32 << 20;
@@ -44,11 +45,11 @@ class LeaseTest : public GpuTestBase {
   }
   // An engine whose handles get `default_ttl` unless they ask otherwise.
   void StartEngine(absl::Duration default_ttl, uint64_t max_pinned_bytes = 0) {
-    engine_ = std::make_unique<Engine>(
-        *pool_, engine::EngineOptions{.page_tokens = 4,
-                                      .default_ttl = default_ttl,
-                                      .max_pinned_bytes = max_pinned_bytes,
-                                      .clock = &clock_});
+    engine_ =
+        std::make_unique<Engine>(*pool_, engine::EngineOptions{.page_tokens = 4,
+                                                               .default_ttl = default_ttl,
+                                                               .max_pinned_bytes = max_pinned_bytes,
+                                                               .clock = &clock_});
   }
   void TearDown() override {
     if (engine_ != nullptr) {
