@@ -146,6 +146,24 @@ absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const Json& val
   return metadata;
 }
 
+// A bit flip in the checksum's key would turn a kvcached file into one without
+// a checksum, loading unverified: refuse a metadata key one bit away from it.
+absl::Status RefuseDamagedChecksumKey(const Json& metadata) {
+  for (const auto& [key, value] : metadata.items()) {
+    if (key.size() != kSafetensorsChecksumKey.size()) continue;
+    int differing_bits = 0;
+    for (size_t i = 0; i < key.size(); ++i) {
+      differing_bits +=
+          __builtin_popcount(static_cast<unsigned char>(key[i] ^ kSafetensorsChecksumKey[i]));
+    }
+    if (differing_bits == 1) {
+      return absl::DataLossError(absl::StrCat("safetensors metadata key \"", key,
+                                              "\" is a damaged ", kSafetensorsChecksumKey));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Takes the checksum out of `header` and records what it covers. A checksummed
 // header must be its own canonical dump: then any change to its bytes either
 // breaks the parse, breaks the canonical form, or changes what is hashed.
@@ -153,7 +171,8 @@ absl::Status ExtractChecksum(Json& header, absl::string_view raw, ParsedHeader& 
   if (!header.contains("__metadata__")) return absl::OkStatus();
   Json& metadata = header["__metadata__"];
   const std::string key(kSafetensorsChecksumKey);
-  if (!metadata.is_object() || !metadata.contains(key)) return absl::OkStatus();
+  if (!metadata.is_object()) return absl::OkStatus();
+  if (!metadata.contains(key)) return RefuseDamagedChecksumKey(metadata);
   if (header.dump() != raw) {
     return absl::DataLossError(
         absl::StrCat("safetensors header carries ", key, " but is not in canonical form"));
