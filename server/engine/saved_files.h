@@ -1,0 +1,104 @@
+// The saved prompt-cache files: one "<name>.safetensors" per name in a data
+// directory, written crash-safely, within a byte budget.
+//
+// A write goes to ".tmp-<random>" in the same directory, is fsynced, renamed
+// over "<name>.safetensors", and the directory is fsynced. A crash at any point
+// leaves the old file or the new one, never a mix; Open removes the leftover
+// temporaries and lists what the directory holds, so saved files survive a
+// restart. Saving an existing name replaces it atomically.
+//
+// Threads: writes (Save, WriteBytes, Delete) of one name take turns; the store's
+// mutex is held only to check and update its index, never across file I/O, so
+// a long save blocks nothing but other writes of its own name.
+//
+// Status: a bad name → INVALID_ARGUMENT naming `name`; an unknown one →
+// NOT_FOUND naming it; a save past the budget → RESOURCE_EXHAUSTED naming
+// `disk_bytes`; a full disk (ENOSPC, EDQUOT, EFBIG) → RESOURCE_EXHAUSTED naming
+// the data directory; other I/O errors → INTERNAL naming the call and path. A
+// refused write leaves the old file and no temporary behind.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "engine/prompt_cache.h"
+#include "engine/safetensors.h"
+
+namespace kvcache::engine {
+
+inline constexpr size_t kMaxSavedFileNameBytes = 200;
+inline constexpr absl::string_view kSavedFileSuffix = ".safetensors";
+inline constexpr absl::string_view kSavedFileTempPrefix = ".tmp-";
+
+struct SavedFileInfo {
+  std::string name;  // without the ".safetensors" suffix
+  uint64_t size_bytes = 0;
+  absl::Time modified;
+};
+
+// Non-empty, at most kMaxSavedFileNameBytes of [A-Za-z0-9._-], not starting with '.'.
+absl::Status ValidateSavedFileName(absl::string_view name);
+
+class SavedFileStore {
+ public:
+  // Creates `data_dir` if missing, removes leftover temporaries, indexes the
+  // saved files. `max_bytes` bounds the files' total size (0: no limit).
+  static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
+                                                              uint64_t max_bytes);
+
+  absl::StatusOr<SavedFileInfo> Save(absl::string_view name, const PromptCacheFile& file);
+  // The decoded file, and whether its checksum was verified (files from mlx-lm have none).
+  absl::StatusOr<DecodedSafetensors> Load(absl::string_view name) const;
+  std::vector<SavedFileInfo> List() const;  // sorted by name
+  absl::Status Delete(absl::string_view name);
+
+  // Whole-file bytes for Export/Import: ReadBytes returns the file as stored;
+  // WriteBytes verifies `bytes` (VerifySafetensors) before anything changes.
+  absl::StatusOr<std::string> ReadBytes(absl::string_view name) const;
+  absl::StatusOr<SavedFileInfo> WriteBytes(absl::string_view name, absl::string_view bytes);
+
+  uint64_t used_bytes() const;
+  uint64_t max_bytes() const { return max_bytes_; }
+  const std::string& data_dir() const { return data_dir_; }
+
+ private:
+  SavedFileStore(std::string data_dir, uint64_t max_bytes)
+      : data_dir_(std::move(data_dir)), max_bytes_(max_bytes) {}
+
+  std::string PathOf(absl::string_view name) const;
+  absl::Status IndexDirectory();
+  absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
+
+  // Writes `pieces` (size_bytes in all) as `name`, crash-safely, within budget.
+  absl::StatusOr<SavedFileInfo> Commit(absl::string_view name, absl::Span<const iovec> pieces,
+                                       uint64_t size_bytes);
+  absl::StatusOr<uint64_t> ReserveBytes(absl::string_view name, uint64_t size_bytes);
+  // Makes the index hold `on_disk` for `name` (NOT_FOUND: no entry).
+  void ReindexLocked(absl::string_view name, const absl::StatusOr<SavedFileInfo>& on_disk)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AcquireName(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseName(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::string data_dir_;
+  const uint64_t max_bytes_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, SavedFileInfo, std::less<>> files_ ABSL_GUARDED_BY(mu_);
+  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;                      // sum of files_' sizes
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;                  // growth of writes in flight
+  absl::flat_hash_set<std::string> busy_names_ ABSL_GUARDED_BY(mu_);  // being written
+  absl::CondVar name_released_;
+};
+
+}  // namespace kvcache::engine
