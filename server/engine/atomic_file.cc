@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/fresh_memory.h"
 
 namespace kvcache::engine {
 namespace {
@@ -130,7 +131,10 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_
   if (fd.get() < 0) return FileErrorStatus(errno, "open", path, data_dir);
   struct stat info;
   if (::fstat(fd.get(), &info) != 0) return FileErrorStatus(errno, "fstat", path, data_dir);
-  std::string bytes(static_cast<size_t>(info.st_size), '\0');
+  std::string bytes;
+  bytes.reserve(static_cast<size_t>(info.st_size));
+  PrepareFreshBuffer(bytes.data(), bytes.capacity());  // then the zero fill below is cheap
+  bytes.resize(static_cast<size_t>(info.st_size));
   size_t filled = 0;
   while (filled < bytes.size()) {
     ssize_t got = ::read(fd.get(), bytes.data() + filled, bytes.size() - filled);

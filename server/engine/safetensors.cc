@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "engine/fresh_memory.h"
 #include "engine/safetensors_header.h"
 #include "nlohmann/json.hpp"
 
@@ -158,11 +159,11 @@ absl::StatusOr<DecodedSafetensors> DecodeSafetensors(absl::string_view bytes) {
   decoded.file.metadata = std::move(checked.header.metadata);
   for (safetensors_internal::TensorEntry& entry : checked.header.tensors) {
     const auto* begin = reinterpret_cast<const std::byte*>(checked.data.data()) + entry.begin;
-    decoded.file.tensors.emplace(
-        std::move(entry.name),
-        FileTensor{.dtype = entry.dtype,
-                   .shape = std::move(entry.shape),
-                   .data = std::vector<std::byte>(begin, begin + (entry.end - entry.begin))});
+    FileTensor tensor{.dtype = entry.dtype, .shape = std::move(entry.shape), .data = {}};
+    tensor.data.reserve(entry.end - entry.begin);  // then one copy, no zero fill
+    PrepareFreshBuffer(tensor.data.data(), tensor.data.capacity());
+    tensor.data.insert(tensor.data.end(), begin, begin + (entry.end - entry.begin));
+    decoded.file.tensors.emplace(std::move(entry.name), std::move(tensor));
   }
   return decoded;
 }

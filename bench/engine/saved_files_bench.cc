@@ -1,0 +1,117 @@
+// Saved prompt-cache files, each beside what dd does with the same bytes:
+//   BM_Save / BM_DdWriteFsync   SavedFileStore::Save (encode, checksum, temp file,
+//                               fsync, rename, directory fsync) vs
+//                               `dd bs=1M conv=fsync` of the encoded file; goal >= 0.8x
+//   BM_Load / BM_DdRead         SavedFileStore::Load (read, verify, copy into
+//                               tensors) vs `dd bs=1M of=/dev/null`; goal >= 0.8x
+// The file is a prompt cache of 16 layers, K and V [1, 8, tokens, 128] f16.
+// KVCACHED_BENCH_DIR picks the directory (default /tmp).
+#include <benchmark/benchmark.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/saved_files.h"
+
+namespace kvcache::engine {
+namespace {
+
+constexpr size_t kDdBlockBytes = 1 << 20;
+
+std::string BenchDir() {
+  const char* dir = std::getenv("KVCACHED_BENCH_DIR");
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/kvcached_saved_files_bench_", getpid());
+}
+
+PromptCacheFile ModelFile(uint64_t tokens) {
+  PromptCacheFile file;
+  for (int layer = 0; layer < 16; ++layer) {
+    for (int part = 0; part < 2; ++part) {
+      FileTensor& tensor = file.tensors[absl::StrCat(layer, ".", part)];
+      tensor.dtype = FileDType::kF16;
+      tensor.shape = {1, 8, tokens, 128};
+      tensor.data.resize(8 * tokens * 128 * 2);
+      for (size_t i = 0; i < tensor.data.size(); i += 4096) tensor.data[i] = std::byte(i >> 12);
+    }
+    file.metadata[absl::StrCat("0.", layer)] = "";
+    file.metadata[absl::StrCat("2.", layer)] = "KVCache";
+  }
+  return file;
+}
+
+struct Fixture {
+  std::string dir = BenchDir();
+  std::unique_ptr<SavedFileStore> store = *SavedFileStore::Open(dir, 0);
+  ~Fixture() { std::filesystem::remove_all(dir); }
+};
+
+void DdWriteFsync(const std::string& path, const std::string& bytes) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  for (size_t at = 0; at < bytes.size(); at += kDdBlockBytes) {
+    if (write(fd, bytes.data() + at, std::min(kDdBlockBytes, bytes.size() - at)) < 0) abort();
+  }
+  fsync(fd);
+  close(fd);
+}
+
+void DdRead(const std::string& path) {
+  std::vector<char> block(kDdBlockBytes);
+  int fd = open(path.c_str(), O_RDONLY);
+  while (read(fd, block.data(), block.size()) > 0) benchmark::ClobberMemory();
+  close(fd);
+}
+
+void BM_Save(benchmark::State& state) {
+  Fixture fixture;
+  const PromptCacheFile file = ModelFile(state.range(0));
+  uint64_t bytes = 0;
+  for (auto _ : state) {
+    absl::StatusOr<SavedFileInfo> saved = fixture.store->Save("bench", file);
+    if (!saved.ok()) state.SkipWithError(saved.status().ToString().c_str());
+    bytes = saved->size_bytes;
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_DdWriteFsync(benchmark::State& state) {
+  Fixture fixture;
+  const std::string bytes = *EncodeSafetensorsBytes(ModelFile(state.range(0)));
+  for (auto _ : state) DdWriteFsync(fixture.dir + "/dd.bin", bytes);
+  state.SetBytesProcessed(state.iterations() * bytes.size());
+}
+
+void BM_Load(benchmark::State& state) {
+  Fixture fixture;
+  const uint64_t bytes = fixture.store->Save("bench", ModelFile(state.range(0)))->size_bytes;
+  for (auto _ : state) {
+    absl::StatusOr<DecodedSafetensors> loaded = fixture.store->Load("bench");
+    if (!loaded.ok()) state.SkipWithError(loaded.status().ToString().c_str());
+    benchmark::DoNotOptimize(loaded);
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void BM_DdRead(benchmark::State& state) {
+  Fixture fixture;
+  const std::string bytes = *EncodeSafetensorsBytes(ModelFile(state.range(0)));
+  DdWriteFsync(fixture.dir + "/dd.bin", bytes);
+  for (auto _ : state) DdRead(fixture.dir + "/dd.bin");
+  state.SetBytesProcessed(state.iterations() * bytes.size());
+}
+
+// tokens 1024: 64 MiB; 4096: 256 MiB.
+BENCHMARK(BM_Save)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DdWriteFsync)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Load)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DdRead)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+}  // namespace kvcache::engine
+
+BENCHMARK_MAIN();
