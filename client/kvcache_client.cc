@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -239,6 +240,72 @@ absl::StatusOr<v1::SnapshotInfo> Client::SetPinned(const std::string& snapshot_i
   request.set_snapshot_id(snapshot_id);
   request.set_pinned(pinned);
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(SetPinned, request));
+}
+
+absl::StatusOr<v1::SavedFile> Client::SaveSnapshot(
+    const std::string& snapshot_id, const std::string& name,
+    const std::map<std::string, std::string>& metadata) {
+  v1::SaveSnapshotRequest request;
+  request.set_snapshot_id(snapshot_id);
+  request.set_name(name);
+  request.mutable_metadata()->insert(metadata.begin(), metadata.end());
+  return Unary<v1::SavedFile>(*this, KV_UNARY(SaveSnapshot, request));
+}
+
+absl::StatusOr<v1::LoadSnapshotResponse> Client::LoadSnapshot(const std::string& name, bool pinned,
+                                                              uint32_t ttl_seconds) {
+  v1::LoadSnapshotRequest request;
+  request.set_name(name);
+  request.set_pinned(pinned);
+  request.set_ttl_seconds(ttl_seconds);
+  return Unary<v1::LoadSnapshotResponse>(*this, KV_UNARY(LoadSnapshot, request));
+}
+
+absl::StatusOr<std::vector<v1::SavedFile>> Client::ListSaved() {
+  auto response = Unary<v1::ListSavedResponse>(*this, KV_UNARY(ListSaved, v1::ListSavedRequest()));
+  if (!response.ok()) return response.status();
+  return std::vector<v1::SavedFile>(response->files().begin(), response->files().end());
+}
+
+absl::Status Client::DeleteSaved(const std::string& name) {
+  v1::DeleteSavedRequest request;
+  request.set_name(name);
+  return Unary<v1::DeleteSavedResponse>(*this, KV_UNARY(DeleteSaved, request)).status();
+}
+
+absl::StatusOr<std::string> Client::ExportSnapshot(const v1::ExportSnapshotRequest& request) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  std::unique_ptr<grpc::ClientReader<v1::FileChunk>> reader =
+      stub_->ExportSnapshot(&context, request);
+  std::string file;
+  v1::FileChunk chunk;
+  while (reader->Read(&chunk)) file.append(chunk.data());
+  if (grpc::Status status = reader->Finish(); !status.ok()) return FromGrpc(status);
+  return file;
+}
+
+// Chunks below gRPC's default 4 MiB message cap.
+absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
+    absl::string_view file, const v1::ImportSnapshotRequest& options) {
+  constexpr size_t kChunkBytes = 1 << 20;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  v1::LoadSnapshotResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSnapshotRequest>> writer =
+      stub_->ImportSnapshot(&context, &response);
+  v1::ImportSnapshotRequest request = options;
+  size_t sent = 0;
+  do {  // at least one message, so that the options arrive with an empty file
+    const size_t size = std::min(kChunkBytes, file.size() - sent);
+    request.set_data(file.data() + sent, size);
+    sent += size;
+    if (!writer->Write(request)) break;  // the server ended the call: Finish says why
+    request.Clear();
+  } while (sent < file.size());
+  writer->WritesDone();
+  if (grpc::Status status = writer->Finish(); !status.ok()) return FromGrpc(status);
+  return response;
 }
 
 absl::StatusOr<v1::CacheInfo> Client::ExtractRow(const std::string& cache_id, uint32_t row) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -143,6 +144,24 @@ class Client {
                                                     absl::Span<const std::string> snapshot_ids);
   // Pinned: never evicted, never expires (within the server's max_pinned_bytes).
   absl::StatusOr<v1::SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
+
+  // Prompt-cache files, in mlx-lm's save_prompt_cache layout. In the server's
+  // data dir: save a snapshot (it must start at 0) as `name`, load one back
+  // into a new snapshot, list, delete.
+  absl::StatusOr<v1::SavedFile> SaveSnapshot(const std::string& snapshot_id,
+                                             const std::string& name,
+                                             const std::map<std::string, std::string>& metadata = {});
+  absl::StatusOr<v1::LoadSnapshotResponse> LoadSnapshot(const std::string& name,
+                                                        bool pinned = false,
+                                                        uint32_t ttl_seconds = 0);
+  absl::StatusOr<std::vector<v1::SavedFile>> ListSaved();
+  absl::Status DeleteSaved(const std::string& name);
+  // Between this machine and the server: a file's bytes (request.name: a
+  // saved file; request.snapshot_id: a snapshot encoded on the fly), and a
+  // file's bytes in (options.name set: saved there too).
+  absl::StatusOr<std::string> ExportSnapshot(const v1::ExportSnapshotRequest& request);
+  absl::StatusOr<v1::LoadSnapshotResponse> ImportSnapshot(
+      absl::string_view file, const v1::ImportSnapshotRequest& options = {});
 
   // A recurrent layer's state (of the live cache, or of snapshot_id if set).
   absl::StatusOr<v1::RecurrentState> FetchState(const std::string& cache_id,

@@ -8,9 +8,18 @@
 //   kvcachectl release SNAPSHOT_ID
 //   kvcachectl pin SNAPSHOT_ID | unpin SNAPSHOT_ID
 //   kvcachectl renew ID...                                   (caches or snapshots)
+// Prompt-cache files (mlx-lm save_prompt_cache layout):
+//   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
+//   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
+//   kvcachectl saved                                         (the server's data dir)
+//   kvcachectl store SNAPSHOT_ID NAME [--metadata=k=v,...] | load-saved NAME
+//   kvcachectl download NAME FILE | delete-saved NAME
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,13 +29,18 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "kvcache_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(uint64_t, from, 0, "snapshot: first position to capture");
 ABSL_FLAG(bool, pinned, false, "snapshot: never evict it");
 ABSL_FLAG(int64_t, target, -1, "restore: the offset to bring every layer to");
-ABSL_FLAG(uint32_t, ttl, 0, "snapshot: its lease in seconds (0: the server's default)");
+ABSL_FLAG(uint32_t, ttl, 0,
+          "snapshot, load, load-saved: the lease in seconds (0: the server's default)");
+ABSL_FLAG(std::vector<std::string>, metadata, {},
+          "save, store: user metadata as key=value,... (mlx-lm writes \"model\")");
+ABSL_FLAG(std::string, name, "", "load: also keep the file in the server's data dir as NAME");
 
 namespace {
 
@@ -166,6 +180,114 @@ int Renew(kvcache::Client& client, const Args& args) {
   return 0;
 }
 
+std::map<std::string, std::string> MetadataFlag() {
+  std::map<std::string, std::string> metadata;
+  for (const std::string& entry : absl::GetFlag(FLAGS_metadata)) {
+    std::pair<std::string, std::string> pair = absl::StrSplit(entry, absl::MaxSplits('=', 1));
+    metadata[pair.first] = pair.second;
+  }
+  return metadata;
+}
+
+void PrintSaved(const kvcache::v1::SavedFile& file) {
+  const std::time_t modified = file.modified().seconds();
+  char when[32];
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", std::gmtime(&modified));
+  std::printf("%-40s  %10s  %s UTC\n", file.name().c_str(), Bytes(file.size_bytes()).c_str(), when);
+}
+
+void PrintLoaded(const kvcache::v1::LoadSnapshotResponse& loaded) {
+  PrintSnapshot(loaded.snapshot());
+  std::printf("%d layers, model \"%s\", checksum %s\n", loaded.spec().layers_size(),
+              loaded.spec().model().c_str(),
+              loaded.checksum_verified() ? "verified" : "absent (not written by kvcached)");
+}
+
+// Writes `bytes` to `path` whole or not at all (a temporary renamed over it).
+absl::Status WriteLocalFile(const std::string& path, const std::string& bytes) {
+  const std::string temporary = path + ".partial";
+  std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out || std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return absl::UnavailableError(absl::StrCat(path, ": cannot write"));
+  }
+  return absl::OkStatus();
+}
+
+int Save(kvcache::Client& client, const Args& args) {
+  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: save SNAPSHOT_ID FILE"));
+  kvcache::v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(args[1]);
+  const std::map<std::string, std::string> metadata = MetadataFlag();
+  request.mutable_metadata()->insert(metadata.begin(), metadata.end());
+  auto file = client.ExportSnapshot(request);
+  if (!file.ok()) return Fail(file.status());
+  if (auto status = WriteLocalFile(args[2], *file); !status.ok()) return Fail(status);
+  std::printf("saved %s to %s (%s)\n", args[1], args[2], Bytes(file->size()).c_str());
+  return 0;
+}
+
+int Download(kvcache::Client& client, const Args& args) {
+  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: download NAME FILE"));
+  kvcache::v1::ExportSnapshotRequest request;
+  request.set_name(args[1]);
+  auto file = client.ExportSnapshot(request);
+  if (!file.ok()) return Fail(file.status());
+  if (auto status = WriteLocalFile(args[2], *file); !status.ok()) return Fail(status);
+  std::printf("downloaded %s to %s (%s)\n", args[1], args[2], Bytes(file->size()).c_str());
+  return 0;
+}
+
+int Load(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: load FILE"));
+  std::ifstream in(args[1], std::ios::binary);
+  if (!in) return Fail(absl::NotFoundError(absl::StrCat(args[1], ": cannot open")));
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  kvcache::v1::ImportSnapshotRequest options;
+  options.set_name(absl::GetFlag(FLAGS_name));
+  options.set_pinned(absl::GetFlag(FLAGS_pinned));
+  options.set_ttl_seconds(absl::GetFlag(FLAGS_ttl));
+  auto loaded = client.ImportSnapshot(bytes.str(), options);
+  if (!loaded.ok()) return Fail(loaded.status());
+  PrintLoaded(*loaded);
+  return 0;
+}
+
+int Saved(kvcache::Client& client) {
+  auto files = client.ListSaved();
+  if (!files.ok()) return Fail(files.status());
+  std::printf("%-40s  %10s  %s\n", "NAME", "SIZE", "WRITTEN");
+  for (const auto& file : *files) PrintSaved(file);
+  return 0;
+}
+
+int Store(kvcache::Client& client, const Args& args) {
+  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: store SNAPSHOT_ID NAME"));
+  auto saved = client.SaveSnapshot(args[1], args[2], MetadataFlag());
+  if (!saved.ok()) return Fail(saved.status());
+  PrintSaved(*saved);
+  return 0;
+}
+
+int LoadSaved(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: load-saved NAME"));
+  auto loaded =
+      client.LoadSnapshot(args[1], absl::GetFlag(FLAGS_pinned), absl::GetFlag(FLAGS_ttl));
+  if (!loaded.ok()) return Fail(loaded.status());
+  PrintLoaded(*loaded);
+  return 0;
+}
+
+int DeleteSaved(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: delete-saved NAME"));
+  if (auto status = client.DeleteSaved(args[1]); !status.ok()) return Fail(status);
+  std::printf("deleted %s\n", args[1]);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -173,7 +295,9 @@ int main(int argc, char** argv) {
       "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
       "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
       "SNAPSHOT "
-      "| unpin SNAPSHOT | renew ID...");
+      "| unpin SNAPSHOT | renew ID... | save SNAPSHOT FILE [--metadata=k=v,...] | load FILE "
+      "[--name=NAME] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
+      "delete-saved NAME");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());
   if (args.empty()) {
@@ -191,6 +315,13 @@ int main(int argc, char** argv) {
   if (command == "pin") return Pin(*client, args, true);
   if (command == "unpin") return Pin(*client, args, false);
   if (command == "renew") return Renew(*client, args);
+  if (command == "save") return Save(*client, args);
+  if (command == "load") return Load(*client, args);
+  if (command == "saved") return Saved(*client);
+  if (command == "store") return Store(*client, args);
+  if (command == "load-saved") return LoadSaved(*client, args);
+  if (command == "download") return Download(*client, args);
+  if (command == "delete-saved") return DeleteSaved(*client, args);
   std::fprintf(stderr, "kvcachectl: unknown command \"%s\"\n%s\n", command.c_str(),
                absl::ProgramUsageMessage().data());
   return 2;

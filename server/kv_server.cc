@@ -50,7 +50,14 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
           server->pool_->quantizes_on_host()
               ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
-  server->engine_ = std::make_unique<engine::Engine>(*server->pool_, config.engine);
+  engine::EngineOptions engine_options = config.engine;
+  if (!config.data_dir.empty()) {
+    ASSIGN_OR_RETURN(server->saved_files_,
+                     engine::SavedFileStore::Open(config.data_dir, config.disk_bytes));
+    engine_options.saved_files = server->saved_files_.get();
+    LogInfo("data dir %s: %d saved files", config.data_dir, server->saved_files_->List().size());
+  }
+  server->engine_ = std::make_unique<engine::Engine>(*server->pool_, engine_options);
   server->lease_reaper_ =
       std::make_unique<engine::LeaseReaper>(*server->engine_, config.lease_check_interval);
   if (config.engine.default_ttl > absl::ZeroDuration()) {

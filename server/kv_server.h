@@ -37,6 +37,11 @@ struct ServerConfig {
   std::string data_lane_listen;
   // How often the lease reaper looks for leases that ran out (lease_reaper.h).
   absl::Duration lease_check_interval = absl::Milliseconds(250);
+  // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere
+  // (SaveSnapshot and LoadSnapshot refuse, Export/Import of snapshots work).
+  std::string data_dir;
+  // Most bytes the files there may hold; 0: no limit but the disk's.
+  uint64_t disk_bytes = 0;
 };
 
 class KvCacheServer {
@@ -66,6 +71,7 @@ class KvCacheServer {
   std::string lane_host_;
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<gpu::PagePool> pool_;
+  std::unique_ptr<engine::SavedFileStore> saved_files_;
   std::unique_ptr<engine::Engine> engine_;
   // Declared after the engine, so it stops before the engine goes.
   std::unique_ptr<engine::LeaseReaper> lease_reaper_;

@@ -57,7 +57,8 @@ class Handlers {
   const ServiceOptions& options() const { return options_; }
 
   // Every unary RPC's handler (unary_rpcs.h): handlers.cc, batch_handlers.cc
-  // (batches), speculation_handlers.cc (speculative decoding).
+  // (batches), speculation_handlers.cc (speculative decoding),
+  // file_handlers.cc (prompt-cache files).
 #define KV_DECLARE_HANDLER(Name, Request, Response) \
   absl::Status Name(const v1::Request& request, v1::Response* response);
   KV_FOR_EACH_UNARY_RPC(KV_DECLARE_HANDLER)
@@ -74,6 +75,15 @@ class Handlers {
   absl::Status Update(const v1::UpdateRequest& request, KnownSpec* known,
                       v1::UpdateResponse* response);
   absl::StatusOr<FetchPlan> PlanFetch(const v1::FetchRequest& request);
+  // The two file streams (file_handlers.cc): the whole file an
+  // ExportSnapshot sends, and what an ImportSnapshot's bytes make, `options`
+  // being its first message (its data ignored).
+  absl::StatusOr<std::string> ExportFile(const v1::ExportSnapshotRequest& request);
+  absl::Status ImportFile(const v1::ImportSnapshotRequest& options, absl::string_view bytes,
+                          v1::LoadSnapshotResponse* response);
+  // The largest file an ImportSnapshot takes: one whose state fills the pool,
+  // plus the largest header mlx reads.
+  uint64_t MaxImportBytes() const;
   absl::Status FillFetchChunk(const FetchPlan& plan, size_t index, v1::FetchResponse* response);
   // FillFetchChunk in two halves, so the Fetch stream can read the data
   // straight into its outgoing buffer: every field but the tensors' data, and

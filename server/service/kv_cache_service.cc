@@ -1,6 +1,7 @@
 #include "service/kv_cache_service.h"
 
 #include "core/log.h"
+#include "service/file_reactors.h"
 #include "service/stream_reactors.h"
 #include "service/status_mapping.h"
 
@@ -40,6 +41,17 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Upd
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::Fetch(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new FetchReactor(handlers_, *request);
+}
+
+grpc::ServerWriteReactor<v1::FileChunk>* KvCacheService::ExportSnapshot(
+    grpc::CallbackServerContext* context, const v1::ExportSnapshotRequest* request) {
+  return new ExportReactor(handlers_, *request);
+}
+
+// A file larger than the pool could never load, so no more is buffered.
+grpc::ServerReadReactor<v1::ImportSnapshotRequest>* KvCacheService::ImportSnapshot(
+    grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) {
+  return new ImportReactor(handlers_, response, handlers_.MaxImportBytes());
 }
 
 }  // namespace kvcache::service

@@ -28,7 +28,9 @@ struct WithMethods<Base, First, Rest...> {
 using KvCacheServiceBase =
     WithMethods<v1::KvCacheService::Service, KV_FOR_EACH_UNARY_RPC(KV_WITH_UNARY_METHOD)
                     v1::KvCacheService::WithRawCallbackMethod_Update,
-                v1::KvCacheService::WithRawCallbackMethod_Fetch>::type;
+                v1::KvCacheService::WithRawCallbackMethod_Fetch,
+                v1::KvCacheService::WithCallbackMethod_ExportSnapshot,
+                v1::KvCacheService::WithCallbackMethod_ImportSnapshot>::type;
 #undef KV_WITH_UNARY_METHOD
 
 class KvCacheService final : public KvCacheServiceBase {
@@ -45,6 +47,10 @@ class KvCacheService final : public KvCacheServiceBase {
       grpc::CallbackServerContext* context) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
                                                     const grpc::ByteBuffer* request) override;
+  grpc::ServerWriteReactor<v1::FileChunk>* ExportSnapshot(
+      grpc::CallbackServerContext* context, const v1::ExportSnapshotRequest* request) override;
+  grpc::ServerReadReactor<v1::ImportSnapshotRequest>* ImportSnapshot(
+      grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) override;
 
  private:
   Handlers& handlers_;

@@ -3,7 +3,8 @@
 // v1::Response*). Handlers declares its handlers and the callback service
 // registers, declares and defines its methods from this list, so a new unary
 // RPC is one line here plus its handler's definition. Update and Fetch
-// stream and are registered raw (kv_cache_service.h).
+// stream and are registered raw, ExportSnapshot and ImportSnapshot stream
+// files (kv_cache_service.h).
 #pragma once
 
 #define KV_FOR_EACH_UNARY_RPC(X)                                         \
@@ -27,4 +28,8 @@
   X(AbortSpeculation, AbortSpeculationRequest, CacheInfo)                \
   X(GetStats, GetStatsRequest, Stats)                                    \
   X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)                   \
-  X(SetPinned, SetPinnedRequest, SnapshotInfo)
+  X(SetPinned, SetPinnedRequest, SnapshotInfo)                          \
+  X(SaveSnapshot, SaveSnapshotRequest, SavedFile)                        \
+  X(LoadSnapshot, LoadSnapshotRequest, LoadSnapshotResponse)             \
+  X(ListSaved, ListSavedRequest, ListSavedResponse)                      \
+  X(DeleteSaved, DeleteSavedRequest, DeleteSavedResponse)

@@ -1,0 +1,65 @@
+#include "service/file_reactors.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "service/status_mapping.h"
+
+namespace kvcache::service {
+
+ExportReactor::ExportReactor(Handlers& handlers, const v1::ExportSnapshotRequest& request) {
+  absl::StatusOr<std::string> file = handlers.ExportFile(request);
+  if (!file.ok()) {
+    Finish(ToGrpcStatus(file.status()));
+    return;
+  }
+  file_ = *std::move(file);
+  WriteNext();
+}
+
+void ExportReactor::WriteNext() {
+  if (sent_ == file_.size()) {
+    Finish(grpc::Status::OK);
+    return;
+  }
+  const size_t size = std::min(kFileChunkBytes, file_.size() - sent_);
+  chunk_.set_data(file_.data() + sent_, size);
+  sent_ += size;
+  StartWrite(&chunk_);
+}
+
+void ExportReactor::OnWriteDone(bool ok) {
+  if (!ok) {
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+    return;
+  }
+  WriteNext();
+}
+
+ImportReactor::ImportReactor(Handlers& handlers, v1::LoadSnapshotResponse* response,
+                             uint64_t max_file_bytes)
+    : handlers_(handlers), response_(response), max_file_bytes_(max_file_bytes) {
+  StartRead(&request_);
+}
+
+void ImportReactor::OnReadDone(bool ok) {
+  if (!ok) {  // the client has sent everything
+    Finish(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));
+    return;
+  }
+  if (first_) {
+    options_ = request_;
+    options_.clear_data();
+    first_ = false;
+  }
+  if (file_.size() + request_.data().size() > max_file_bytes_) {
+    Finish(ToGrpcStatus(absl::ResourceExhaustedError(absl::StrFormat(
+        "data: the file passes %d bytes, the most this server takes (its pool)",
+        max_file_bytes_))));
+    return;
+  }
+  file_.append(request_.data());
+  StartRead(&request_);
+}
+
+}  // namespace kvcache::service
