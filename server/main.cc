@@ -41,6 +41,10 @@ ABSL_FLAG(absl::Duration, default_ttl, absl::ZeroDuration(),
 ABSL_FLAG(uint64_t, max_pinned_bytes, 0,
           "most bytes pinned snapshots may hold (pinning past it is RESOURCE_EXHAUSTED); "
           "0 = no limit");
+ABSL_FLAG(uint64_t, metadata_bytes, 0,
+          "most host memory caches and snapshots may hold outside the pool (page tables, layer "
+          "objects, ids); past it a new cache or snapshot is RESOURCE_EXHAUSTED. "
+          "0 = an eighth of --pool_bytes, at least 64 MiB");
 ABSL_FLAG(absl::Duration, lease_check_interval, absl::Milliseconds(250),
           "how often expired leases are looked for");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
@@ -70,6 +74,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.default_ttl = absl::GetFlag(FLAGS_default_ttl);
   config.engine.max_pinned_bytes = absl::GetFlag(FLAGS_max_pinned_bytes);
+  config.engine.metadata_bytes = absl::GetFlag(FLAGS_metadata_bytes);
   config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");
