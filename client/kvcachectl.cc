@@ -95,8 +95,11 @@ int Stats(kvcache::Client& client) {
               (unsigned long long)stats->snapshots(),
               (unsigned long long)stats->snapshots_expired());
   std::printf(
-      "pinned        %s of %s\nevictions     %llu\n", Bytes(stats->pinned_bytes()).c_str(),
+      "pinned        %s of %s\nmetadata      %s of %s (host memory of tables and handles)\n"
+      "evictions     %llu\n",
+      Bytes(stats->pinned_bytes()).c_str(),
       stats->max_pinned_bytes() == 0 ? "no limit" : Bytes(stats->max_pinned_bytes()).c_str(),
+      Bytes(stats->metadata_bytes()).c_str(), Bytes(stats->max_metadata_bytes()).c_str(),
       (unsigned long long)stats->evictions());
   return 0;
 }

@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, data_dir, "",
           "where prompt-cache files (mlx-lm safetensors) are saved and loaded; listed at start. "
           "Empty: no files (SaveSnapshot and LoadSnapshot refuse)");
 ABSL_FLAG(uint64_t, disk_bytes, 0, "most bytes the files in --data_dir may hold; 0 = no limit");
+ABSL_FLAG(uint64_t, metadata_bytes, 0,
+          "most host memory caches and snapshots may hold outside the pool (page tables, layer "
+          "objects, ids); past it a new cache or snapshot is RESOURCE_EXHAUSTED. "
+          "0 = an eighth of --pool_bytes, at least 64 MiB");
 ABSL_FLAG(absl::Duration, lease_check_interval, absl::Milliseconds(250),
           "how often expired leases are looked for");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
@@ -76,6 +80,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.engine.max_pinned_bytes = absl::GetFlag(FLAGS_max_pinned_bytes);
   config.data_dir = absl::GetFlag(FLAGS_data_dir);
   config.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
+  config.engine.metadata_bytes = absl::GetFlag(FLAGS_metadata_bytes);
   config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");

@@ -26,6 +26,10 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
     : pool_(pool),
       options_(std::move(options)),
       clock_(options_.clock != nullptr ? *options_.clock : LeaseClock::System()),
+      metadata_(options_.metadata_bytes != 0
+                    ? options_.metadata_bytes
+                    : DefaultMetadataBytes(pool.stats().max_pages * pool.page_bytes())),
+      pool_tables_(metadata_.Reserve(PoolTablesBytes(pool.stats().max_pages))),
       snapshots_(clock_, SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
                                                  .max_pinned_bytes = options_.max_pinned_bytes}) {}
 
@@ -66,7 +70,17 @@ absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec, absl::Durat
   return AddCache(std::move(cache), ttl);
 }
 
-CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
+absl::StatusOr<MetadataCharge> Engine::ChargeCache(const Cache& cache) {
+  return metadata_.Charge(CacheMetadataBytes(cache.spec()), "a cache");
+}
+
+absl::StatusOr<MetadataCharge> Engine::ChargeSnapshot(const CacheSnapshot& snapshot) {
+  return metadata_.Charge(SnapshotMetadataBytes(snapshot, pool_.page_bytes(), options_.page_tokens),
+                          "a snapshot");
+}
+
+absl::StatusOr<CacheInfo> Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
+  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*cache));
   auto entry = std::make_shared<Entry>(ttl == absl::ZeroDuration() ? options_.default_ttl : ttl);
   std::string id = NewRandomId();
   entry->lease.Renew(clock_.Now());
@@ -74,6 +88,7 @@ CacheInfo Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
   {
     absl::MutexLock lock(&entry->mutex);
     entry->cache = std::move(cache);
+    entry->metadata = std::move(metadata);
   }
   absl::MutexLock lock(&caches_mutex_);
   cache_deadlines_.Push(entry->lease.expires_at(), id);
@@ -202,7 +217,8 @@ absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint6
                                               bool pinned, absl::Duration ttl) {
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot(cache_id, from_offset));
-  return snapshots_.Add(std::move(snapshot), pinned, ttl);
+  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeSnapshot(*snapshot));
+  return snapshots_.Add(std::move(snapshot), std::move(metadata), pinned, ttl);
 }
 
 absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
@@ -225,8 +241,13 @@ absl::StatusOr<SnapshotInfo> Engine::MergeSnapshots(const std::string& parent_id
   ASSIGN_OR_RETURN(CacheSnapshotPtr parent, snapshots_.Get(parent_id));
   ASSIGN_OR_RETURN(CacheSnapshotPtr child, snapshots_.Get(child_id));
   ASSIGN_OR_RETURN(CacheSnapshotPtr merged, engine::MergeSnapshots(*parent, *child));
-  ASSIGN_OR_RETURN(std::vector<SnapshotInfo> added,
-                   snapshots_.Replace({parent_id, child_id}, {std::move(merged)}));
+  // Charged before the inputs' charges return: a merge needs room for its
+  // result while both inputs still exist.
+  std::vector<MetadataCharge> metadata(1);
+  ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*merged));
+  ASSIGN_OR_RETURN(
+      std::vector<SnapshotInfo> added,
+      snapshots_.Replace({parent_id, child_id}, {std::move(merged)}, std::move(metadata)));
   return added[0];
 }
 
@@ -234,9 +255,13 @@ absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> Engine::SplitSnapshot(
     const std::string& snapshot_id, uint64_t at) {
   ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, snapshots_.Get(snapshot_id));
   ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
-  ASSIGN_OR_RETURN(std::vector<SnapshotInfo> added,
-                   snapshots_.Replace({snapshot_id}, {std::move(halves.first),
-                                                      std::move(halves.second)}));
+  std::vector<MetadataCharge> metadata(2);
+  ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*halves.first));
+  ASSIGN_OR_RETURN(metadata[1], ChargeSnapshot(*halves.second));
+  ASSIGN_OR_RETURN(
+      std::vector<SnapshotInfo> added,
+      snapshots_.Replace({snapshot_id}, {std::move(halves.first), std::move(halves.second)},
+                         std::move(metadata)));
   return std::make_pair(added[0], added[1]);
 }
 
@@ -268,7 +293,8 @@ absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
   ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*frozen, keep_rows));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  cache.Replace(std::move(built));
+  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
+  cache.Replace(std::move(built), std::move(metadata));
   return cache.Describe(cache_id);
 }
 
@@ -314,7 +340,8 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
   ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*frozen, *other));
   ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
                    AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  cache.Replace(std::move(built));
+  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
+  cache.Replace(std::move(built), std::move(metadata));
   return cache.Describe(cache_id);
 }
 
@@ -386,7 +413,9 @@ EngineStats Engine::Stats() const {
                     .caches_expired = caches_expired_.load(std::memory_order_relaxed),
                     .snapshots_expired = snapshots_.expired(),
                     .pinned_bytes = snapshots_.pinned_bytes(),
-                    .max_pinned_bytes = options_.max_pinned_bytes};
+                    .max_pinned_bytes = options_.max_pinned_bytes,
+                    .metadata_bytes = metadata_.used(),
+                    .max_metadata_bytes = metadata_.max_bytes()};
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();
   return stats;

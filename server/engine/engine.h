@@ -24,6 +24,7 @@
 #include "engine/cache.h"
 #include "engine/cache_spec.h"
 #include "engine/lease.h"
+#include "engine/metadata_budget.h"
 #include "engine/snapshot_registry.h"
 #include "engine/speculation.h"
 #include "gpu/page_pool.h"
@@ -40,6 +41,9 @@ struct EngineOptions {
   absl::Duration default_ttl;
   // Most bytes pinned snapshots may hold; 0: no limit.
   uint64_t max_pinned_bytes = 0;
+  // Most host memory caches and snapshots may hold outside the pool
+  // (engine/metadata_budget.h); 0: DefaultMetadataBytes of the pool's budget.
+  uint64_t metadata_bytes = 0;
   // Where leases read the time (tests pass a manual clock); null: the system's.
   const LeaseClock* clock = nullptr;
 };
@@ -72,6 +76,8 @@ struct EngineStats {
   uint64_t snapshots_expired = 0;
   uint64_t pinned_bytes = 0;
   uint64_t max_pinned_bytes = 0;  // 0: no limit
+  uint64_t metadata_bytes = 0;    // charged to caches, snapshots and the pool's tables
+  uint64_t max_metadata_bytes = 0;
 };
 
 // What renewing leases found: one per id asked for, in order.
@@ -234,6 +240,7 @@ class Engine {
     Lease lease;
     absl::Mutex mutex;
     std::unique_ptr<Cache> cache ABSL_GUARDED_BY(mutex);
+    MetadataCharge metadata ABSL_GUARDED_BY(mutex);  // the cache's
     bool deleted ABSL_GUARDED_BY(mutex) = false;
     // Declared after `cache`, so destroyed first: its drafts refer to the layers.
     std::unique_ptr<Speculation> speculation ABSL_GUARDED_BY(mutex);
@@ -251,8 +258,13 @@ class Engine {
                                        absl::FunctionRef<absl::Status(Cache&)> apply);
   absl::StatusOr<std::shared_ptr<Entry>> FindEntry(const std::string& cache_id) const;
   static CacheInfo Describe(const std::string& cache_id, const Cache& cache, const Lease& lease);
-  // Registers `cache` under a new id, with a lease of `ttl` (zero: the default).
-  CacheInfo AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl = absl::ZeroDuration());
+  // Registers `cache` under a new id, with a lease of `ttl` (zero: the
+  // default), or RESOURCE_EXHAUSTED when its metadata does not fit (`cache`
+  // is dropped then).
+  absl::StatusOr<CacheInfo> AddCache(std::unique_ptr<Cache> cache,
+                                     absl::Duration ttl = absl::ZeroDuration());
+  absl::StatusOr<MetadataCharge> ChargeCache(const Cache& cache);
+  absl::StatusOr<MetadataCharge> ChargeSnapshot(const CacheSnapshot& snapshot);
   // What deleting a cache does once its entry is out of the map: ends its
   // speculation and frees its pages.
   void Retire(Entry& entry);
@@ -277,6 +289,9 @@ class Engine {
   gpu::PagePool& pool_;
   const EngineOptions options_;
   const LeaseClock& clock_;
+  MetadataBudget metadata_;
+  // The pool's share of page tables (PoolTablesBytes), held for the engine's life.
+  MetadataCharge pool_tables_;
   mutable absl::Mutex caches_mutex_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> caches_ ABSL_GUARDED_BY(caches_mutex_);
   LeaseQueue cache_deadlines_ ABSL_GUARDED_BY(caches_mutex_);

@@ -79,9 +79,11 @@ class ABSL_SCOPED_LOCKABLE Engine::LockedCache {
     return Engine::Describe(cache_id, *entry_->cache, entry_->lease);
   }
   // Puts `cache` in the old one's place and frees the old one's pages.
-  void Replace(std::unique_ptr<Cache> cache) {
+  // Puts `cache` in the old one's place, with its metadata charge.
+  void Replace(std::unique_ptr<Cache> cache, MetadataCharge metadata) {
     entry_->mutex.AssertHeld();
     entry_->cache.swap(cache);
+    entry_->metadata = std::move(metadata);
     cache->Free();
   }
   // The speculation open on the cache, or null.

@@ -1,10 +1,12 @@
 #include "engine/layer_factory.h"
 
+#include <algorithm>
 #include <variant>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "engine/chunked_layer.h"
+#include "engine/host_bytes.h"
 #include "engine/recurrent_layer.h"
 #include "engine/rotating_layer.h"
 #include "engine/standard_layer.h"
@@ -36,6 +38,22 @@ absl::StatusOr<std::unique_ptr<Layer>> MakeLayer(const CacheSpec& spec, size_t i
   // Standard and quantized (mlx-lm QuantizedKVCache: a standard layer over
   // quantized planes; see standard_layer.h).
   return std::make_unique<StandardLayer>(pool, geometry);
+}
+
+uint64_t MaxLayerHostBytes() {
+  // Held by unique_ptr in the cache's vector.
+  return HeapBlockBytes(std::max({sizeof(StandardLayer), sizeof(RotatingLayer),
+                                  sizeof(ChunkedLayer), sizeof(RecurrentLayer)})) +
+         sizeof(std::unique_ptr<Layer>);
+}
+
+uint64_t MaxLayerSnapshotHostBytes() {
+  // Made by make_shared (object and count in one block) and held by
+  // shared_ptr in the snapshot's vector.
+  return HeapBlockBytes(kSharedCountBytes +
+                        std::max({sizeof(StandardSnapshot), sizeof(RotatingSnapshot),
+                                  sizeof(ChunkedSnapshot), sizeof(RecurrentSnapshot)})) +
+         sizeof(LayerSnapshotPtr);
 }
 
 }  // namespace kvcache::engine

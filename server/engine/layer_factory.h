@@ -20,4 +20,10 @@ namespace kvcache::engine {
 absl::StatusOr<std::unique_ptr<Layer>> MakeLayer(const CacheSpec& spec, size_t index,
                                                  gpu::PagePool& pool, uint32_t page_tokens);
 
+// Host memory, at most, of one layer object of any kind and of one of its
+// snapshots, allocation overhead included, without their page tables' chunks
+// (engine/metadata_budget.h counts those).
+uint64_t MaxLayerHostBytes();
+uint64_t MaxLayerSnapshotHostBytes();
+
 }  // namespace kvcache::engine

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "engine/host_bytes.h"
+
 namespace kvcache::engine {
 
 using gpu::kNoPage;
@@ -54,6 +56,8 @@ struct PageTable::Chunk {
   std::array<uint64_t, 2> used{};  // bit s: pages[s] holds a page
 };
 static_assert(PageTable::kChunkPages == 128, "Chunk::used has one bit per slot");
+
+uint64_t PageTable::ChunkHostBytes() { return HeapBlockBytes(kSharedCountBytes + sizeof(Chunk)); }
 
 PageId PageTable::Get(uint64_t index) const {
   const uint64_t c = index / kChunkPages;

@@ -41,6 +41,8 @@ class PageTable {
   void Clear() { chunks_.clear(); }
   // Pages set, summed over chunks.
   uint64_t CountPages() const;
+  // Host memory of one chunk, allocation overhead included.
+  static uint64_t ChunkHostBytes();
 
   // A table holding only the pages at indices [first, last) of this one.
   PageTable Slice(uint64_t first, uint64_t last) const;

@@ -95,12 +95,16 @@ void SnapshotRegistry::Erase(absl::flat_hash_map<std::string, Entry>::iterator i
   entries_.erase(it);
 }
 
-absl::StatusOr<SnapshotInfo> SnapshotRegistry::Add(CacheSnapshotPtr snapshot, bool pinned,
+absl::StatusOr<SnapshotInfo> SnapshotRegistry::Add(CacheSnapshotPtr snapshot,
+                                                   MetadataCharge metadata, bool pinned,
                                                    absl::Duration ttl) {
   absl::MutexLock lock(&mutex_);
   if (pinned) RETURN_IF_ERROR(CheckPinBudget(snapshot->size_bytes()));
   if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
-  return Insert(Entry{.snapshot = std::move(snapshot), .pinned = pinned, .lease = Lease(ttl)});
+  return Insert(Entry{.snapshot = std::move(snapshot),
+                      .metadata = std::move(metadata),
+                      .pinned = pinned,
+                      .lease = Lease(ttl)});
 }
 
 absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapshot_id) const {
@@ -124,7 +128,8 @@ absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
 }
 
 absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
-    const std::vector<std::string>& consumed, std::vector<CacheSnapshotPtr> added) {
+    const std::vector<std::string>& consumed, std::vector<CacheSnapshotPtr> added,
+    std::vector<MetadataCharge> metadata) {
   std::vector<CacheSnapshotPtr> dropped;
   absl::MutexLock lock(&mutex_);
   bool pinned = false;
@@ -152,9 +157,11 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
     if (it != entries_.end()) Erase(it, dropped);  // else the same id consumed twice
   }
   std::vector<SnapshotInfo> infos;
-  for (CacheSnapshotPtr& snapshot : added) {
-    infos.push_back(
-        Insert(Entry{.snapshot = std::move(snapshot), .pinned = pinned, .lease = Lease(ttl)}));
+  for (size_t i = 0; i < added.size(); ++i) {
+    infos.push_back(Insert(Entry{.snapshot = std::move(added[i]),
+                                 .metadata = std::move(metadata[i]),
+                                 .pinned = pinned,
+                                 .lease = Lease(ttl)}));
   }
   return infos;
 }

@@ -15,6 +15,7 @@
 #include "absl/types/span.h"
 #include "engine/cache.h"
 #include "engine/lease.h"
+#include "engine/metadata_budget.h"
 
 namespace kvcache::engine {
 
@@ -52,16 +53,20 @@ class SnapshotRegistry {
       : clock_(clock), options_(options) {}
 
   // `ttl` zero takes the default. RESOURCE_EXHAUSTED (naming max_pinned_bytes)
-  // when pinning it would pass the budget.
-  absl::StatusOr<SnapshotInfo> Add(CacheSnapshotPtr snapshot, bool pinned, absl::Duration ttl);
+  // when pinning it would pass the budget. The entry keeps `metadata`, the
+  // snapshot's charge, until it goes.
+  absl::StatusOr<SnapshotInfo> Add(CacheSnapshotPtr snapshot, MetadataCharge metadata, bool pinned,
+                                   absl::Duration ttl);
   // The snapshot, its lease renewed.
   absl::StatusOr<CacheSnapshotPtr> Get(const std::string& snapshot_id) const;
   absl::Status Release(const std::string& snapshot_id);
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no
   // change) if any consumed id is gone by now. The added ones are pinned if
-  // any consumed one was, and take the longest of their leases.
+  // any consumed one was, and take the longest of their leases; each keeps
+  // its charge of `metadata` (one per added snapshot).
   absl::StatusOr<std::vector<SnapshotInfo>> Replace(const std::vector<std::string>& consumed,
-                                                    std::vector<CacheSnapshotPtr> added);
+                                                    std::vector<CacheSnapshotPtr> added,
+                                                    std::vector<MetadataCharge> metadata);
   std::vector<SnapshotInfo> List(const std::string& cache_id) const;
   absl::StatusOr<SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
   // Renews every one of `ids`, or none when one is unknown (NOT_FOUND naming
@@ -81,6 +86,7 @@ class SnapshotRegistry {
  private:
   struct Entry {
     CacheSnapshotPtr snapshot;
+    MetadataCharge metadata;
     bool pinned = false;
     Lease lease;
   };

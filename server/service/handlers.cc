@@ -286,6 +286,8 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_snapshots_expired(stats.snapshots_expired);
   response->set_pinned_bytes(stats.pinned_bytes);
   response->set_max_pinned_bytes(stats.max_pinned_bytes);
+  response->set_metadata_bytes(stats.metadata_bytes);
+  response->set_max_metadata_bytes(stats.max_metadata_bytes);
   return absl::OkStatus();
 }
 

@@ -39,6 +39,8 @@ struct ServerSetup {
   // --lease_check_interval.
   absl::Duration default_ttl;
   uint64_t max_pinned_bytes = 0;
+  // The server's --metadata_bytes (0: its default).
+  uint64_t metadata_bytes = 0;
   absl::Duration lease_check_interval = absl::Milliseconds(250);
 };
 
