@@ -254,13 +254,13 @@ absl::StatusOr<uint32_t> ParsePackedSide(FileReader& reader, uint32_t layer, int
   const FileTensor& first_wq = *reader.Tensor(Key(layer, 0, 0), 4).value();
   RETURN_IF_ERROR(SameLeading(Key(layer, 0, 0), first_wq, wq_key, *wq, 3));
   RETURN_IF_ERROR(SameLeading(wq_key, *wq, s_key, *scales, 3));
-  RETURN_IF_ERROR(SameLeading(s_key, *scales, b_key, *biases, 4));
   const uint64_t dim = wq->shape[3] * 32 / bits;
   if (dim > UINT32_MAX || dim % group_size != 0 || scales->shape[3] != dim / group_size) {
     return BadTensor(s_key, absl::StrFormat("shape %s does not fit a head dim of %d (from \"%s\") "
                                             "in groups of %d",
                                             Shape(*scales), dim, wq_key, group_size));
   }
+  RETURN_IF_ERROR(SameLeading(s_key, *scales, b_key, *biases, 4));
   packed = {wq->data, scales->data, biases->data};
   return static_cast<uint32_t>(dim);
 }
