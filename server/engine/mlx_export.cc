@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
 #include "engine/chunked_layer.h"
+#include "engine/mlx_batch_meta.h"
 #include "engine/mlx_file_util.h"
 #include "engine/mlx_state.h"
 #include "engine/recurrent_layer.h"
@@ -145,22 +146,46 @@ KvRows RingOrder(const KvDims& d, const KvRows& temporal, uint64_t keep, uint64_
   return ring;
 }
 
+// mlx-lm BatchRotatingKVCache (keep 0): offset[b] = _offset - padding[b] as
+// the cache was made; left_padding[b] shrinks by each token evicted from the
+// front (padding first), so it is padding[b] - (_offset - held) and may go
+// negative. `rotated` is set by a single-token update that wraps the ring and
+// cleared by a multi-token one: so exactly when a full ring has evicted.
+void PutBatchRotatingState(const CacheSnapshot& snapshot, uint32_t layer, const RotatingKind& kind,
+                           const RotatingState& state, uint64_t held, PromptCacheFile& file) {
+  std::vector<int64_t> offsets, paddings;
+  for (uint32_t pad : snapshot.spec.left_padding) {
+    offsets.push_back(static_cast<int64_t>(state.offset) - pad);
+    paddings.push_back(static_cast<int64_t>(pad) - static_cast<int64_t>(state.offset - held));
+  }
+  const uint64_t batch = snapshot.spec.batch_size;
+  file.tensors[Key(layer, 2)] = MakeTensor(FileDType::kI32, {batch}, Int32Bytes(offsets));
+  file.tensors[Key(layer, 3)] = MakeTensor(FileDType::kI32, {batch}, Int32Bytes(paddings));
+  file.metadata[Key(2, layer)] = "BatchRotatingKVCache";
+  const BatchRotatingMeta meta{.max_size = kind.max_size,
+                               .offset = state.offset,
+                               .idx = state.ring_idx,
+                               .rotated = held == kind.max_size && state.offset > held};
+  const std::vector<std::string> meta_state = BatchRotatingMetaState(meta);
+  for (size_t i = 0; i < meta_state.size(); ++i) file.metadata[Key(0, layer, i)] = meta_state[i];
+}
+
 absl::Status ExportRotating(const CacheSnapshot& snapshot, uint32_t layer, const RotatingKind& kind,
                             PromptCacheFile& file) {
-  if (!snapshot.spec.left_padding.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("layer %d: writing a rotating layer of a cache with left_padding "
-                        "(BatchRotatingKVCache) is not supported",
-                        layer));
-  }
   const auto* rotating = dynamic_cast<const RotatingSnapshot*>(snapshot.layers[layer].get());
-  if (rotating == nullptr)
+  if (rotating == nullptr) {
     return absl::InternalError("a rotating layer's snapshot is not rotating");
+  }
   const RotatingState& state = rotating->state();
   ASSIGN_OR_RETURN(KvRows temporal, ReadHeldTokens(snapshot, layer, HeldTokens(snapshot, layer)));
+  const uint64_t held = temporal.tokens;
   const uint64_t sinks = state.sink_end(kind.keep);
   PutKv(file, snapshot, layer,
         RingOrder(DimsOf(snapshot.spec, layer), temporal, sinks, state.ring_idx));
+  if (!snapshot.spec.left_padding.empty()) {
+    PutBatchRotatingState(snapshot, layer, kind, state, held, file);
+    return absl::OkStatus();
+  }
   file.metadata[Key(2, layer)] = "RotatingKVCache";
   const uint64_t meta[] = {kind.keep, kind.max_size, state.offset, state.ring_idx};
   for (int i = 0; i < 4; ++i) file.metadata[Key(0, layer, i)] = absl::StrCat(meta[i]);

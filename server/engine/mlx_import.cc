@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "engine/mlx_batch_meta.h"
 #include "engine/mlx_file_reader.h"
 #include "engine/mlx_file_util.h"
 #include "engine/mlx_state.h"
@@ -160,25 +161,25 @@ absl::Status ParseBatch(FileReader& reader, uint32_t layer, ParsedLayer& out) {
 // mlx-lm RotatingKVCache: the checks that make (keep, max_size, offset, _idx)
 // and L held tokens a state its updates can reach (rotating_layer.h).
 absl::Status CheckRotatingMeta(uint32_t layer, uint64_t keep, uint64_t max_size, uint64_t offset,
-                               uint64_t idx, uint64_t held) {
-  if (max_size == 0) return BadMeta(Key(0, layer, 1), "max_size must be at least 1");
+                               uint64_t idx, uint64_t held, const std::string& max_size_key,
+                               const std::string& offset_key, const std::string& idx_key) {
+  if (max_size == 0) return BadMeta(max_size_key, "max_size must be at least 1");
   if (keep >= max_size) {
     return BadMeta(Key(0, layer, 0),
                    absl::StrFormat("keep %d must be below max_size %d", keep, max_size));
   }
   if (held > offset) {
-    return BadMeta(Key(0, layer, 2),
+    return BadMeta(offset_key,
                    absl::StrFormat("offset %d is below the %d tokens held", offset, held));
   }
   if (held < offset && held < max_size) {
-    return BadMeta(Key(0, layer, 2),
+    return BadMeta(offset_key,
                    absl::StrFormat("offset %d with %d tokens held: tokens evicted before the "
                                    "window of %d filled",
                                    offset, held, max_size));
   }
   if (idx > held) {
-    return BadMeta(Key(0, layer, 3),
-                   absl::StrFormat("_idx %d is past the buffer's %d tokens", idx, held));
+    return BadMeta(idx_key, absl::StrFormat("_idx %d is past the buffer's %d tokens", idx, held));
   }
   if (idx < held && (held != max_size || idx <= keep || held == offset)) {
     return BadMeta(
@@ -196,7 +197,8 @@ absl::Status ParseRotating(FileReader& reader, uint32_t layer, const SpecLimits&
   ASSIGN_OR_RETURN(const uint64_t offset, reader.MetaNumber(Key(0, layer, 2), kMaxOffset));
   ASSIGN_OR_RETURN(const uint64_t idx, reader.MetaNumber(Key(0, layer, 3), kMaxOffset));
   const uint64_t held = kv.first->shape[2];
-  RETURN_IF_ERROR(CheckRotatingMeta(layer, keep, max_size, offset, idx, held));
+  RETURN_IF_ERROR(CheckRotatingMeta(layer, keep, max_size, offset, idx, held, Key(0, layer, 1),
+                                    Key(0, layer, 2), Key(0, layer, 3)));
   out.spec.kind = RotatingKind{.max_size = static_cast<uint32_t>(max_size),
                                .keep = static_cast<uint32_t>(keep)};
   out.offset = offset;
@@ -206,6 +208,64 @@ absl::Status ParseRotating(FileReader& reader, uint32_t layer, const SpecLimits&
   const auto temporal = [&](const FileTensor& tensor) {
     if (idx >= held) return TokenRuns(tensor, {{0, held}});
     return TokenRuns(tensor, {{0, sinks}, {idx, held - idx}, {sinks, idx - sinks}});
+  };
+  out.contents.held = {temporal(*kv.first), temporal(*kv.second), held};
+  out.contents.ring_idx = idx;
+  return absl::OkStatus();
+}
+
+// mlx-lm BatchRotatingKVCache (keep 0; mlx_state.h): the ring, offset[b] =
+// _offset - padding[b], left_padding[b] = padding[b] - (_offset - L), and
+// meta (max_size, _offset, _idx, rotated) with rotated "True" or "False".
+absl::Status ParseBatchRotating(FileReader& reader, uint32_t layer, const SpecLimits& limits,
+                                ParsedLayer& out) {
+  ASSIGN_OR_RETURN(const auto kv, ParseKeysValues(reader, layer, out));
+  ASSIGN_OR_RETURN(const uint64_t max_size, reader.MetaNumber(Key(0, layer, 0), limits.max_window));
+  ASSIGN_OR_RETURN(const uint64_t offset, reader.MetaNumber(Key(0, layer, 1), kMaxOffset));
+  ASSIGN_OR_RETURN(const uint64_t idx, reader.MetaNumber(Key(0, layer, 2), kMaxOffset));
+  ASSIGN_OR_RETURN(const std::string rotated_text, reader.Meta(Key(0, layer, 3)));
+  const absl::StatusOr<bool> rotated = ParsePythonBool(rotated_text);
+  if (!rotated.ok()) return BadMeta(Key(0, layer, 3), rotated.status().message());
+  const uint64_t held = kv.first->shape[2];
+  RETURN_IF_ERROR(CheckRotatingMeta(layer, 0, max_size, offset, idx, held, Key(0, layer, 0),
+                                    Key(0, layer, 1), Key(0, layer, 2)));
+  if (*rotated && held != max_size) {
+    return BadMeta(Key(0, layer, 3),
+                   absl::StrFormat("rotated with %d tokens held; a rotated ring holds max_size %d",
+                                   held, max_size));
+  }
+  if (!*rotated && idx < held) {
+    return BadMeta(Key(0, layer, 3), absl::StrFormat("not rotated, but _idx %d is inside the "
+                                                     "buffer of %d tokens",
+                                                     idx, held));
+  }
+  ASSIGN_OR_RETURN(const std::vector<int64_t> offsets,
+                   BatchArray(reader, Key(layer, 2), out.batch));
+  ASSIGN_OR_RETURN(const std::vector<int64_t> paddings,
+                   BatchArray(reader, Key(layer, 3), out.batch));
+  std::vector<uint32_t> left_padding;
+  const int64_t evicted = static_cast<int64_t>(offset - held);
+  for (uint64_t b = 0; b < out.batch; ++b) {
+    const int64_t padding = static_cast<int64_t>(offset) - offsets[b];
+    if (padding < 0 || padding > INT32_MAX) {
+      return BadTensor(Key(layer, 2),
+                       absl::StrFormat("offset[%d] %d is past _offset %d", b, offsets[b], offset));
+    }
+    if (paddings[b] != padding - evicted) {
+      return BadTensor(Key(layer, 3),
+                       absl::StrFormat("left_padding[%d] is %d, but padding %d less the %d "
+                                       "evicted tokens is %d",
+                                       b, paddings[b], padding, evicted, padding - evicted));
+    }
+    left_padding.push_back(static_cast<uint32_t>(padding));
+  }
+  out.left_padding = std::move(left_padding);
+  out.spec.kind = RotatingKind{.max_size = static_cast<uint32_t>(max_size), .keep = 0};
+  out.offset = offset;
+  out.offset_key = Key(0, layer, 1);
+  const auto temporal = [&](const FileTensor& tensor) {
+    if (idx >= held) return TokenRuns(tensor, {{0, held}});
+    return TokenRuns(tensor, {{idx, held - idx}, {0, idx}});
   };
   out.contents.held = {temporal(*kv.first), temporal(*kv.second), held};
   out.contents.ring_idx = idx;
@@ -330,7 +390,9 @@ absl::StatusOr<ParsedLayer> ParseLayer(FileReader& reader, uint32_t layer,
     RETURN_IF_ERROR(ParseChunked(reader, layer, limits, out));
   } else if (name == "ArraysCache") {
     RETURN_IF_ERROR(ParseArrays(reader, layer, out));
-  } else if (name == "BatchRotatingKVCache" || name == "CacheList") {
+  } else if (name == "BatchRotatingKVCache") {
+    RETURN_IF_ERROR(ParseBatchRotating(reader, layer, limits, out));
+  } else if (name == "CacheList") {
     return absl::FailedPreconditionError(absl::StrFormat(
         "metadata \"%s\": loading a %s layer is not supported", Key(2, layer), name));
   } else {
@@ -385,11 +447,12 @@ absl::StatusOr<std::vector<uint32_t>> LeftPadding(const std::vector<ParsedLayer>
     if (IsRecurrent(layer.spec)) continue;
     if (!layer.left_padding.has_value()) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "metadata \"%s\": a %s beside BatchKVCache layers; a cache here has one left padding",
+          "metadata \"%s\": a %s beside batch layers; a cache here has one left padding",
           Key(2, index), layer.mlx_class));
     }
     if (*layer.left_padding != *first->left_padding) {
-      return BadTensor(Key(index, 3), "left_padding differs from the other BatchKVCache layers'");
+      return BadTensor(Key(index, 2),
+                       "the padding it implies differs from the other batch layers'");
     }
   }
   return *first->left_padding;

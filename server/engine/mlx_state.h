@@ -14,6 +14,9 @@
 //                                                   scales, biases; "<i>.1.*" V     bits
 //   chunked                   ChunkedKVCache        keys, values [B,H,offset,D]     chunk_size,
 //                                                   (see below)                     start_position
+//   rotating + left_padding   BatchRotatingKVCache  ring, offset, left_padding     max_size,
+//   _offset,
+//                                                   (below)                         _idx, rotated
 //   recurrent                 ArraysCache           conv [B,conv_tail,conv_dim],    "" (none)
 //                                                   delta [B,Hv,Dv,Dk]
 //
@@ -40,9 +43,16 @@
 //   stands for at least one token; the true count is not in the file).
 // - User metadata goes to "1.<key>"; the spec's model to "1.model" unless the
 //   caller gave one. Loaded, "1.model" becomes the spec's model.
-// - Not (yet) written or read: BatchRotatingKVCache (a rotating layer in a
-//   cache with left_padding), CacheList; quantized and chunked layers in a cache
-//   with left_padding have no mlx-lm batch form. All FAILED_PRECONDITION.
+// - Batch rotating (mlx-lm BatchRotatingKVCache, keep 0): the ring as above;
+//   offset[b] = _offset - left_padding[b] with the cache's own padding, but
+//   the file's left_padding[b] is that padding less every token evicted from
+//   the front (_offset - held), as mlx-lm decrements it; meta (max_size,
+//   _offset, _idx, rotated) with rotated "True" exactly when a full ring has
+//   evicted (mlx_batch_meta.h: mlx-lm reads "False" as True; harmless to the
+//   buffer's order here, as a "False" ring is in temporal order and its roll
+//   by _idx = L moves nothing).
+// - Not written or read: CacheList; quantized and chunked layers in a cache
+//   with left_padding have no mlx-lm batch form. FAILED_PRECONDITION.
 #pragma once
 
 #include <cstdint>

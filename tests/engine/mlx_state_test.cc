@@ -6,6 +6,7 @@
 // with nothing taken from the pool.
 #include "engine/mlx_state.h"
 
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -161,11 +162,25 @@ TEST_P(MlxStateTest, AllRecurrentFileLoadsAtOffsetOne) {
   EXPECT_TRUE(SameFile(*file, *again));
 }
 
-TEST_P(MlxStateTest, LeftPaddedCachesAreBatchKVCaches) {
-  CacheSpec spec = MakeSpec({StandardLayerSpec(2, 4), SmallState()}, DType::kFloat16, 3);
+// Left padding: BatchKVCache and BatchRotatingKVCache (before and after its
+// ring wraps, and after a multi-token step re-orders it), beside ArraysCache.
+CacheSpec PaddedSpec() {
+  CacheSpec spec =
+      MakeSpec({StandardLayerSpec(2, 4), RotatingLayerSpec(1, 4, 0, 5, 0), SmallState()},
+               DType::kFloat16, 3);
   spec.left_padding = {2, 0, 1};
-  MlxMirror mirror(*engine_, spec, 7);
+  return spec;
+}
+
+TEST_P(MlxStateTest, LeftPaddedCachesAreBatchCaches) {
+  MlxMirror mirror(*engine_, PaddedSpec(), 7);
   ASSERT_TRUE(mirror.Step(3));
+  ExportChecked(mirror);
+  for (int step = 0; step < 7; ++step) {
+    ASSERT_TRUE(mirror.Step(1));
+    ExportChecked(mirror);
+  }
+  ASSERT_TRUE(mirror.Step(4));
   ExportChecked(mirror);
   ASSERT_TRUE(mirror.Step(1));
   ExportChecked(mirror);
@@ -241,8 +256,8 @@ TEST_P(MlxRefusalTest, ClassesAndLayerIndices) {
   file.metadata["2.0"] = "FancyCache";
   ExpectRefused(file, absl::StatusCode::kInvalidArgument, "metadata \"2.0\": unknown cache class");
   file = good;
-  file.metadata["2.1"] = "BatchRotatingKVCache";
-  ExpectRefused(file, absl::StatusCode::kFailedPrecondition, "BatchRotatingKVCache");
+  file.metadata["2.1"] = "CacheList";
+  ExpectRefused(file, absl::StatusCode::kFailedPrecondition, "loading a CacheList layer");
   file = good;
   file.metadata["2.0"] = "RotatingKVCache";  // no meta_state for it
   ExpectRefused(file, absl::StatusCode::kInvalidArgument, "metadata \"0.0.0\": missing");
@@ -357,6 +372,48 @@ TEST_P(MlxRefusalTest, MetaValues) {
   file.metadata["0.1.2"] = "7";
   ExpectRefused(file, absl::StatusCode::kInvalidArgument,
                 "metadata \"0.1.2\": offset 7 differs from 6");
+}
+
+// BatchRotatingKVCache's meta and arrays, `rotated` as Python writes bools
+// only (mlx-lm would read "False" as True; mlx_batch_meta.h).
+TEST_P(MlxRefusalTest, BatchMetaAndArrays) {
+  MlxMirror mirror(*engine_, PaddedSpec(), 13);
+  ASSERT_TRUE(mirror.Step(2));
+  for (int step = 0; step < 5; ++step) ASSERT_TRUE(mirror.Step(1));  // offset 7: wrapped
+  const PromptCacheFile good = ExportChecked(mirror);
+  ASSERT_EQ(good.metadata.at("0.1.3"), "True");
+  const auto refused = [&](const std::string& key, const std::string& value,
+                           const std::string& text) {
+    PromptCacheFile file = good;
+    file.metadata[key] = value;
+    ExpectRefused(file, absl::StatusCode::kInvalidArgument, "metadata \"" + key + "\": " + text);
+  };
+  refused("0.1.3", "false", "");
+  refused("0.1.3", "1", "");
+  refused("0.1.3", "False", "not rotated, but _idx 2 is inside the buffer of 5 tokens");
+  refused("0.1.2", "6", "_idx 6 is past the buffer");
+  PromptCacheFile file = good;
+  file.metadata["0.1.0"] = "6";  // max_size: the window could not have filled
+  ExpectRefused(file, absl::StatusCode::kInvalidArgument,
+                "metadata \"0.1.1\": offset 7 with 5 tokens held: tokens evicted before the "
+                "window of 6 filled");
+  file = good;
+  std::memcpy(file.tensors.at("1.3").data.data(), "\x05\0\0\0", 4);
+  ExpectRefused(
+      file, absl::StatusCode::kInvalidArgument,
+      "tensor \"1.3\": left_padding[0] is 5, but padding 2 less the 2 evicted tokens is 0");
+  file = good;
+  std::memcpy(file.tensors.at("0.3").data.data(), "\x01\0\0\0", 4);
+  ExpectRefused(file, absl::StatusCode::kInvalidArgument, "tensor \"0.2\": offset[0] is 5");
+  file = good;
+  file.tensors.at("1.2").dtype = engine::FileDType::kF32;
+  ExpectRefused(file, absl::StatusCode::kInvalidArgument, "tensor \"1.2\": dtype must be I32");
+  file = good;
+  file.metadata["2.0"] = "KVCache";
+  file.tensors.erase("0.2");
+  file.tensors.erase("0.3");
+  ExpectRefused(file, absl::StatusCode::kFailedPrecondition,
+                "metadata \"2.0\": a KVCache beside batch layers");
 }
 
 // A load that fails part-way (the pool runs out) gives back every page.

@@ -130,6 +130,7 @@ std::vector<int64_t> MlxRotatingModel::TrimFront(int64_t trim_size, const std::v
 
 void MlxRotatingModel::UpdateConcat(uint64_t tokens) {
   const std::vector<int64_t> fresh = Iota(offset_, offset_ + tokens);
+  rotated_ = false;
   if (empty_) {
     buffer_ = fresh;
   } else {
@@ -156,7 +157,10 @@ void MlxRotatingModel::UpdateInPlace() {
     buffer_ = TrimFront(trim_size, buffer_, {});
     idx_ = max_size_;
   }
-  if (idx_ == max_size_) idx_ = keep_;
+  if (idx_ == max_size_) {
+    idx_ = keep_;
+    rotated_ = true;
+  }
   buffer_[idx_] = static_cast<int64_t>(offset_);
   offset_ += 1;
   idx_ += 1;
@@ -256,9 +260,11 @@ absl::StatusOr<uint64_t> MlxMirror::Trim(uint64_t n) {
     }
     const auto& kind = spec_.layers[layer].kind;
     const bool padded = !spec_.left_padding.empty();
-    tensors += std::holds_alternative<engine::QuantizedKind>(kind)            ? 6
-               : padded && std::holds_alternative<engine::StandardKind>(kind) ? 4
-                                                                              : 2;
+    tensors += std::holds_alternative<engine::QuantizedKind>(kind) ? 6
+               : padded && !std::holds_alternative<engine::ChunkedKind>(kind) &&
+                       !IsRecurrent(spec_.layers[layer])
+                   ? 4
+                   : 2;
     metadata += 1 + (std::holds_alternative<engine::RotatingKind>(kind)    ? 4
                      : std::holds_alternative<engine::QuantizedKind>(kind) ? 3
                      : std::holds_alternative<engine::ChunkedKind>(kind)   ? 2
@@ -272,6 +278,31 @@ absl::StatusOr<uint64_t> MlxMirror::Trim(uint64_t n) {
            << " layer metadata entries, expected " << tensors << " and " << metadata;
   }
   return MetaIs(file, "1.model", spec_.model);
+}
+
+template <typename KvMatch>
+::testing::AssertionResult MlxMirror::BatchRotatingMatches(const PromptCacheFile& file,
+                                                           uint32_t layer,
+                                                           const MlxRotatingModel& model,
+                                                           const KvMatch& kv_match) const {
+  const std::string at = absl::StrCat(layer);
+  const std::vector<int64_t> ring = model.State();
+  // mlx-lm decrements left_padding by every token evicted from the front.
+  const int64_t evicted = static_cast<int64_t>(model.offset() - ring.size());
+  std::vector<int64_t> offsets, paddings;
+  for (uint32_t pad : spec_.left_padding) {
+    offsets.push_back(static_cast<int64_t>(model.offset()) - pad);
+    paddings.push_back(static_cast<int64_t>(pad) - evicted);
+  }
+  const std::vector<std::byte> offset_bytes = Int32s(offsets), padding_bytes = Int32s(paddings);
+  const uint64_t batch = spec_.batch_size;
+  if (auto r = MetaIs(file, "2." + at, "BatchRotatingKVCache"); !r) return r;
+  const auto& kind = std::get<engine::RotatingKind>(spec_.layers[layer].kind);
+  if (auto r = MetaNumbers(file, layer, {kind.max_size, model.offset(), model.idx()}); !r) return r;
+  if (auto r = MetaIs(file, "0." + at + ".3", model.rotated() ? "True" : "False"); !r) return r;
+  if (auto r = TensorIs(file, at + ".2", FileDType::kI32, {batch}, &offset_bytes); !r) return r;
+  if (auto r = TensorIs(file, at + ".3", FileDType::kI32, {batch}, &padding_bytes); !r) return r;
+  return kv_match(ring);
 }
 
 ::testing::AssertionResult MlxMirror::LayerMatches(const PromptCacheFile& file,
@@ -310,6 +341,7 @@ absl::StatusOr<uint64_t> MlxMirror::Trim(uint64_t n) {
   }
   if (const auto* rotating = std::get_if<engine::RotatingKind>(&spec.kind)) {
     const MlxRotatingModel& model = *rotating_[layer];
+    if (!spec_.left_padding.empty()) return BatchRotatingMatches(file, layer, model, kv_match);
     if (auto r = MetaIs(file, "2." + at, "RotatingKVCache"); !r) return r;
     if (auto r = MetaNumbers(file, layer,
                              {rotating->keep, rotating->max_size, model.offset(), model.idx()});

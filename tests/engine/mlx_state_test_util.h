@@ -29,6 +29,9 @@ class MlxRotatingModel {
   std::vector<int64_t> State() const;  // mlx-lm `state`: the buffer, sliced to offset
   uint64_t offset() const { return offset_; }
   uint64_t idx() const { return idx_; }
+  // BatchRotatingKVCache's `rotated` (keep 0): set by a single-token update
+  // that wraps, cleared by a multi-token one.
+  bool rotated() const { return rotated_; }
 
  private:
   std::vector<int64_t> TemporalOrder() const;
@@ -43,6 +46,7 @@ class MlxRotatingModel {
   std::vector<int64_t> buffer_;
   uint64_t offset_ = 0;
   uint64_t idx_ = 0;
+  bool rotated_ = false;
 };
 
 // The K and V bytes written at each position of one attention layer.
@@ -80,6 +84,10 @@ class MlxMirror {
  private:
   ::testing::AssertionResult LayerMatches(const engine::PromptCacheFile& file,
                                           const engine::CacheSnapshot& view, uint32_t layer) const;
+  template <typename KvMatch>
+  ::testing::AssertionResult BatchRotatingMatches(const engine::PromptCacheFile& file,
+                                                  uint32_t layer, const MlxRotatingModel& model,
+                                                  const KvMatch& kv_match) const;
 
   engine::Engine& engine_;
   engine::CacheSpec spec_;
