@@ -189,35 +189,33 @@ absl::Status ParseRotating(FileReader& reader, uint32_t layer, const SpecLimits&
 // mlx-lm BatchRotatingKVCache (keep 0; mlx_state.h): the ring, offset[b] =
 // _offset - padding[b], left_padding[b] = padding[b] - (_offset - L), and
 // meta (max_size, _offset, _idx, rotated) with rotated "True" or "False".
-absl::Status ParseBatchRotating(FileReader& reader, uint32_t layer, const SpecLimits& limits,
-                                ParsedLayer& out) {
-  ASSIGN_OR_RETURN(const auto kv, ParseKeysValues(reader, layer, out));
-  ASSIGN_OR_RETURN(const uint64_t max_size, reader.MetaNumber(Key(0, layer, 0), limits.max_window));
-  ASSIGN_OR_RETURN(const uint64_t offset, reader.MetaNumber(Key(0, layer, 1), kMaxOffset));
-  ASSIGN_OR_RETURN(const uint64_t idx, reader.MetaNumber(Key(0, layer, 2), kMaxOffset));
-  ASSIGN_OR_RETURN(const std::string rotated_text, reader.Meta(Key(0, layer, 3)));
-  const absl::StatusOr<bool> rotated = ParsePythonBool(rotated_text);
-  if (!rotated.ok()) return BadMeta(Key(0, layer, 3), rotated.status().message());
-  const uint64_t held = kv.first->shape[2];
-  RETURN_IF_ERROR(CheckRotatingMeta(layer, 0, max_size, offset, idx, held, Key(0, layer, 0),
-                                    Key(0, layer, 1), Key(0, layer, 2)));
-  if (*rotated && held != max_size) {
+// `rotated` agrees with the ring: a rotated one is full, and _idx lies inside
+// the buffer only once it has rotated.
+absl::Status CheckRotated(uint32_t layer, bool rotated, uint64_t held, uint64_t max_size,
+                          uint64_t idx) {
+  if (rotated && held != max_size) {
     return BadMeta(Key(0, layer, 3),
                    absl::StrFormat("rotated with %d tokens held; a rotated ring holds max_size %d",
                                    held, max_size));
   }
-  if (!*rotated && idx < held) {
-    return BadMeta(Key(0, layer, 3), absl::StrFormat("not rotated, but _idx %d is inside the "
-                                                     "buffer of %d tokens",
-                                                     idx, held));
+  if (!rotated && idx < held) {
+    return BadMeta(
+        Key(0, layer, 3),
+        absl::StrFormat("not rotated, but _idx %d is inside the buffer of %d tokens", idx, held));
   }
-  ASSIGN_OR_RETURN(const std::vector<int64_t> offsets,
-                   BatchArray(reader, Key(layer, 2), out.batch));
-  ASSIGN_OR_RETURN(const std::vector<int64_t> paddings,
-                   BatchArray(reader, Key(layer, 3), out.batch));
+  return absl::OkStatus();
+}
+
+// The cache's own left padding from offset[b] = _offset - padding[b], checked
+// against the file's left_padding[b] = padding[b] - (_offset - held).
+absl::StatusOr<std::vector<uint32_t>> BatchRotatingPadding(FileReader& reader, uint32_t layer,
+                                                           uint64_t batch, uint64_t offset,
+                                                           uint64_t held) {
+  ASSIGN_OR_RETURN(const std::vector<int64_t> offsets, BatchArray(reader, Key(layer, 2), batch));
+  ASSIGN_OR_RETURN(const std::vector<int64_t> paddings, BatchArray(reader, Key(layer, 3), batch));
   std::vector<uint32_t> left_padding;
   const int64_t evicted = static_cast<int64_t>(offset - held);
-  for (uint64_t b = 0; b < out.batch; ++b) {
+  for (uint64_t b = 0; b < batch; ++b) {
     const int64_t padding = static_cast<int64_t>(offset) - offsets[b];
     if (padding < 0 || padding > INT32_MAX) {
       return BadTensor(Key(layer, 2),
@@ -231,7 +229,23 @@ absl::Status ParseBatchRotating(FileReader& reader, uint32_t layer, const SpecLi
     }
     left_padding.push_back(static_cast<uint32_t>(padding));
   }
-  out.left_padding = std::move(left_padding);
+  return left_padding;
+}
+
+absl::Status ParseBatchRotating(FileReader& reader, uint32_t layer, const SpecLimits& limits,
+                                ParsedLayer& out) {
+  ASSIGN_OR_RETURN(const auto kv, ParseKeysValues(reader, layer, out));
+  ASSIGN_OR_RETURN(const uint64_t max_size, reader.MetaNumber(Key(0, layer, 0), limits.max_window));
+  ASSIGN_OR_RETURN(const uint64_t offset, reader.MetaNumber(Key(0, layer, 1), kMaxOffset));
+  ASSIGN_OR_RETURN(const uint64_t idx, reader.MetaNumber(Key(0, layer, 2), kMaxOffset));
+  ASSIGN_OR_RETURN(const std::string rotated_text, reader.Meta(Key(0, layer, 3)));
+  const absl::StatusOr<bool> rotated = ParsePythonBool(rotated_text);
+  if (!rotated.ok()) return BadMeta(Key(0, layer, 3), rotated.status().message());
+  const uint64_t held = kv.first->shape[2];
+  RETURN_IF_ERROR(CheckRotatingMeta(layer, 0, max_size, offset, idx, held, Key(0, layer, 0),
+                                    Key(0, layer, 1), Key(0, layer, 2)));
+  RETURN_IF_ERROR(CheckRotated(layer, *rotated, held, max_size, idx));
+  ASSIGN_OR_RETURN(out.left_padding, BatchRotatingPadding(reader, layer, out.batch, offset, held));
   out.spec.kind = RotatingKind{.max_size = static_cast<uint32_t>(max_size), .keep = 0};
   out.offset = offset;
   out.offset_key = Key(0, layer, 1);
