@@ -213,6 +213,25 @@ std::unique_ptr<Layer> ChunkedLayer::RestoredLayer(const ChunkedSnapshot& snap,
   return layer;
 }
 
+absl::Status ChunkedLayer::Load(const LayerContents& contents) {
+  if (state_.offset != 0) return absl::FailedPreconditionError("only an empty layer can be loaded");
+  const ChunkedState loaded_state{.offset = contents.offset, .start = contents.start_position};
+  if (loaded_state.start > loaded_state.offset || contents.held.tokens != loaded_state.held()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("chunked state (offset %d, start_position %d) with %d tokens",
+                        loaded_state.offset, loaded_state.start, contents.held.tokens));
+  }
+  PageTable loaded(table_.pool());
+  if (loaded_state.held() > 0) {
+    RETURN_IF_ERROR(CheckInput(geometry_, contents.held));
+    RETURN_IF_ERROR(WriteTokens(loaded, geometry_, loaded_state.start, contents.held));
+  }
+  table_ = std::move(loaded);
+  state_ = loaded_state;
+  writes_ = {};
+  return absl::OkStatus();
+}
+
 void ChunkedLayer::Free() {
   table_.Clear();
   state_ = ChunkedState{};

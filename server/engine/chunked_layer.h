@@ -101,6 +101,8 @@ class ChunkedLayer final : public Layer, public StagedAppend {
                                                   uint64_t target) const override;
   // Rows right-aligned at `offset`, the start position shared (layer_rows.cc).
   absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
+  // Tokens [start_position, offset) from `held`.
+  absl::Status Load(const LayerContents& contents) override;
   void Free() override;
   uint64_t size_bytes() const override;
 

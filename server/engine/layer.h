@@ -93,6 +93,33 @@ struct PackedOutput {
   Side values;
 };
 
+// A quantized range in its stored form, as input: shaped as in PackedOutput.
+struct PackedInput {
+  struct Side {
+    absl::Span<const std::byte> wq;
+    absl::Span<const std::byte> scales;
+    absl::Span<const std::byte> biases;
+  };
+  Side keys;
+  Side values;
+};
+
+// A whole layer state to put a fresh layer straight into (Layer::Load), as a
+// saved prompt-cache file holds it; each kind reads the fields it has.
+struct LayerContents {
+  uint64_t offset = 0;
+  // Attention kinds: the held tokens in temporal order (what Ranges() lists,
+  // concatenated), [B, H, L, D].
+  KvInput held;
+  // Quantized layers: the held tokens as stored, instead of `held`; their
+  // bytes land as they are (never requantized). L is `packed_tokens`.
+  const PackedInput* packed = nullptr;
+  uint64_t packed_tokens = 0;
+  uint64_t ring_idx = 0;              // rotating: mlx-lm `_idx`
+  uint64_t start_position = 0;        // chunked: mlx-lm start_position
+  const StateInput* state = nullptr;  // recurrent: the state as of `offset`
+};
+
 // Where a read lands: [B, H, L, Dk] keys and [B, H, L, Dv] values for a range of L.
 struct KvOutput {
   absl::Span<std::byte> keys;
@@ -197,6 +224,10 @@ class Layer {
   // `offset`: the batch operations (engine/batch_ops.h). The sources are of this
   // layer's kind and dims. All or nothing: on error the layer stays empty.
   virtual absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) = 0;
+  // Puts this empty layer straight into `contents` (loading a saved cache).
+  // All or nothing: on error the layer stays empty and holds no page.
+  // INVALID_ARGUMENT when the contents break the kind's rules.
+  virtual absl::Status Load(const LayerContents& contents) = 0;
   // Releases every page; offset returns to 0.
   virtual void Free() = 0;
   virtual uint64_t size_bytes() const = 0;

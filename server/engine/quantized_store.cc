@@ -84,6 +84,31 @@ absl::Status AddPackedReads(const PageGeometry& g, bool values, const std::vecto
   return absl::OkStatus();
 }
 
+// Write runs copying the side's packed buffers into the planes of `runs`.
+absl::Status AddPackedWrites(const PageGeometry& g, bool values, const std::vector<QuantRun>& runs,
+                             const PackedInput::Side& side, uint64_t tokens,
+                             std::vector<gpu::WriteRun>& writes) {
+  const gpu::QuantFormat f = SideFormat(g, values);
+  const uint64_t rows = tokens * g.batch * g.heads;
+  const char* names[3] = {values ? "values.wq" : "keys.wq",
+                          values ? "values.scales" : "keys.scales",
+                          values ? "values.biases" : "keys.biases"};
+  RETURN_IF_ERROR(CheckSize(names[0], side.wq.size(), rows * f.wq_row_bytes()));
+  RETURN_IF_ERROR(CheckSize(names[1], side.scales.size(), rows * f.scale_row_bytes()));
+  RETURN_IF_ERROR(CheckSize(names[2], side.biases.size(), rows * f.scale_row_bytes()));
+  for (const QuantRun& run : runs) {
+    writes.push_back({run.page, run.wq_offset, side.wq.data() + run.first_row * f.wq_row_bytes(),
+                      run.rows * f.wq_row_bytes()});
+    writes.push_back({run.page, run.scales_offset,
+                      side.scales.data() + run.first_row * f.scale_row_bytes(),
+                      run.rows * f.scale_row_bytes()});
+    writes.push_back({run.page, run.biases_offset,
+                      side.biases.data() + run.first_row * f.scale_row_bytes(),
+                      run.rows * f.scale_row_bytes()});
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 gpu::QuantFormat SideFormat(const PageGeometry& g, bool values) {
@@ -120,6 +145,21 @@ absl::Status ReadPackedTokens(const PageTable& table, const PageGeometry& g, Tok
   RETURN_IF_ERROR(AddPackedReads(g, false, k_runs, out.keys, range.size(), reads));
   RETURN_IF_ERROR(AddPackedReads(g, true, v_runs, out.values, range.size(), reads));
   return table.pool()->Read(reads);
+}
+
+absl::Status WritePackedTokens(PageTable& table, const PageGeometry& g, uint64_t tokens,
+                               const PackedInput& in) {
+  std::vector<PageId> pages;
+  RETURN_IF_ERROR(
+      table.pool()->Allocate(static_cast<uint32_t>(PagesFor(tokens, g.page_tokens)), pages));
+  for (size_t index = 0; index < pages.size(); ++index) table.Set(index, pages[index]);
+  const auto page_of = [&](const PageSpan& span, size_t) { return pages[span.index]; };
+  const std::vector<QuantRun> k_runs = SideRuns(g, false, 0, tokens, page_of);
+  const std::vector<QuantRun> v_runs = SideRuns(g, true, 0, tokens, page_of);
+  std::vector<gpu::WriteRun> writes;
+  RETURN_IF_ERROR(AddPackedWrites(g, false, k_runs, in.keys, tokens, writes));
+  RETURN_IF_ERROR(AddPackedWrites(g, true, v_runs, in.values, tokens, writes));
+  return table.pool()->Write(writes);
 }
 
 }  // namespace kvcache::engine

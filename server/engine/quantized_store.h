@@ -41,4 +41,11 @@ absl::Status DequantizeTokens(const PageTable& table, const PageGeometry& g, Tok
 absl::Status ReadPackedTokens(const PageTable& table, const PageGeometry& g, TokenRange range,
                               const PackedOutput& out);
 
+// Writes `tokens` tokens' packed planes, exactly as given (no requantizing),
+// at positions [0, tokens) of the empty `table`, into fresh pages.
+// INVALID_ARGUMENT naming the buffer unless each has the size ReadPackedTokens
+// would fill. On error the table may hold pages; the caller drops it.
+absl::Status WritePackedTokens(PageTable& table, const PageGeometry& g, uint64_t tokens,
+                               const PackedInput& in);
+
 }  // namespace kvcache::engine

@@ -199,6 +199,18 @@ void RecurrentLayer::AdoptState(const RecurrentSnapshot& snapshot) {
   offset_ = snapshot.to();
 }
 
+absl::Status RecurrentLayer::Load(const LayerContents& contents) {
+  if (offset_ != 0 || has_state()) {
+    return absl::FailedPreconditionError("only an empty layer can be loaded");
+  }
+  if (contents.state == nullptr) {
+    return absl::InvalidArgumentError("state: a recurrent layer is loaded from its state");
+  }
+  StateInput state = *contents.state;
+  state.advance = contents.offset;
+  return UpdateState(state);
+}
+
 void RecurrentLayer::Free() {
   pages_.Clear();
   offset_ = 0;

@@ -103,6 +103,8 @@ class RecurrentLayer final : public Layer {
                                                   uint64_t target) const override;
   // Each row's conv and delta state rows from its source row (layer_rows.cc).
   absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
+  // `state` as of `offset` (a state that stands for that many tokens).
+  absl::Status Load(const LayerContents& contents) override;
   void Free() override;
   uint64_t size_bytes() const override;
   // Speculation's commit: takes `snapshot`'s state (of a copy of this layer,

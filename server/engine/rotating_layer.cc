@@ -250,6 +250,50 @@ absl::Status RotatingLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
   return absl::OkStatus();
 }
 
+// The state mlx-lm's RotatingKVCache is in with `held` tokens at `offset`:
+// tokens were evicted (held < offset) only once the ring had filled, and the
+// write index lies inside the buffer, before its end only after a wrap.
+static absl::Status CheckLoadable(const RotatingKind& kind, uint64_t held, uint64_t offset,
+                                  uint64_t ring_idx) {
+  const auto invalid = [&](const char* why) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rotating state (keep %d, max_size %d, offset %d, _idx %d, %d tokens): %s",
+                        kind.keep, kind.max_size, offset, ring_idx, held, why));
+  };
+  if (held > offset) return invalid("holds more tokens than its offset");
+  if (held < offset && held < kind.max_size) return invalid("evicted before the window filled");
+  if (held == 0 && offset != 0) return invalid("an offset with no tokens");
+  if (ring_idx > held) return invalid("_idx is past the buffer");
+  if (ring_idx < held && (held != kind.max_size || ring_idx <= kind.keep || held == offset)) {
+    return invalid("_idx before the buffer's end without a wrapped ring");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RotatingLayer::Load(const LayerContents& contents) {
+  if (state_.offset != 0) return absl::FailedPreconditionError("only an empty layer can be loaded");
+  const uint64_t held = contents.held.tokens;
+  RETURN_IF_ERROR(CheckLoadable(kind_, held, contents.offset, contents.ring_idx));
+  const uint64_t sinks = std::min<uint64_t>(kind_.keep, contents.offset);
+  const RotatingState loaded_state{.offset = contents.offset,
+                                   .window_start = contents.offset - (held - sinks),
+                                   .ring_idx = contents.ring_idx};
+  PageTable loaded(table_.pool());
+  if (held > 0) RETURN_IF_ERROR(CheckInput(geometry_, contents.held));
+  if (sinks > 0) {
+    RETURN_IF_ERROR(
+        WriteTokens(loaded, geometry_, 0, SliceTokens(geometry_, contents.held, 0, sinks)));
+  }
+  if (held > sinks) {
+    RETURN_IF_ERROR(WriteTokens(loaded, geometry_, loaded_state.window_start,
+                                SliceTokens(geometry_, contents.held, sinks, held - sinks)));
+  }
+  table_ = std::move(loaded);
+  state_ = loaded_state;
+  writes_ = {};
+  return absl::OkStatus();
+}
+
 void RotatingLayer::Free() {
   table_.Clear();
   state_ = RotatingState{};

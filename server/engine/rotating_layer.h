@@ -84,6 +84,9 @@ class RotatingLayer final : public Layer, public StagedAppend {
                                                   uint64_t target) const override;
   // Every row's window right-aligned at `offset` (see AssembledState).
   absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
+  // The sinks and the window from `held` (its L tokens: min(keep, offset)
+  // sinks, then the most recent ones) and mlx-lm's `_idx` as ring_idx.
+  absl::Status Load(const LayerContents& contents) override;
   void Free() override;
   uint64_t size_bytes() const override;
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "engine/quantized_store.h"
 #include "engine/row_assembly.h"
 #include "engine/token_store.h"
 
@@ -148,6 +149,34 @@ absl::Status StandardLayer::AssembleRows(absl::Span<const RowSource> rows, uint6
   }
   RETURN_IF_ERROR(AssembleRowsInto(table_, geometry_, held, copies));
   offset_ = offset;
+  return absl::OkStatus();
+}
+
+absl::Status StandardLayer::Load(const LayerContents& contents) {
+  if (offset_ != 0) return absl::FailedPreconditionError("only an empty layer can be loaded");
+  PageTable loaded(table_.pool());
+  if (geometry_.quantized()) {
+    if (contents.packed == nullptr || contents.packed_tokens != contents.offset) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("a quantized layer at offset %d needs its %d tokens packed",
+                          contents.offset, contents.offset));
+    }
+    if (contents.offset > 0) {
+      RETURN_IF_ERROR(WritePackedTokens(loaded, geometry_, contents.offset, *contents.packed));
+    }
+  } else {
+    if (contents.held.tokens != contents.offset) {
+      return absl::InvalidArgumentError(absl::StrFormat("keys: %d tokens for a layer at offset %d",
+                                                        contents.held.tokens, contents.offset));
+    }
+    if (contents.offset > 0) {
+      RETURN_IF_ERROR(CheckInput(geometry_, contents.held));
+      RETURN_IF_ERROR(WriteTokens(loaded, geometry_, 0, contents.held));
+    }
+  }
+  table_ = std::move(loaded);
+  offset_ = contents.offset;
+  writes_ = {};
   return absl::OkStatus();
 }
 

@@ -60,6 +60,8 @@ class StandardLayer final : public Layer, public StagedAppend {
                                                   uint64_t target) const override;
   // Positions [0, offset): each row's source tokens shifted, zeros elsewhere.
   absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) override;
+  // Tokens [0, offset) from `held`, or as stored from `packed` (quantized).
+  absl::Status Load(const LayerContents& contents) override;
   void Free() override;
   uint64_t size_bytes() const override;
 

@@ -88,6 +88,21 @@ void PlanRuns(const PageGeometry& g, uint64_t offset, const KvInput& kv,
 
 }  // namespace
 
+KvInput SliceTokens(const PageGeometry& g, const KvInput& kv, uint64_t first, uint64_t count) {
+  KvInput slice;
+  slice.tokens = count;
+  const uint64_t k_token = uint64_t{g.k_dim} * g.elem_bytes;
+  const uint64_t v_token = uint64_t{g.v_dim} * g.elem_bytes;
+  for (uint64_t rh = 0; rh < uint64_t{g.batch} * g.heads; ++rh) {
+    const uint64_t token = rh * kv.tokens + first;
+    kv.keys.ForEachPart(token * k_token, count * k_token,
+                        [&](absl::Span<const std::byte> part) { slice.keys.Append(part); });
+    kv.values.ForEachPart(token * v_token, count * v_token,
+                          [&](absl::Span<const std::byte> part) { slice.values.Append(part); });
+  }
+  return slice;
+}
+
 absl::Status CheckInput(const PageGeometry& g, const KvInput& kv) {
   if (kv.tokens == 0) return absl::InvalidArgumentError("tokens: an update needs at least one token");
   if (kv.keys.size() != g.KBytes(kv.tokens)) {

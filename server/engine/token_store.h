@@ -106,6 +106,12 @@ absl::Status CheckInput(const PageGeometry& geometry, const KvInput& kv);
 absl::Status WriteTokens(PageTable& table, const PageGeometry& geometry, uint64_t offset,
                          const KvInput& kv, AppendRight* right = nullptr);
 
+// Tokens [first, first + count) of `kv` (a [B, H, L, D] input of this
+// geometry) as an input of their own: B*H pieces per side, no copy. `kv` must
+// outlive the result and hold at least first + count tokens.
+KvInput SliceTokens(const PageGeometry& geometry, const KvInput& kv, uint64_t first,
+                    uint64_t count);
+
 // Copies positions `range` (every page present) into `out` as [B, H, L, D].
 absl::Status ReadTokens(const PageTable& table, const PageGeometry& geometry, TokenRange range,
                         const KvOutput& out);
