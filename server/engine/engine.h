@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,8 @@
 #include "engine/cache_spec.h"
 #include "engine/lease.h"
 #include "engine/metadata_budget.h"
+#include "engine/prompt_cache.h"
+#include "engine/saved_files.h"
 #include "engine/snapshot_registry.h"
 #include "engine/speculation.h"
 #include "gpu/page_pool.h"
@@ -44,6 +47,9 @@ struct EngineOptions {
   // Most host memory caches and snapshots may hold outside the pool
   // (engine/metadata_budget.h); 0: DefaultMetadataBytes of the pool's budget.
   uint64_t metadata_bytes = 0;
+  // Where SaveSnapshot and LoadSnapshot keep files (the server's --data_dir);
+  // null: those calls are FAILED_PRECONDITION naming data_dir.
+  SavedFileStore* saved_files = nullptr;
   // Where leases read the time (tests pass a manual clock); null: the system's.
   const LeaseClock* clock = nullptr;
 };
@@ -78,6 +84,14 @@ struct EngineStats {
   uint64_t max_pinned_bytes = 0;  // 0: no limit
   uint64_t metadata_bytes = 0;    // charged to caches, snapshots and the pool's tables
   uint64_t max_metadata_bytes = 0;
+};
+
+// A snapshot made from a prompt-cache file, and what the file said.
+struct LoadedSnapshot {
+  SnapshotInfo snapshot;
+  CacheSpec spec;
+  std::map<std::string, std::string> metadata;  // the file's user metadata
+  bool checksum_verified = false;
 };
 
 // What renewing leases found: one per id asked for, in order.
@@ -227,6 +241,32 @@ class Engine {
   // (lease_reaper.h). Returns how many of each.
   std::pair<uint64_t, uint64_t> ExpireLeases();
 
+  // Prompt-cache files (mlx-lm save_prompt_cache; engine/mlx_state.h maps
+  // the layout, engine/saved_files.h keeps the files). A snapshot as a file:
+  // it must start at 0 (FAILED_PRECONDITION otherwise); `metadata` becomes
+  // the file's user metadata.
+  absl::StatusOr<PromptCacheFile> ExportSnapshot(
+      const std::string& snapshot_id, const std::map<std::string, std::string>& metadata) const;
+  // A new snapshot [0, offset) of a file's state, pinned and leased as
+  // Snapshot's; INVALID_ARGUMENT naming the tensor or metadata key a bad file
+  // gets wrong, and then nothing is made.
+  absl::StatusOr<LoadedSnapshot> ImportSnapshot(const PromptCacheFile& file, bool checksum_verified,
+                                                bool pinned, absl::Duration ttl);
+  // Decodes `bytes` (DATA_LOSS when damaged), imports them, and with a
+  // non-empty `name` saves them too: both or neither.
+  absl::StatusOr<LoadedSnapshot> ImportBytes(absl::string_view bytes, const std::string& name,
+                                             bool pinned, absl::Duration ttl);
+  // The same through the data dir.
+  absl::StatusOr<SavedFileInfo> SaveSnapshot(const std::string& snapshot_id,
+                                             const std::string& name,
+                                             const std::map<std::string, std::string>& metadata);
+  absl::StatusOr<LoadedSnapshot> LoadSnapshot(const std::string& name, bool pinned,
+                                              absl::Duration ttl);
+  absl::StatusOr<std::vector<SavedFileInfo>> ListSaved() const;
+  absl::Status DeleteSaved(const std::string& name);
+  // A saved file's bytes as stored.
+  absl::StatusOr<std::string> ReadSaved(const std::string& name) const;
+
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -265,6 +305,8 @@ class Engine {
                                      absl::Duration ttl = absl::ZeroDuration());
   absl::StatusOr<MetadataCharge> ChargeCache(const Cache& cache);
   absl::StatusOr<MetadataCharge> ChargeSnapshot(const CacheSnapshot& snapshot);
+  // The data dir's store, or FAILED_PRECONDITION naming data_dir.
+  absl::StatusOr<SavedFileStore*> SavedFiles() const;
   // What deleting a cache does once its entry is out of the map: ends its
   // speculation and frees its pages.
   void Retire(Entry& entry);

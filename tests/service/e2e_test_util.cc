@@ -28,6 +28,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.engine.default_ttl = setup.default_ttl;
   config.engine.max_pinned_bytes = setup.max_pinned_bytes;
   config.engine.metadata_bytes = setup.metadata_bytes;
+  config.data_dir = setup.data_dir;
+  config.disk_bytes = setup.disk_bytes;
   config.lease_check_interval = setup.lease_check_interval;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {

@@ -1,0 +1,251 @@
+// Prompt-cache files through a whole server: a snapshot saved to the data
+// dir, listed, loaded back and fetched byte for byte; the same through the
+// Export / Import streams (files larger than one message); files survive a
+// restart; bad names, unknown ids, partial snapshots and damaged bytes are
+// refused with their status and change nothing; without a data dir the
+// data-dir calls say so and the streams still work.
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "e2e_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service_test_util.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
+
+class E2eFilesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_dir_ = std::filesystem::path(::testing::TempDir()) /
+                ("kvcached-files-" + std::to_string(std::random_device()()));
+    std::filesystem::create_directories(data_dir_);
+  }
+  void TearDown() override {
+    if (server_ != nullptr) server_->CleanUpAndCheck();
+    server_.reset();
+    std::filesystem::remove_all(data_dir_);
+  }
+  void Start(bool with_data_dir = true) {
+    server_ = TestServer::Start(ServerSetup{.data_dir = with_data_dir ? data_dir_.string() : ""});
+    ASSERT_NE(server_, nullptr);
+  }
+  Client& client() { return server_->client(); }
+
+  // A cache of two standard layers and a rotating one (window 8, 4 sinks)
+  // holding `tokens` tokens, and a snapshot of it from 0.
+  v1::SnapshotInfo FilledSnapshot(uint64_t tokens, uint32_t heads = 2, uint32_t dim = 8) {
+    const v1::CacheSpec spec = ProtoSpec(2, heads, dim, /*window=*/8);
+    auto cache = client().CreateCache(spec);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return {};
+    for (uint64_t sent = 0; sent < tokens;) {
+      const uint64_t step = std::min<uint64_t>(tokens - sent, 200);
+      std::vector<v1::UpdateRequest> requests;
+      std::vector<LayerUpdate> updates;
+      for (int layer = 0; layer < spec.layers_size(); ++layer) {
+        requests.push_back(RandomUpdate(cache->cache_id(), spec, layer, step, rng_));
+      }
+      for (const v1::UpdateRequest& request : requests) updates.push_back(ToLayerUpdate(request));
+      EXPECT_TRUE(client().Update(cache->cache_id(), updates).ok());
+      sent += step;
+    }
+    auto snapshot = client().Snapshot(cache->cache_id(), 0);
+    EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+    return snapshot.value_or(v1::SnapshotInfo());
+  }
+
+  // Every layer of the two snapshots holds the same positions and bytes.
+  void ExpectSameHistory(const std::string& expected_id, const std::string& actual_id, int layers) {
+    for (int layer = 0; layer < layers; ++layer) {
+      auto expected = client().FetchLayer("", expected_id, layer);
+      auto actual = client().FetchLayer("", actual_id, layer);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      ASSERT_TRUE(actual.ok()) << actual.status();
+      EXPECT_EQ(actual->ranges, expected->ranges) << "layer " << layer;
+      EXPECT_TRUE(actual->keys == expected->keys) << "layer " << layer;
+      EXPECT_TRUE(actual->values == expected->values) << "layer " << layer;
+    }
+  }
+  size_t SnapshotCount() { return client().ListSnapshots().value().size(); }
+
+  std::filesystem::path data_dir_;
+  std::unique_ptr<TestServer> server_;
+  std::mt19937_64 rng_{11};
+};
+
+TEST_F(E2eFilesTest, ASavedSnapshotIsListedLoadedBackAndDeleted) {
+  Start();
+  const v1::SnapshotInfo snapshot = FilledSnapshot(37);  // the rotating layer has wrapped
+  auto saved = client().SaveSnapshot(snapshot.snapshot_id(), "chat-1", {{"model", "tiny"}});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->name(), "chat-1");
+  EXPECT_GT(saved->size_bytes(), 0u);
+  EXPECT_TRUE(std::filesystem::exists(data_dir_ / "chat-1.safetensors"));
+  auto listed = client().ListSaved();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].size_bytes(), saved->size_bytes());
+
+  auto loaded = client().LoadSnapshot("chat-1");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->checksum_verified());
+  EXPECT_EQ(loaded->metadata().at("model"), "tiny");
+  EXPECT_EQ(loaded->spec().model(), "tiny");
+  EXPECT_EQ(loaded->snapshot().to_offset(), 37u);
+  ASSERT_EQ(loaded->spec().layers_size(), 3);
+  EXPECT_EQ(loaded->spec().layers(2).rotating().max_size(), 8u);
+  EXPECT_EQ(loaded->spec().layers(2).rotating().keep(), 4u);
+  ExpectSameHistory(snapshot.snapshot_id(), loaded->snapshot().snapshot_id(), 3);
+
+  // A cache restored from the loaded snapshot continues from it.
+  auto cache = client().CreateCache(loaded->spec());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  auto restored = client().Restore(cache->cache_id(), loaded->snapshot().snapshot_id(), 37);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->offset(), 37u);
+
+  ASSERT_TRUE(client().DeleteSaved("chat-1").ok());
+  EXPECT_TRUE(client().ListSaved().value().empty());
+  const absl::Status gone = client().LoadSnapshot("chat-1").status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(gone.message(), HasSubstr("chat-1"));
+  EXPECT_EQ(client().DeleteSaved("chat-1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(E2eFilesTest, FilesStreamOutAndBackInAcrossManyMessages) {
+  Start();
+  // About 2.4 MiB of K/V: the streams cut it into several 1 MiB messages.
+  const v1::SnapshotInfo snapshot = FilledSnapshot(600, /*heads=*/4, /*dim=*/128);
+  v1::ExportSnapshotRequest by_id;
+  by_id.set_snapshot_id(snapshot.snapshot_id());
+  (*by_id.mutable_metadata())["model"] = "tiny";
+  auto file = client().ExportSnapshot(by_id);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_GT(file->size(), 2u << 20);
+
+  auto imported = client().ImportSnapshot(*file);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_TRUE(imported->checksum_verified());
+  ExpectSameHistory(snapshot.snapshot_id(), imported->snapshot().snapshot_id(), 3);
+  EXPECT_TRUE(client().ListSaved().value().empty()) << "an import without a name saved a file";
+
+  v1::ImportSnapshotRequest options;
+  options.set_name("kept");
+  options.set_pinned(true);
+  auto kept = client().ImportSnapshot(*file, options);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(kept->snapshot().pinned());
+  v1::ExportSnapshotRequest by_name;
+  by_name.set_name("kept");
+  auto stored = client().ExportSnapshot(by_name);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_TRUE(*stored == *file) << "the saved file is not the bytes that were imported";
+}
+
+TEST_F(E2eFilesTest, BadRequestsAndDamagedFilesChangeNothing) {
+  Start();
+  const v1::SnapshotInfo snapshot = FilledSnapshot(12);
+  const size_t snapshots = SnapshotCount();
+  const auto expect_refused = [&](const absl::Status& status, absl::StatusCode code,
+                                  const std::string& names) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(status.message(), HasSubstr(names));
+  };
+  expect_refused(client().SaveSnapshot(snapshot.snapshot_id(), "../escape").status(),
+                 absl::StatusCode::kInvalidArgument, "name");
+  expect_refused(client().SaveSnapshot(snapshot.snapshot_id(), "").status(),
+                 absl::StatusCode::kInvalidArgument, "name");
+  expect_refused(client().SaveSnapshot(snapshot.snapshot_id(), std::string(201, 'a')).status(),
+                 absl::StatusCode::kInvalidArgument, "name");
+  expect_refused(client().SaveSnapshot(kUnknownId, "x").status(), absl::StatusCode::kNotFound,
+                 "snapshot_id");
+  expect_refused(client().LoadSnapshot("never-saved").status(), absl::StatusCode::kNotFound,
+                 "never-saved");
+  v1::ExportSnapshotRequest both;
+  both.set_name("x");
+  both.set_snapshot_id(snapshot.snapshot_id());
+  expect_refused(client().ExportSnapshot(both).status(), absl::StatusCode::kInvalidArgument,
+                 "snapshot_id");
+
+  v1::ExportSnapshotRequest export_request;
+  export_request.set_snapshot_id(snapshot.snapshot_id());
+  auto file = client().ExportSnapshot(export_request);
+  ASSERT_TRUE(file.ok()) << file.status();
+
+  // A snapshot that does not start at 0 is not a whole cache: no file holds it.
+  auto split = client().SplitSnapshot(snapshot.snapshot_id(), 6);
+  ASSERT_TRUE(split.ok()) << split.status();
+  expect_refused(client().SaveSnapshot(split->child().snapshot_id(), "half").status(),
+                 absl::StatusCode::kFailedPrecondition, "");
+  EXPECT_TRUE(client().ListSaved().value().empty());
+
+  const size_t before_imports = SnapshotCount();
+  expect_refused(client().ImportSnapshot(file->substr(0, file->size() - 3)).status(),
+                 absl::StatusCode::kDataLoss, "");
+  std::string flipped = *file;
+  flipped[flipped.size() / 2] ^= 0x10;
+  expect_refused(client().ImportSnapshot(flipped).status(), absl::StatusCode::kDataLoss,
+                 "checksum");
+  expect_refused(client().ImportSnapshot("").status(), absl::StatusCode::kDataLoss, "");
+  v1::ImportSnapshotRequest bad_name;
+  bad_name.set_name("a/b");
+  expect_refused(client().ImportSnapshot(*file, bad_name).status(),
+                 absl::StatusCode::kInvalidArgument, "name");
+  EXPECT_EQ(SnapshotCount(), before_imports) << "a refused import made a snapshot";
+  EXPECT_TRUE(client().ListSaved().value().empty());
+  EXPECT_EQ(snapshots + 1, before_imports);  // the split made two of one
+}
+
+TEST_F(E2eFilesTest, WithoutADataDirOnlyTheStreamsWork) {
+  Start(/*with_data_dir=*/false);
+  const v1::SnapshotInfo snapshot = FilledSnapshot(5);
+  for (const absl::Status& status : {client().SaveSnapshot(snapshot.snapshot_id(), "x").status(),
+                                     client().LoadSnapshot("x").status(),
+                                     client().ListSaved().status(), client().DeleteSaved("x")}) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(status.message(), HasSubstr("data_dir"));
+  }
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(snapshot.snapshot_id());
+  auto file = client().ExportSnapshot(request);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto imported = client().ImportSnapshot(*file);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  ExpectSameHistory(snapshot.snapshot_id(), imported->snapshot().snapshot_id(), 3);
+}
+
+TEST_F(E2eFilesTest, SavedFilesSurviveARestart) {
+  Start();
+  const v1::SnapshotInfo snapshot = FilledSnapshot(21);
+  ASSERT_TRUE(client().SaveSnapshot(snapshot.snapshot_id(), "durable").ok());
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(snapshot.snapshot_id());
+  auto before = client().ExportSnapshot(request);
+  ASSERT_TRUE(before.ok());
+  server_->CleanUpAndCheck();
+  server_.reset();
+
+  Start();
+  auto listed = client().ListSaved();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name(), "durable");
+  auto loaded = client().LoadSnapshot("durable");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  v1::ExportSnapshotRequest again;
+  again.set_snapshot_id(loaded->snapshot().snapshot_id());
+  auto after = client().ExportSnapshot(again);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(*after == *before) << "the state read back differs from the state saved";
+}
+
+}  // namespace
+}  // namespace kvcache::testing
