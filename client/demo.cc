@@ -165,6 +165,32 @@ absl::Status ShowLeases(kvcache::Client& client, const std::string& cache_id) {
   return absl::OkStatus();
 }
 
+// The snapshot as an mlx-lm prompt-cache file in the server's data dir, then
+// loaded back into a new snapshot that a fresh cache restores from: what a
+// restarted server or an mlx-lm user would do with the file.
+absl::Status ShowPromptCacheFile(kvcache::Client& client, const std::string& snapshot_id,
+                                 uint64_t offset) {
+  auto saved = client.SaveSnapshot(snapshot_id, "demo-chat", {{"model", "toy"}});
+  if (!saved.ok()) return saved.status();
+  auto loaded = client.LoadSnapshot(saved->name());
+  if (!loaded.ok()) return loaded.status();
+  absl::PrintF(
+      "saved it as demo-chat.safetensors (%d bytes, mlx-lm's save_prompt_cache layout) and "
+      "loaded it back: snapshot %s, model \"%s\", checksum %s\n",
+      saved->size_bytes(), loaded->snapshot().snapshot_id().c_str(), loaded->spec().model().c_str(),
+      loaded->checksum_verified() ? "verified" : "absent");
+  auto copy = client.CreateCache(loaded->spec());
+  if (!copy.ok()) return copy.status();
+  auto restored = client.Restore(copy->cache_id(), loaded->snapshot().snapshot_id(), offset);
+  if (!restored.ok()) return restored.status();
+  absl::PrintF("a new cache restored from the loaded file holds the same K/V:\n");
+  if (absl::Status verified = Verify(client, copy->cache_id(), offset); !verified.ok()) {
+    return verified;
+  }
+  if (absl::Status deleted = client.DeleteCache(copy->cache_id()); !deleted.ok()) return deleted;
+  return client.ReleaseSnapshot(loaded->snapshot().snapshot_id());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -203,12 +229,18 @@ int main(int argc, char** argv) {
 
   absl::PrintF("fetching every layer and checking it against the toy model:\n");
   if (Check(Verify(*client, id, offset), "verify")) return 1;
+  if (Check(ShowPromptCacheFile(*client, snapshot->snapshot_id(), offset), "prompt-cache file")) {
+    return 1;
+  }
 
   auto stats = client->GetStats();
   if (Check(stats.status(), "GetStats")) return 1;
-  absl::PrintF("stats: device %s (%s), %d of %d pages in use, %d cache(s), %d snapshot(s)\n",
-              stats->device().c_str(), stats->transfer_path().c_str(), stats->pages_used(),
-              stats->pages_total(), stats->caches(), stats->snapshots());
+  absl::PrintF(
+      "stats: device %s (%s), %d of %d pages in use, %d cache(s), %d snapshot(s), %d of %d "
+      "bytes of metadata budget\n",
+      stats->device().c_str(), stats->transfer_path().c_str(), stats->pages_used(),
+      stats->pages_total(), stats->caches(), stats->snapshots(), stats->metadata_bytes(),
+      stats->max_metadata_bytes());
   if (Check(client->ReleaseSnapshot(snapshot->snapshot_id()), "ReleaseSnapshot")) return 1;
   if (Check(client->DeleteCache(id), "DeleteCache")) return 1;
   absl::PrintF("released the snapshot and deleted the cache: demo passed\n");
