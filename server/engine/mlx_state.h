@@ -1,24 +1,22 @@
 // A cache snapshot as an mlx-lm prompt cache (engine/prompt_cache.h), and a
 // cache rebuilt from one: the same file loads in mlx-lm and here.
 //
-// Per layer (mlx-lm cache.py `state` / `meta_state` / class name):
+// Per layer (mlx-lm cache.py `state` / `meta_state` / class name), tensors
+// "<i>.<k>" and meta "0.<i>.<k>":
 //
-//   kind (spec)               class                 tensors "<i>.<k>"              meta "0.<i>.<k>"
-//   standard                  KVCache               keys, values [B,H,offset,D]     "" (none)
-//   standard + left_padding   BatchKVCache          keys, values, offset [B] i32,   "" (none)
-//                                                   left_padding [B] i32
-//   rotating                  RotatingKVCache       keys, values: the raw ring      keep, max_size,
-//                                                   buffer [B,H,held,D]             offset, _idx
-//   quantized                 QuantizedKVCache      "<i>.0.{0,1,2}" keys wq u32,    offset,
-//   group_size,
-//                                                   scales, biases; "<i>.1.*" V     bits
-//   chunked                   ChunkedKVCache        keys, values [B,H,offset,D]     chunk_size,
-//                                                   (see below)                     start_position
-//   rotating + left_padding   BatchRotatingKVCache  ring, offset, left_padding     max_size,
-//   _offset,
-//                                                   (below)                         _idx, rotated
-//   recurrent                 ArraysCache           conv [B,conv_tail,conv_dim],    "" (none)
-//                                                   delta [B,Hv,Dv,Dk]
+//   standard: KVCache; keys, values [B,H,offset,D]; no meta
+//   standard + left_padding: BatchKVCache; keys, values, offset [B] i32,
+//       left_padding [B] i32; no meta
+//   rotating: RotatingKVCache; keys, values as the raw ring buffer
+//       [B,H,held,D]; keep, max_size, offset, _idx
+//   quantized: QuantizedKVCache; "<i>.0.{0,1,2}" keys wq u32, scales, biases,
+//       "<i>.1.*" values; offset, group_size, bits
+//   chunked: ChunkedKVCache; keys, values [B,H,offset,D] (below);
+//       chunk_size, start_position
+//   rotating + left_padding: BatchRotatingKVCache; ring, offset, left_padding
+//       (below); max_size, _offset, _idx, rotated
+//   recurrent: ArraysCache; conv [B,conv_tail,conv_dim], delta [B,Hv,Dv,Dk];
+//       no meta
 //
 // Decisions where mlx-lm leaves room:
 // - A file is a whole cache: the snapshot must start at 0, and every layer
