@@ -46,7 +46,40 @@ namespace {
 using Json = nlohmann::json;
 
 // Parses JSON, refusing duplicate keys (nlohmann would silently keep the last).
+// A safetensors header is three levels deep ({"name": {"shape": [...]}});
+// nlohmann's dump() recurses once per level, and a hostile 100 MB header of
+// nested brackets would overflow the stack when an error message prints it.
+constexpr int kMaxHeaderDepth = 4;
+
+// The deepest nesting of arrays and objects in `text`, brackets inside
+// strings aside; stops counting past kMaxHeaderDepth.
+int NestingDepth(absl::string_view text) {
+  int depth = 0;
+  int deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size() && deepest <= kMaxHeaderDepth; ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;  // the escaped character cannot end the string
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 absl::StatusOr<Json> ParseWithoutDuplicates(absl::string_view text) {
+  if (NestingDepth(text) > kMaxHeaderDepth) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors header nests arrays or objects more than ", kMaxHeaderDepth, " deep"));
+  }
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
   auto on_event = [&](int, Json::parse_event_t event, Json& parsed) {

@@ -36,15 +36,21 @@ void ExportReactor::OnWriteDone(bool ok) {
   WriteNext();
 }
 
-ImportReactor::ImportReactor(Handlers& handlers, v1::LoadSnapshotResponse* response,
-                             uint64_t max_file_bytes)
-    : handlers_(handlers), response_(response), max_file_bytes_(max_file_bytes) {
+ImportReactor::ImportReactor(Handlers& handlers, grpc::CallbackServerContext* context,
+                             v1::LoadSnapshotResponse* response, uint64_t max_file_bytes)
+    : handlers_(handlers), context_(context), response_(response), max_file_bytes_(max_file_bytes) {
   StartRead(&request_);
 }
 
 void ImportReactor::OnReadDone(bool ok) {
-  if (!ok) {  // the client has sent everything
-    Finish(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));
+  if (!ok) {
+    // Reads also end when the call is cancelled (by the client, or its
+    // deadline): then no one would learn the new snapshot's id, so none is made.
+    if (context_->IsCancelled()) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the import was cancelled"));
+      return;
+    }
+    Finish(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));  // all sent
     return;
   }
   if (first_) {

@@ -33,12 +33,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::FileChunk> {
 class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSnapshotRequest> {
  public:
   // `max_file_bytes`: the largest file taken; more is RESOURCE_EXHAUSTED.
-  ImportReactor(Handlers& handlers, v1::LoadSnapshotResponse* response, uint64_t max_file_bytes);
+  ImportReactor(Handlers& handlers, grpc::CallbackServerContext* context,
+                v1::LoadSnapshotResponse* response, uint64_t max_file_bytes);
   void OnReadDone(bool ok) override;
   void OnDone() override { delete this; }
 
  private:
   Handlers& handlers_;
+  grpc::CallbackServerContext* context_;
   v1::LoadSnapshotResponse* response_;
   const uint64_t max_file_bytes_;
   v1::ImportSnapshotRequest request_;

@@ -51,7 +51,7 @@ grpc::ServerWriteReactor<v1::FileChunk>* KvCacheService::ExportSnapshot(
 // A file larger than the pool could never load, so no more is buffered.
 grpc::ServerReadReactor<v1::ImportSnapshotRequest>* KvCacheService::ImportSnapshot(
     grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) {
-  return new ImportReactor(handlers_, response, handlers_.MaxImportBytes());
+  return new ImportReactor(handlers_, context, response, handlers_.MaxImportBytes());
 }
 
 }  // namespace kvcache::service

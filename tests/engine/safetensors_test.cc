@@ -250,6 +250,25 @@ TEST(SafetensorsTest, DecodeRefusesImpossibleHeaderLengths) {
                 "header length 100000001 is above mlx's limit of 100000000");
 }
 
+// A header of nested brackets deep enough to overflow the stack of a
+// recursive printer is refused before anything walks it; brackets inside
+// strings (a tokenizer's chat template) do not count.
+TEST(SafetensorsTest, DeeplyNestedHeadersAreRefusedWithoutRecursion) {
+  constexpr size_t kDepth = 1'000'000;
+  const std::string nested = R"({"a":)" + std::string(kDepth, '[') + std::string(kDepth, ']') + "}";
+  ExpectRefused(RawFile(nested, ""), absl::StatusCode::kInvalidArgument,
+                "nests arrays or objects more than 4 deep");
+  ExpectRefused(RawFile(R"({"__metadata__":{"k":[[["x"]]]}})", ""),
+                absl::StatusCode::kInvalidArgument, "more than 4 deep");
+  PromptCacheFile file = SmallFile();
+  file.metadata["1.chat_template"] = std::string(64, '[') + "{{ \"]\" }}" + std::string(64, '{');
+  absl::StatusOr<std::string> bytes = EncodeSafetensorsBytes(file);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensors(*bytes);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->file.metadata.at("1.chat_template"), file.metadata.at("1.chat_template"));
+}
+
 TEST(SafetensorsTest, EveryBitFlipIsRefused) {
   absl::StatusOr<std::string> bytes = EncodeSafetensorsBytes(SmallFile());
   ASSERT_TRUE(bytes.ok()) << bytes.status();

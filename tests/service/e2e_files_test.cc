@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -202,6 +203,34 @@ TEST_F(E2eFilesTest, BadRequestsAndDamagedFilesChangeNothing) {
   EXPECT_EQ(SnapshotCount(), before_imports) << "a refused import made a snapshot";
   EXPECT_TRUE(client().ListSaved().value().empty());
   EXPECT_EQ(snapshots + 1, before_imports);  // the split made two of one
+}
+
+// A client that sends a whole file and then cancels gets no snapshot it
+// could not name: none is made, and no file is saved.
+TEST_F(E2eFilesTest, ACancelledImportMakesNothing) {
+  Start();
+  const v1::SnapshotInfo snapshot = FilledSnapshot(9);
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(snapshot.snapshot_id());
+  auto file = client().ExportSnapshot(request);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const size_t snapshots = SnapshotCount();
+  for (int round = 0; round < 5; ++round) {
+    grpc::ClientContext context;
+    v1::LoadSnapshotResponse response;
+    auto writer = client().stub().ImportSnapshot(&context, &response);
+    v1::ImportSnapshotRequest message;
+    message.set_name("cancelled");
+    message.set_pinned(true);
+    message.set_data(*file);
+    ASSERT_TRUE(writer->Write(message));
+    absl::SleepFor(absl::Milliseconds(100));  // the server holds the whole file by now
+    context.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // any import the server ran would be done
+  EXPECT_EQ(SnapshotCount(), snapshots) << "a cancelled import made a snapshot";
+  EXPECT_TRUE(client().ListSaved().value().empty()) << "a cancelled import saved a file";
 }
 
 TEST_F(E2eFilesTest, WithoutADataDirOnlyTheStreamsWork) {
