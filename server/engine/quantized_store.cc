@@ -59,10 +59,12 @@ absl::Status CheckSize(const char* name, uint64_t actual, uint64_t expected) {
       absl::StrFormat("%s: %d bytes, but the range takes %d", name, actual, expected));
 }
 
-// Read runs copying each plane of `runs` into the side's packed buffers.
-absl::Status AddPackedReads(const PageGeometry& g, bool values, const std::vector<QuantRun>& runs,
-                            const PackedOutput::Side& side, uint64_t tokens,
-                            std::vector<gpu::ReadRun>& reads) {
+// Runs moving each plane of `runs` between the pages and the side's packed
+// buffers: ReadRuns out of the pages (PackedOutput), WriteRuns into them
+// (PackedInput). INVALID_ARGUMENT naming a buffer of the wrong size.
+template <typename Side, typename Run>
+absl::Status AddPackedRuns(const PageGeometry& g, bool values, const std::vector<QuantRun>& runs,
+                           const Side& side, uint64_t tokens, std::vector<Run>& out) {
   const gpu::QuantFormat f = SideFormat(g, values);
   const uint64_t rows = tokens * g.batch * g.heads;
   const char* names[3] = {values ? "values.wq" : "keys.wq",
@@ -72,39 +74,14 @@ absl::Status AddPackedReads(const PageGeometry& g, bool values, const std::vecto
   RETURN_IF_ERROR(CheckSize(names[1], side.scales.size(), rows * f.scale_row_bytes()));
   RETURN_IF_ERROR(CheckSize(names[2], side.biases.size(), rows * f.scale_row_bytes()));
   for (const QuantRun& run : runs) {
-    reads.push_back({run.page, run.wq_offset, side.wq.data() + run.first_row * f.wq_row_bytes(),
-                     run.rows * f.wq_row_bytes()});
-    reads.push_back({run.page, run.scales_offset,
-                     side.scales.data() + run.first_row * f.scale_row_bytes(),
-                     run.rows * f.scale_row_bytes()});
-    reads.push_back({run.page, run.biases_offset,
-                     side.biases.data() + run.first_row * f.scale_row_bytes(),
-                     run.rows * f.scale_row_bytes()});
-  }
-  return absl::OkStatus();
-}
-
-// Write runs copying the side's packed buffers into the planes of `runs`.
-absl::Status AddPackedWrites(const PageGeometry& g, bool values, const std::vector<QuantRun>& runs,
-                             const PackedInput::Side& side, uint64_t tokens,
-                             std::vector<gpu::WriteRun>& writes) {
-  const gpu::QuantFormat f = SideFormat(g, values);
-  const uint64_t rows = tokens * g.batch * g.heads;
-  const char* names[3] = {values ? "values.wq" : "keys.wq",
-                          values ? "values.scales" : "keys.scales",
-                          values ? "values.biases" : "keys.biases"};
-  RETURN_IF_ERROR(CheckSize(names[0], side.wq.size(), rows * f.wq_row_bytes()));
-  RETURN_IF_ERROR(CheckSize(names[1], side.scales.size(), rows * f.scale_row_bytes()));
-  RETURN_IF_ERROR(CheckSize(names[2], side.biases.size(), rows * f.scale_row_bytes()));
-  for (const QuantRun& run : runs) {
-    writes.push_back({run.page, run.wq_offset, side.wq.data() + run.first_row * f.wq_row_bytes(),
-                      run.rows * f.wq_row_bytes()});
-    writes.push_back({run.page, run.scales_offset,
-                      side.scales.data() + run.first_row * f.scale_row_bytes(),
-                      run.rows * f.scale_row_bytes()});
-    writes.push_back({run.page, run.biases_offset,
-                      side.biases.data() + run.first_row * f.scale_row_bytes(),
-                      run.rows * f.scale_row_bytes()});
+    out.push_back({run.page, run.wq_offset, side.wq.data() + run.first_row * f.wq_row_bytes(),
+                   run.rows * f.wq_row_bytes()});
+    out.push_back({run.page, run.scales_offset,
+                   side.scales.data() + run.first_row * f.scale_row_bytes(),
+                   run.rows * f.scale_row_bytes()});
+    out.push_back({run.page, run.biases_offset,
+                   side.biases.data() + run.first_row * f.scale_row_bytes(),
+                   run.rows * f.scale_row_bytes()});
   }
   return absl::OkStatus();
 }
@@ -142,8 +119,8 @@ absl::Status ReadPackedTokens(const PageTable& table, const PageGeometry& g, Tok
   ASSIGN_OR_RETURN(const std::vector<QuantRun> k_runs, TableRuns(table, g, false, range));
   ASSIGN_OR_RETURN(const std::vector<QuantRun> v_runs, TableRuns(table, g, true, range));
   std::vector<gpu::ReadRun> reads;
-  RETURN_IF_ERROR(AddPackedReads(g, false, k_runs, out.keys, range.size(), reads));
-  RETURN_IF_ERROR(AddPackedReads(g, true, v_runs, out.values, range.size(), reads));
+  RETURN_IF_ERROR(AddPackedRuns(g, false, k_runs, out.keys, range.size(), reads));
+  RETURN_IF_ERROR(AddPackedRuns(g, true, v_runs, out.values, range.size(), reads));
   return table.pool()->Read(reads);
 }
 
@@ -157,8 +134,8 @@ absl::Status WritePackedTokens(PageTable& table, const PageGeometry& g, uint64_t
   const std::vector<QuantRun> k_runs = SideRuns(g, false, 0, tokens, page_of);
   const std::vector<QuantRun> v_runs = SideRuns(g, true, 0, tokens, page_of);
   std::vector<gpu::WriteRun> writes;
-  RETURN_IF_ERROR(AddPackedWrites(g, false, k_runs, in.keys, tokens, writes));
-  RETURN_IF_ERROR(AddPackedWrites(g, true, v_runs, in.values, tokens, writes));
+  RETURN_IF_ERROR(AddPackedRuns(g, false, k_runs, in.keys, tokens, writes));
+  RETURN_IF_ERROR(AddPackedRuns(g, true, v_runs, in.values, tokens, writes));
   return table.pool()->Write(writes);
 }
 
