@@ -27,6 +27,23 @@ BufferSpec SlabSpec(uint64_t bytes, bool host_mapped) {
   return {.bytes = bytes, .usage = kSlabUsage, .required_memory = Flag::eDeviceLocal};
 }
 
+// where_ words: the tier in the top two bits, the slot below; all ones: free.
+constexpr uint32_t kNowhere = UINT32_MAX;
+constexpr uint32_t kTierShift = 30;
+constexpr uint32_t kSlotMask = (uint32_t{1} << kTierShift) - 1;
+// Slots per tier stay below kSlotMask (tier 3 is the free tag).
+constexpr uint64_t kMaxTierSlots = kSlotMask;
+
+uint32_t Encode(Tier tier, uint32_t slot) {
+  return (static_cast<uint32_t>(tier) << kTierShift) | slot;
+}
+Tier TierOf(uint32_t word) { return static_cast<Tier>(word >> kTierShift); }
+uint32_t SlotOfWord(uint32_t word) { return word & kSlotMask; }
+
+uint32_t TierPages(uint64_t bytes, uint64_t page_bytes) {
+  return static_cast<uint32_t>(std::min<uint64_t>(bytes / page_bytes, kMaxTierSlots - 1));
+}
+
 }  // namespace
 
 absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& options) {
@@ -38,16 +55,28 @@ absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& opti
                                                    "maxStorageBufferRange (", max_range, ")"));
   }
   const uint64_t max_pages = options.budget_bytes / page_bytes;
-  if (max_pages == 0 || max_pages >= kNoPage) {
+  if (max_pages == 0 || max_pages >= kMaxTierSlots) {
     return absl::InvalidArgumentError(
         absl::StrCat("budget_bytes ", options.budget_bytes, " holds ", max_pages, " pages of ",
-                     page_bytes, " bytes; a pool needs between 1 and ", kNoPage - 1));
+                     page_bytes, " bytes; a pool needs between 1 and ", kMaxTierSlots - 1));
+  }
+  const uint32_t host_pages = TierPages(options.host_bytes, page_bytes);
+  const uint32_t disk_pages =
+      options.disk_path.empty() ? 0 : TierPages(options.disk_bytes, page_bytes);
+  if (max_pages + host_pages + disk_pages >= kNoPage) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the pool's tiers hold ", max_pages + host_pages + disk_pages,
+                     " pages; page ids count at most ", kNoPage - 1,
+                     " (lower host_bytes or disk_bytes, or raise page_bytes)"));
   }
   // A slab is bound whole as a storage buffer, so it may not outgrow the range.
   const uint64_t slab_bytes = std::min({options.slab_bytes, max_range, max_pages * page_bytes});
   const uint64_t pages_per_slab = std::max<uint64_t>(1, slab_bytes / page_bytes);
-  return PagePlan{page_bytes, static_cast<uint32_t>(max_pages),
-                  static_cast<uint32_t>(pages_per_slab)};
+  return PagePlan{.page_bytes = page_bytes,
+                  .max_pages = static_cast<uint32_t>(max_pages),
+                  .pages_per_slab = static_cast<uint32_t>(pages_per_slab),
+                  .max_host_pages = host_pages,
+                  .max_disk_pages = disk_pages};
 }
 
 PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped)
@@ -55,22 +84,43 @@ PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool ho
       plan_(plan),
       host_mapped_(host_mapped),
       max_slabs_((plan.max_pages + plan.pages_per_slab - 1) / plan.pages_per_slab),
-      refcounts_(new std::atomic<uint32_t>[plan.max_pages]),
+      max_ids_(plan.max_pages + plan.max_host_pages + plan.max_disk_pages),
+      refcounts_(new std::atomic<uint32_t>[max_ids_]),
+      where_(new std::atomic<uint32_t>[max_ids_]),
       slabs_(new std::unique_ptr<Buffer>[max_slabs_]) {
-  for (uint32_t page = 0; page < plan.max_pages; ++page) {
-    refcounts_[page].store(0, std::memory_order_relaxed);
+  free_ids_.reserve(max_ids_);
+  for (uint32_t id = max_ids_; id > 0; --id) {
+    refcounts_[id - 1].store(0, std::memory_order_relaxed);
+    where_[id - 1].store(kNowhere, std::memory_order_relaxed);
+    free_ids_.push_back(id - 1);
   }
   free_.reserve(plan.max_pages);
+  host_free_.reserve(plan.max_host_pages);
+  for (uint32_t slot = plan.max_host_pages; slot > 0; --slot) host_free_.push_back(slot - 1);
+  disk_free_.reserve(plan.max_disk_pages);
+  for (uint32_t slot = plan.max_disk_pages; slot > 0; --slot) disk_free_.push_back(slot - 1);
 }
 
 PoolStats PageAllocator::stats() const {
   absl::MutexLock lock(&mutex_);
   const uint32_t backed = backed_pages_.load(std::memory_order_relaxed);
-  return PoolStats{.page_bytes = plan_.page_bytes,
-                   .max_pages = plan_.max_pages,
-                   .used_pages = backed - static_cast<uint32_t>(free_.size()),
-                   .backed_pages = backed,
-                   .slabs = slab_count_};
+  constexpr int kDevice = static_cast<int>(Tier::kDevice);
+  constexpr int kHost = static_cast<int>(Tier::kHost);
+  constexpr int kDisk = static_cast<int>(Tier::kDisk);
+  return PoolStats{
+      .page_bytes = plan_.page_bytes,
+      .max_pages = plan_.max_pages,
+      .used_pages = backed - static_cast<uint32_t>(free_.size()),
+      .backed_pages = backed,
+      .slabs = slab_count_,
+      .host_pages = plan_.max_host_pages - static_cast<uint32_t>(host_free_.size()),
+      .max_host_pages = plan_.max_host_pages,
+      .disk_pages = plan_.max_disk_pages - static_cast<uint32_t>(disk_free_.size()),
+      .max_disk_pages = plan_.max_disk_pages,
+      .evictions = moves_[kDevice][kHost] + moves_[kDevice][kDisk],
+      .demotions = moves_[kHost][kDisk],
+      .promotions_from_host = moves_[kHost][kDevice],
+      .promotions_from_disk = moves_[kDisk][kDevice]};
 }
 
 uint32_t PageAllocator::available_pages() const {
@@ -85,21 +135,98 @@ uint32_t PageAllocator::AvailableLocked() const {
 
 absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
   absl::MutexLock lock(&mutex_);
-  if (count > AvailableLocked()) {
+  const uint32_t available = AvailableLocked();
+  if (count > available) {
+    last_shortfall_.store(count - available, std::memory_order_relaxed);
+    refused_.fetch_add(1, std::memory_order_release);
     return absl::ResourceExhaustedError(absl::StrCat("page pool budget exhausted: ", count,
-                                                     " pages requested, ", AvailableLocked(),
-                                                     " of ", plan_.max_pages, " available"));
+                                                     " pages requested, ", available, " of ",
+                                                     plan_.max_pages, " available"));
   }
-  // New slabs stay even if a later one fails: their pages wait in free_.
+  // New slabs stay even if a later one fails: their slots wait in free_.
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
+  assert(free_ids_.size() >= count);  // every allocated id holds a slot
   out.reserve(out.size() + count);
   for (uint32_t i = 0; i < count; ++i) {
-    const PageId page = free_.back();
+    const PageId page = free_ids_.back();
+    free_ids_.pop_back();
+    where_[page].store(Encode(Tier::kDevice, free_.back()), std::memory_order_relaxed);
     free_.pop_back();
     refcounts_[page].store(1, std::memory_order_relaxed);
     out.push_back(page);
   }
   return absl::OkStatus();
+}
+
+absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out) {
+  absl::MutexLock lock(&mutex_);
+  if (count > AvailableLocked()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("page pool budget exhausted: ", count, " pages to bring back, ",
+                     AvailableLocked(), " of ", plan_.max_pages, " available"));
+  }
+  while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
+  out.insert(out.end(), free_.end() - count, free_.end());
+  free_.resize(free_.size() - count);
+  return absl::OkStatus();
+}
+
+std::vector<uint32_t>& PageAllocator::FreeSlotsLocked(Tier tier) {
+  switch (tier) {
+    case Tier::kDevice:
+      return free_;
+    case Tier::kHost:
+      return host_free_;
+    case Tier::kDisk:
+      break;
+  }
+  return disk_free_;
+}
+
+std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
+  absl::MutexLock lock(&mutex_);
+  std::vector<uint32_t>& free = FreeSlotsLocked(tier);
+  if (free.empty()) return std::nullopt;
+  const uint32_t slot = free.back();
+  free.pop_back();
+  return slot;
+}
+
+void PageAllocator::ReturnSlot(Tier tier, uint32_t slot) {
+  absl::MutexLock lock(&mutex_);
+  FreeSlotsLocked(tier).push_back(slot);
+}
+
+void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
+  absl::MutexLock lock(&mutex_);
+  const uint32_t old = where_[page].load(std::memory_order_relaxed);
+  FreeSlotsLocked(TierOf(old)).push_back(SlotOfWord(old));
+  where_[page].store(Encode(tier, slot), std::memory_order_release);
+  if (tier == Tier::kHost) host_arrivals_.emplace_back(page, slot);
+}
+
+std::optional<std::pair<PageId, uint32_t>> PageAllocator::OldestHostPage() {
+  absl::MutexLock lock(&mutex_);
+  while (!host_arrivals_.empty()) {
+    const auto [page, slot] = host_arrivals_.front();
+    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot)) {
+      return std::make_pair(page, slot);
+    }
+    host_arrivals_.pop_front();  // stale: the page left the host or was freed
+  }
+  return std::nullopt;
+}
+
+void PageAllocator::CountMoves(Tier from, Tier to, uint32_t pages) {
+  absl::MutexLock lock(&mutex_);
+  moves_[static_cast<int>(from)][static_cast<int>(to)] += pages;
+}
+
+void PageAllocator::FreeLocked(PageId page) {
+  const uint32_t word = where_[page].load(std::memory_order_relaxed);
+  FreeSlotsLocked(TierOf(word)).push_back(SlotOfWord(word));
+  where_[page].store(kNowhere, std::memory_order_relaxed);
+  free_ids_.push_back(page);
 }
 
 absl::Status PageAllocator::AddSlabLocked() {
@@ -112,13 +239,13 @@ absl::Status PageAllocator::AddSlabLocked() {
         absl::StrCat("cannot back page-pool slab ", slab_count_, ": ", slab.status().message()));
   }
   slabs_[slab_count_++] = *std::move(slab);
-  for (uint32_t i = pages; i > 0; --i) free_.push_back(first_page + i - 1);
+  for (uint32_t i = pages; i > 0; --i) free_.push_back(first_page + i - 1);  // device slots
   backed_pages_.store(first_page + pages, std::memory_order_release);
   return absl::OkStatus();
 }
 
 void PageAllocator::Retain(PageId page) {
-  if (page >= plan_.max_pages) return ReportMisuse("Retain", page);
+  if (page >= max_ids_) return ReportMisuse("Retain", page);
   std::atomic<uint32_t>& count = refcounts_[page];
   uint32_t seen = count.load(std::memory_order_relaxed);
   do {
@@ -126,8 +253,18 @@ void PageAllocator::Retain(PageId page) {
   } while (!count.compare_exchange_weak(seen, seen + 1, std::memory_order_relaxed));
 }
 
+bool PageAllocator::TryRetain(PageId page) {
+  if (page >= max_ids_) return false;
+  std::atomic<uint32_t>& count = refcounts_[page];
+  uint32_t seen = count.load(std::memory_order_relaxed);
+  do {
+    if (seen == 0) return false;
+  } while (!count.compare_exchange_weak(seen, seen + 1, std::memory_order_acquire));
+  return true;
+}
+
 void PageAllocator::Release(PageId page) {
-  if (page >= plan_.max_pages) return ReportMisuse("Release", page);
+  if (page >= max_ids_) return ReportMisuse("Release", page);
   std::atomic<uint32_t>& count = refcounts_[page];
   uint32_t seen = count.load(std::memory_order_relaxed);
   do {
@@ -135,21 +272,40 @@ void PageAllocator::Release(PageId page) {
   } while (!count.compare_exchange_weak(seen, seen - 1, std::memory_order_acq_rel));
   if (seen == 1) {
     absl::MutexLock lock(&mutex_);
-    free_.push_back(page);
+    FreeLocked(page);
   }
 }
 
 uint32_t PageAllocator::RefCount(PageId page) const {
-  if (page >= plan_.max_pages) {
+  if (page >= max_ids_) {
     ReportMisuse("RefCount", page);
     return 0;
   }
   return refcounts_[page].load(std::memory_order_relaxed);
 }
 
+bool PageAllocator::IsBacked(PageId page) const {
+  if (page >= max_ids_) return false;
+  const uint32_t word = where_[page].load(std::memory_order_acquire);
+  return word != kNowhere && TierOf(word) == Tier::kDevice &&
+         SlotOfWord(word) < backed_pages_.load(std::memory_order_acquire);
+}
+
+Tier PageAllocator::Where(PageId page) const {
+  return TierOf(where_[page].load(std::memory_order_acquire));
+}
+
+uint32_t PageAllocator::SlotOf(PageId page) const {
+  return SlotOfWord(where_[page].load(std::memory_order_acquire));
+}
+
 PageLocation PageAllocator::Locate(PageId page) const {
-  const uint32_t slab = page / plan_.pages_per_slab;
-  const uint64_t offset = uint64_t{page % plan_.pages_per_slab} * plan_.page_bytes;
+  return LocateSlot(SlotOf(page));
+}
+
+PageLocation PageAllocator::LocateSlot(uint32_t device_slot) const {
+  const uint32_t slab = device_slot / plan_.pages_per_slab;
+  const uint64_t offset = uint64_t{device_slot % plan_.pages_per_slab} * plan_.page_bytes;
   const Buffer& buffer = *slabs_[slab];
   return {*buffer.buffer, offset, buffer.mapped == nullptr ? nullptr : buffer.mapped + offset};
 }

@@ -1,20 +1,34 @@
-// The bookkeeping half of the page pool: slabs, reference counts, free list.
+// The bookkeeping half of the page pool: page ids, where each one's bytes
+// are, slabs, reference counts, free lists.
 //
-//   refcounts_  [0 .. max_pages)        atomics, allocated up front
-//   free_       stack of PageId         capacity max_pages, allocated up front
-//   slabs_      [0 .. max_slabs)        slots filled lazily, never emptied
+//   refcounts_  [0 .. max_ids)     atomics, allocated up front
+//   where_      [0 .. max_ids)     the page's slot: a device page (a place in a
+//                                  slab), a host slot or a disk slot, tagged in
+//                                  the top two bits; kNowhere while free
+//   free_ids_   ids not allocated (max_ids = device + host + disk slots, so
+//               every allocated id has a slot somewhere and ids never run out)
+//   free_       device slots not in use; host_free_, disk_free_ likewise
+//   slabs_      [0 .. max_slabs)   filled lazily, never emptied
 //
-//   Allocate: pop from free_; when it runs dry, back the next slab and push its
-//             pages (highest first, so pages pop in ascending order).
-//   Release:  at count zero, push back onto free_ (LIFO: warm pages reused first).
+//   Allocate: pop an id and a device slot; when the device slots run dry,
+//             back the next slab and push its slots (highest first, so they
+//             pop in ascending order).
+//   Release:  at count zero, push the id and its slot back (LIFO: warm slots
+//             reused first).
+//   Relocate: a page's bytes moved to another tier (PagePool::Evict, Promote):
+//             its id stays, its slot changes.
 //
-// Slab s holds pages [s * pages_per_slab, min((s + 1) * pages_per_slab, max_pages)).
+// Slab s holds device slots [s * pages_per_slab, min((s + 1) * pages_per_slab,
+// max_pages)). With no lower tiers, ids and device slots coincide.
 // Thread-safe; reference counting is lock-free except the push at zero.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string_view>
 #include <vector>
 
@@ -31,13 +45,15 @@ namespace kvcache::gpu {
 // how many share one slab (one device buffer).
 struct PagePlan {
   uint64_t page_bytes;
-  uint32_t max_pages;
+  uint32_t max_pages;  // device pages
   uint32_t pages_per_slab;
+  uint32_t max_host_pages = 0;
+  uint32_t max_disk_pages = 0;
 };
 
 // Validates `options` against `device`: INVALID_ARGUMENT for a zero page, a
 // page larger than maxStorageBufferRange, a budget under one page, or more
-// pages than a PageId can count.
+// pages (over all tiers) than a PageId can count.
 absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& options);
 
 // Where a page's bytes are: `offset` into `slab`, and at `host` in the slab's
@@ -56,21 +72,44 @@ class PageAllocator {
 
   const PagePlan& plan() const { return plan_; }
   bool host_mapped() const { return host_mapped_; }
+  uint32_t max_ids() const { return max_ids_; }
   PoolStats stats() const;
   uint32_t available_pages() const;
 
   absl::Status Allocate(uint32_t count, std::vector<PageId>& out);
+  uint64_t refused_allocations() const { return refused_.load(std::memory_order_acquire); }
+  uint32_t last_shortfall() const { return last_shortfall_.load(std::memory_order_acquire); }
   void Retain(PageId page);
+  bool TryRetain(PageId page);
   void Release(PageId page);
   uint32_t RefCount(PageId page) const;
 
-  // True for a page whose slab exists (whether or not it is allocated).
-  bool IsBacked(PageId page) const { return page < backed_pages_.load(std::memory_order_acquire); }
-  // Only for backed pages.
+  // True for an allocated page whose bytes are in a backed device slot.
+  bool IsBacked(PageId page) const;
+  // Only for device pages.
   PageLocation Locate(PageId page) const;
+  // Only for held pages.
+  Tier Where(PageId page) const;
+  uint32_t SlotOf(PageId page) const;
+
+  // Tier moves (PagePool::Evict, Promote), serialised by their caller.
+  // `count` free device slots, backing slabs as needed; all or none.
+  absl::Status TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out);
+  PageLocation LocateSlot(uint32_t device_slot) const;
+  // A free host or disk slot, if the tier has one.
+  std::optional<uint32_t> TakeSlot(Tier tier);
+  void ReturnSlot(Tier tier, uint32_t slot);
+  // The page's bytes now live in `slot` of `tier`; its old slot is freed.
+  void Relocate(PageId page, Tier tier, uint32_t slot);
+  // The host page that went there first and is still there, with its slot.
+  std::optional<std::pair<PageId, uint32_t>> OldestHostPage();
+  void CountMoves(Tier from, Tier to, uint32_t pages);
 
  private:
   uint32_t AvailableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  // Frees a page whose count reached zero: its id and its slot.
+  void FreeLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  std::vector<uint32_t>& FreeSlotsLocked(Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Allocates the next slab and pushes its pages onto the free list.
   absl::Status AddSlabLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // A reference-count call on a page that is not allocated: a bug in the caller.
@@ -81,7 +120,11 @@ class PageAllocator {
   const PagePlan plan_;
   const bool host_mapped_;
   const uint32_t max_slabs_;
+  const uint32_t max_ids_;
   const std::unique_ptr<std::atomic<uint32_t>[]> refcounts_;
+  // Written under mutex_ (Allocate, Relocate, the free at zero); read without
+  // it by the holders of the page, which no one relocates while they read.
+  const std::unique_ptr<std::atomic<uint32_t>[]> where_;
   // Slots are written once, under mutex_, before backed_pages_ is raised past
   // their pages; readers of a backed page's slot need no lock.
   const std::unique_ptr<std::unique_ptr<Buffer>[]> slabs_;
@@ -89,7 +132,16 @@ class PageAllocator {
 
   mutable absl::Mutex mutex_;
   uint32_t slab_count_ ABSL_GUARDED_BY(mutex_) = 0;
-  std::vector<PageId> free_ ABSL_GUARDED_BY(mutex_);
+  std::vector<PageId> free_ids_ ABSL_GUARDED_BY(mutex_);
+  std::vector<uint32_t> free_ ABSL_GUARDED_BY(mutex_);  // device slots
+  std::vector<uint32_t> host_free_ ABSL_GUARDED_BY(mutex_);
+  std::vector<uint32_t> disk_free_ ABSL_GUARDED_BY(mutex_);
+  // Host pages in the order they arrived (entries go stale when the page
+  // leaves or is freed: checked against where_ when popped).
+  std::deque<std::pair<PageId, uint32_t>> host_arrivals_ ABSL_GUARDED_BY(mutex_);
+  uint64_t moves_[3][3] ABSL_GUARDED_BY(mutex_) = {};  // [from tier][to tier], pages
+  std::atomic<uint64_t> refused_{0};
+  std::atomic<uint32_t> last_shortfall_{0};
 };
 
 }  // namespace kvcache::gpu

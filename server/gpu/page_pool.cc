@@ -19,9 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
-#include "gpu/page_allocator.h"
+#include "gpu/page_pool_impl.h"
 #include "gpu/quantizer.h"
-#include "gpu/staged_transfer.h"
 
 namespace kvcache::gpu {
 namespace {
@@ -86,44 +85,11 @@ void StreamingStoresDone() {
 
 }  // namespace
 
-class PagePool::Impl {
- public:
-  Impl(const Device& device, const PagePlan& plan, QuantKernel quantize_kernel,
-       std::unique_ptr<StagedTransfer> staged)
-      : pages(device, plan, /*host_mapped=*/staged == nullptr),
-        quantizer(device, pages, {.kernel = quantize_kernel}),
-        staged_(std::move(staged)) {}
-
-  absl::Status Write(absl::Span<const WriteRun> runs);
-  absl::Status Read(absl::Span<const ReadRun> runs);
-  absl::Status Mapped(absl::Span<const ReadRun> runs,
-                      std::vector<absl::Span<const std::byte>>& pieces);
-  absl::Status Copy(absl::Span<const PageCopy> copies);
-  absl::Status Move(absl::Span<const PageMove> moves);
-
-  PageAllocator pages;
-  // Quantized pages; builds its pipelines and buffers on first use.
-  Quantizer quantizer;
-
- private:
-  // INVALID_ARGUMENT unless bytes [offset, offset + bytes) lie in a backed page.
-  absl::Status CheckRange(absl::string_view call, size_t index, PageId page, uint64_t offset,
-                          uint64_t bytes) const;
-  BufferSlice SliceOf(PageId page, uint64_t offset, uint64_t bytes) const {
-    const PageLocation location = pages.Locate(page);
-    return {location.slab, location.offset + offset, bytes};
-  }
-  absl::Status CopyStaged(absl::Span<const PageCopy> copies);
-
-  // Null on the direct path.
-  const std::unique_ptr<StagedTransfer> staged_;
-};
-
 absl::Status PagePool::Impl::CheckRange(absl::string_view call, size_t index, PageId page,
                                         uint64_t offset, uint64_t bytes) const {
   if (!pages.IsBacked(page)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(call, "[", index, "]: page ", page, " is not a page of this pool"));
+        absl::StrCat(call, "[", index, "]: page ", page, " is not a device page of this pool"));
   }
   const uint64_t page_bytes = pages.plan().page_bytes;
   if (offset > page_bytes || bytes > page_bytes - offset) {
@@ -301,8 +267,12 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
     ASSIGN_OR_RETURN(staged, StagedTransfer::Create(device, device.options().copy_engine,
                                                     StagingRingBytes(plan)));
   }
-  return std::unique_ptr<PagePool>(
-      new PagePool(std::make_unique<Impl>(device, plan, options.quantize_kernel, std::move(staged))));
+  std::unique_ptr<DiskPageStore> disk;
+  if (plan.max_disk_pages > 0) {
+    ASSIGN_OR_RETURN(disk, DiskPageStore::Create(options.disk_path, plan.page_bytes));
+  }
+  return std::unique_ptr<PagePool>(new PagePool(std::make_unique<Impl>(
+      device, plan, options.quantize_kernel, std::move(staged), std::move(disk))));
 }
 
 PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -332,6 +302,30 @@ void PagePool::Release(PageId page) {
 }
 uint32_t PagePool::RefCount(PageId page) const {
   return impl_->pages.RefCount(page);
+}
+bool PagePool::TryRetain(PageId page) {
+  return impl_->pages.TryRetain(page);
+}
+uint32_t PagePool::max_page_ids() const {
+  return impl_->pages.max_ids();
+}
+uint64_t PagePool::refused_allocations() const {
+  return impl_->pages.refused_allocations();
+}
+uint32_t PagePool::last_shortfall() const {
+  return impl_->pages.last_shortfall();
+}
+Tier PagePool::Where(PageId page) const {
+  return impl_->pages.Where(page);
+}
+absl::StatusOr<uint32_t> PagePool::Evict(absl::Span<const PageId> pages) {
+  return impl_->Evict(pages);
+}
+absl::Status PagePool::Promote(absl::Span<const PageId> pages) {
+  return impl_->Promote(pages);
+}
+uint64_t PagePool::eviction_epoch() const {
+  return impl_->eviction_epoch();
 }
 
 absl::Status PagePool::Write(absl::Span<const WriteRun> runs) {

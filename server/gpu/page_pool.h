@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -25,6 +26,10 @@ namespace kvcache::gpu {
 
 using PageId = uint32_t;
 inline constexpr PageId kNoPage = UINT32_MAX;
+
+// Where a page's bytes are. Only device pages can be read, written or copied;
+// the others wait in a lower tier until Promote brings them back.
+enum class Tier { kDevice, kHost, kDisk };
 
 // Where quantized pages are packed and unpacked (gpu/quantizer.h).
 enum class QuantKernel {
@@ -42,6 +47,11 @@ struct PoolOptions {
   // rounded down to a multiple of page_bytes.
   uint64_t slab_bytes = 64 << 20;
   QuantKernel quantize_kernel = QuantKernel::kAuto;
+  // Lower tiers for evicted pages (Evict): host memory, then a scratch file.
+  // Zero bytes (or an empty path): no such tier.
+  uint64_t host_bytes = 0;
+  std::string disk_path;  // created (truncated) at start, removed at the end
+  uint64_t disk_bytes = 0;
 };
 
 // Copies `bytes` bytes from host memory into page `page` at byte `offset`.
@@ -85,6 +95,17 @@ struct PoolStats {
   uint32_t used_pages;      // pages with a reference count above zero
   uint32_t backed_pages;    // pages whose slab has been allocated
   uint32_t slabs;
+  // Lower tiers, in pages: held, and the most they hold.
+  uint32_t host_pages = 0;
+  uint32_t max_host_pages = 0;
+  uint32_t disk_pages = 0;
+  uint32_t max_disk_pages = 0;
+  // Pages moved, since the pool was made: device to host or disk (evictions),
+  // host to disk (demotions), and back to the device (promotions).
+  uint64_t evictions = 0;
+  uint64_t demotions = 0;
+  uint64_t promotions_from_host = 0;
+  uint64_t promotions_from_disk = 0;
 };
 
 // Quantized pages (gpu/quantizer.h).
@@ -109,10 +130,36 @@ class PagePool {
   // All or nothing: RESOURCE_EXHAUSTED, and `out` unchanged, if the budget or the
   // device cannot back them.
   absl::Status Allocate(uint32_t count, std::vector<PageId>& out);
+  // Allocate calls refused so far, and the pages the last one lacked: a
+  // caller that can evict learns from them that the refusal was the pool's
+  // and how much room to make.
+  uint64_t refused_allocations() const;
+  uint32_t last_shortfall() const;
   void Retain(PageId page);
   // Drops one reference; the page returns to the free list at zero.
   void Release(PageId page);
   uint32_t RefCount(PageId page) const;
+  // Retain unless the count is zero (the page freed meanwhile): false then.
+  bool TryRetain(PageId page);
+  // Ids run over every tier's pages: [0, max_page_ids()).
+  uint32_t max_page_ids() const;
+
+  // Tiers. Where a held page is now. Pages only move by Evict and Promote,
+  // which the caller must not run concurrently with each other or with any
+  // read, write or copy of the pages they move (the engine's tier lock);
+  // reference counting may go on meanwhile. Both keep page ids, counts and
+  // bytes: the holders of a page see it move once, wherever it is shared.
+  Tier Where(PageId page) const;
+  // Moves device pages to host memory, making room there by moving its
+  // oldest pages to disk when host memory is full. Stops where neither tier
+  // has room; returns how many moved (the first ones of `pages`).
+  absl::StatusOr<uint32_t> Evict(absl::Span<const PageId> pages);
+  // Brings pages back to device memory, all or none: RESOURCE_EXHAUSTED
+  // (nothing moved) unless the device has room for every one not there.
+  absl::Status Promote(absl::Span<const PageId> pages);
+  // Rises with every Evict that moved a page: a holder that saw all of its
+  // pages on the device at epoch e knows they still are while it reads e.
+  uint64_t eviction_epoch() const;
 
   // Bulk transfers. Each call completes before it returns (the bytes are in
   // device memory, or in host memory for Read). Runs never cross a page end

@@ -1,0 +1,201 @@
+// Moving pages between tiers. A page keeps its id and count; only its slot
+// changes (PageAllocator::Relocate), so every table that holds it, shared or
+// not, sees it move once. The caller serialises Evict and Promote against each
+// other and against every access to the pages they move.
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "gpu/page_pool_impl.h"
+
+namespace kvcache::gpu {
+namespace {
+
+// Disk reads and writes go through a bounce buffer of this many pages.
+constexpr uint32_t kDiskBatchPages = 64;
+
+}  // namespace
+
+absl::Status PagePool::Impl::ReadSlots(absl::Span<const std::pair<uint32_t, std::byte*>> reads) {
+  const uint64_t page_bytes = pages.plan().page_bytes;
+  if (staged_ == nullptr) {
+    for (const auto& [slot, dst] : reads) std::memcpy(dst, pages.LocateSlot(slot).host, page_bytes);
+    return absl::OkStatus();
+  }
+  std::vector<DeviceToHost> copies;
+  copies.reserve(reads.size());
+  for (const auto& [slot, dst] : reads) {
+    const PageLocation location = pages.LocateSlot(slot);
+    copies.push_back({{location.slab, location.offset, page_bytes}, dst});
+  }
+  return staged_->Read(copies);
+}
+
+absl::Status PagePool::Impl::WriteSlots(
+    absl::Span<const std::pair<uint32_t, const std::byte*>> writes) {
+  const uint64_t page_bytes = pages.plan().page_bytes;
+  if (staged_ == nullptr) {
+    for (const auto& [slot, src] : writes) {
+      std::memcpy(pages.LocateSlot(slot).host, src, page_bytes);
+    }
+    return absl::OkStatus();
+  }
+  std::vector<HostToDevice> copies;
+  copies.reserve(writes.size());
+  for (const auto& [slot, src] : writes) {
+    const PageLocation location = pages.LocateSlot(slot);
+    copies.push_back({src, {location.slab, location.offset, page_bytes}});
+  }
+  return staged_->Write(copies);
+}
+
+absl::Status PagePool::Impl::DemoteOldestHostPage(uint32_t disk_slot, bool& demoted) {
+  demoted = false;
+  while (std::optional<std::pair<PageId, uint32_t>> oldest = pages.OldestHostPage()) {
+    const auto [page, host_slot] = *oldest;
+    // Held for the move, so it cannot be freed (and its id reused) meanwhile.
+    if (!pages.TryRetain(page)) continue;
+    absl::Status written = disk_->Write(disk_slot, host_.Slot(host_slot));
+    if (written.ok()) {
+      pages.Relocate(page, Tier::kDisk, disk_slot);
+      pages.CountMoves(Tier::kHost, Tier::kDisk, 1);
+      demoted = true;
+    }
+    pages.Release(page);
+    return written;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::EvictionSlot() {
+  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost)) {
+    return std::make_pair(Tier::kHost, *slot);
+  }
+  if (disk_ == nullptr) return std::nullopt;
+  std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk);
+  if (!disk_slot.has_value()) return std::nullopt;
+  bool demoted = false;
+  const absl::Status status = DemoteOldestHostPage(*disk_slot, demoted);
+  if (!status.ok() || !demoted) {
+    // No host page left to demote (no host tier, or every one freed meanwhile):
+    // the evicted page goes straight to disk.
+    if (status.ok()) return std::make_pair(Tier::kDisk, *disk_slot);
+    pages.ReturnSlot(Tier::kDisk, *disk_slot);
+    return status;
+  }
+  // The demoted page's host slot is free now.
+  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost)) {
+    return std::make_pair(Tier::kHost, *slot);
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims) {
+  const uint64_t page_bytes = pages.plan().page_bytes;
+  eviction_epoch_.fetch_add(1, std::memory_order_acq_rel);
+  // Plan every destination first, so the device reads go out in one batch.
+  std::vector<std::pair<PageId, std::pair<Tier, uint32_t>>> planned;
+  planned.reserve(victims.size());
+  absl::Status status;
+  for (const PageId page : victims) {
+    if (pages.Where(page) != Tier::kDevice) continue;
+    absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> slot = EvictionSlot();
+    if (!slot.ok()) {
+      status = slot.status();
+      break;
+    }
+    if (!slot->has_value()) break;
+    planned.emplace_back(page, **slot);
+  }
+  std::vector<std::pair<uint32_t, std::byte*>> host_reads;
+  std::vector<PageId> to_disk;
+  std::vector<uint32_t> disk_slots;
+  for (const auto& [page, slot] : planned) {
+    if (slot.first == Tier::kHost) {
+      host_reads.emplace_back(pages.SlotOf(page), host_.Slot(slot.second));
+    } else {
+      to_disk.push_back(page);
+      disk_slots.push_back(slot.second);
+    }
+  }
+  absl::Status read = ReadSlots(host_reads);
+  uint32_t moved = 0;
+  for (const auto& [page, slot] : planned) {
+    if (slot.first != Tier::kHost) continue;
+    if (read.ok()) {
+      pages.Relocate(page, Tier::kHost, slot.second);
+      ++moved;
+    } else {
+      pages.ReturnSlot(Tier::kHost, slot.second);
+    }
+  }
+  pages.CountMoves(Tier::kDevice, Tier::kHost, moved);
+  RETURN_IF_ERROR(read);
+  // Straight to disk (no host tier, or it was all demoted): through a bounce buffer.
+  std::vector<std::byte> bounce(page_bytes);
+  for (size_t i = 0; i < to_disk.size(); ++i) {
+    absl::Status wrote = status.ok() ? ReadSlots({{pages.SlotOf(to_disk[i]), bounce.data()}})
+                                     : status;
+    if (wrote.ok()) wrote = disk_->Write(disk_slots[i], bounce.data());
+    if (!wrote.ok()) {
+      status.Update(wrote);
+      pages.ReturnSlot(Tier::kDisk, disk_slots[i]);
+      continue;
+    }
+    pages.Relocate(to_disk[i], Tier::kDisk, disk_slots[i]);
+    pages.CountMoves(Tier::kDevice, Tier::kDisk, 1);
+    ++moved;
+  }
+  RETURN_IF_ERROR(status);
+  return moved;
+}
+
+absl::Status PagePool::Impl::Promote(absl::Span<const PageId> promoted) {
+  const uint64_t page_bytes = pages.plan().page_bytes;
+  std::vector<PageId> lower;
+  for (const PageId page : promoted) {
+    if (pages.Where(page) != Tier::kDevice) lower.push_back(page);
+  }
+  if (lower.empty()) return absl::OkStatus();
+  std::vector<uint32_t> device_slots;
+  RETURN_IF_ERROR(pages.TakeDeviceSlots(lower.size(), device_slots));
+  // From host memory: straight into the device slots, in one batch.
+  std::vector<std::pair<uint32_t, const std::byte*>> host_writes;
+  std::vector<size_t> from_disk;
+  for (size_t i = 0; i < lower.size(); ++i) {
+    if (pages.Where(lower[i]) == Tier::kHost) {
+      host_writes.emplace_back(device_slots[i], host_.Slot(pages.SlotOf(lower[i])));
+    } else {
+      from_disk.push_back(i);
+    }
+  }
+  absl::Status status = WriteSlots(host_writes);
+  // From disk: through a bounce buffer, a batch at a time.
+  std::vector<std::byte> bounce(uint64_t{kDiskBatchPages} * page_bytes);
+  for (size_t first = 0; status.ok() && first < from_disk.size(); first += kDiskBatchPages) {
+    const size_t count = std::min<size_t>(kDiskBatchPages, from_disk.size() - first);
+    std::vector<std::pair<uint32_t, const std::byte*>> writes;
+    for (size_t j = 0; j < count && status.ok(); ++j) {
+      const size_t i = from_disk[first + j];
+      std::byte* at = bounce.data() + j * page_bytes;
+      status = disk_->Read(pages.SlotOf(lower[i]), at);
+      writes.emplace_back(device_slots[i], at);
+    }
+    if (status.ok()) status = WriteSlots(writes);
+  }
+  if (!status.ok()) {
+    for (const uint32_t slot : device_slots) pages.ReturnSlot(Tier::kDevice, slot);
+    return status;
+  }
+  uint32_t from_host = 0;
+  for (size_t i = 0; i < lower.size(); ++i) {
+    if (pages.Where(lower[i]) == Tier::kHost) ++from_host;
+    pages.Relocate(lower[i], Tier::kDevice, device_slots[i]);
+  }
+  pages.CountMoves(Tier::kHost, Tier::kDevice, from_host);
+  pages.CountMoves(Tier::kDisk, Tier::kDevice, lower.size() - from_host);
+  return absl::OkStatus();
+}
+
+}  // namespace kvcache::gpu
