@@ -65,11 +65,21 @@ std::string Expiry(bool has_expiry, const google::protobuf::Timestamp& expires_a
   return left <= 0 ? "now" : absl::StrFormat("in %ds", left);
 }
 
+// "device", "host", "disk", or the mix, by where its bytes are.
+std::string Tiers(const kvcache::v1::SnapshotInfo& s) {
+  std::vector<std::string> parts;
+  if (s.device_bytes() > 0) parts.push_back("device " + Bytes(s.device_bytes()));
+  if (s.host_bytes() > 0) parts.push_back("host " + Bytes(s.host_bytes()));
+  if (s.disk_bytes() > 0) parts.push_back("disk " + Bytes(s.disk_bytes()));
+  return parts.empty() ? "-" : absl::StrJoin(parts, ", ");
+}
+
 void PrintSnapshot(const kvcache::v1::SnapshotInfo& s) {
-  std::printf("%-32s  %-32s  [%8llu, %8llu)  %10s  %-8s  %s\n", s.snapshot_id().c_str(),
+  std::printf("%-32s  %-32s  [%8llu, %8llu)  %10s  %-8s  %-6s  %s\n", s.snapshot_id().c_str(),
               s.cache_id().c_str(), (unsigned long long)s.from_offset(),
               (unsigned long long)s.to_offset(), Bytes(s.size_bytes()).c_str(),
-              Expiry(s.has_expires_at(), s.expires_at()).c_str(), s.pinned() ? "pinned" : "");
+              Expiry(s.has_expires_at(), s.expires_at()).c_str(), s.pinned() ? "pinned" : "",
+              Tiers(s).c_str());
 }
 
 void PrintCache(const kvcache::v1::CacheInfo& c) {
@@ -95,12 +105,24 @@ int Stats(kvcache::Client& client) {
               (unsigned long long)stats->snapshots(),
               (unsigned long long)stats->snapshots_expired());
   std::printf(
-      "pinned        %s of %s\nmetadata      %s of %s (host memory of tables and handles)\n"
-      "evictions     %llu\n",
+      "pinned        %s of %s\nmetadata      %s of %s (host memory of tables and handles)\n",
       Bytes(stats->pinned_bytes()).c_str(),
       stats->max_pinned_bytes() == 0 ? "no limit" : Bytes(stats->max_pinned_bytes()).c_str(),
-      Bytes(stats->metadata_bytes()).c_str(), Bytes(stats->max_metadata_bytes()).c_str(),
-      (unsigned long long)stats->evictions());
+      Bytes(stats->metadata_bytes()).c_str(), Bytes(stats->max_metadata_bytes()).c_str());
+  const auto tier = [&](uint64_t used, uint64_t total) {
+    if (total == 0) return std::string("off");
+    return absl::StrFormat("%s used of %s (%llu of %llu pages)",
+                           Bytes(used * stats->page_bytes()), Bytes(total * stats->page_bytes()),
+                           (unsigned long long)used, (unsigned long long)total);
+  };
+  std::printf("host tier     %s\ndisk tier     %s\n",
+              tier(stats->host_pages_used(), stats->host_pages_total()).c_str(),
+              tier(stats->disk_pages_used(), stats->disk_pages_total()).c_str());
+  std::printf("pages moved   %llu evicted, %llu host to disk, %llu back from host, %llu back from "
+              "disk\n",
+              (unsigned long long)stats->evictions(), (unsigned long long)stats->demotions(),
+              (unsigned long long)stats->promotions_from_host(),
+              (unsigned long long)stats->promotions_from_disk());
   return 0;
 }
 
@@ -116,8 +138,8 @@ int Caches(kvcache::Client& client) {
 int Snapshots(kvcache::Client& client, const Args& args) {
   auto snapshots = client.ListSnapshots(args.size() > 1 ? args[1] : "");
   if (!snapshots.ok()) return Fail(snapshots.status());
-  std::printf("%-32s  %-32s  %-20s  %10s  %-8s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE",
-              "EXPIRES");
+  std::printf("%-32s  %-32s  %-20s  %10s  %-8s  %-6s  %s\n", "SNAPSHOT", "CACHE", "TOKENS",
+              "SIZE", "EXPIRES", "PIN", "WHERE");
   for (const auto& snapshot : *snapshots) PrintSnapshot(snapshot);
   return 0;
 }

@@ -1,8 +1,11 @@
 #include "kv_server.h"
 
-#include "gpu/quant_kernels.h"
+#include <sys/statvfs.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -12,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "gpu/quant_kernels.h"
 #include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
@@ -31,6 +35,25 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& lis
   return std::make_pair(listen.substr(0, colon), port);
 }
 
+// The disk tier's scratch file in the data dir: not a saved file (those end
+// in .safetensors), so the saved-file index leaves it alone.
+constexpr char kDiskTierFile[] = "kvcached-evicted-pages.tier";
+
+// The disk tier's size when disk_bytes sets none: what the data dir's file
+// system has free now, but at most kUnboundedDiskTierShare times the tiers
+// above it (the pool keeps 16 bytes of bookkeeping per page of every tier).
+constexpr uint64_t kUnboundedDiskTierShare = 8;
+
+absl::StatusOr<uint64_t> DefaultDiskTierBytes(const std::string& data_dir,
+                                              const gpu::PoolOptions& pool) {
+  struct statvfs fs;
+  if (::statvfs(data_dir.c_str(), &fs) != 0) {
+    return absl::InternalError(absl::StrCat("data_dir ", data_dir, ": statvfs: ", strerror(errno)));
+  }
+  return std::min<uint64_t>(uint64_t{fs.f_bavail} * fs.f_frsize,
+                            kUnboundedDiskTierShare * (pool.budget_bytes + pool.host_bytes));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const ServerConfig& config) {
@@ -41,22 +64,33 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   const gpu::DeviceDescription& device = server->device_->description();
   const char* path = server->device_->direct_host_access() ? "direct" : "staging";
   LogInfo("device: %s (%s), transfers: %s", device.name, device.type, path);
-  ASSIGN_OR_RETURN(server->pool_, gpu::PagePool::Create(*server->device_, config.pool));
+  engine::EngineOptions engine_options = config.engine;
+  gpu::PoolOptions pool_options = config.pool;
+  if (!config.data_dir.empty()) {
+    server->disk_budget_ = std::make_unique<DiskBudget>(config.disk_bytes);
+    ASSIGN_OR_RETURN(server->saved_files_,
+                     engine::SavedFileStore::Open(config.data_dir, *server->disk_budget_));
+    engine_options.saved_files = server->saved_files_.get();
+    LogInfo("data dir %s: %d saved files", config.data_dir, server->saved_files_->List().size());
+    pool_options.disk_path = absl::StrCat(config.data_dir, "/", kDiskTierFile);
+    pool_options.disk_bytes = config.disk_bytes;
+    if (pool_options.disk_bytes == 0) {
+      ASSIGN_OR_RETURN(pool_options.disk_bytes, DefaultDiskTierBytes(config.data_dir, pool_options));
+    }
+    pool_options.disk_budget = server->disk_budget_.get();
+  }
+  ASSIGN_OR_RETURN(server->pool_, gpu::PagePool::Create(*server->device_, pool_options));
   const gpu::PoolStats pool = server->pool_->stats();
   LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
           pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
           config.engine.page_tokens);
+  LogInfo("tiers below the device: host memory %d MiB, disk %d MiB", 
+          (uint64_t{pool.max_host_pages} * pool.page_bytes) >> 20,
+          (uint64_t{pool.max_disk_pages} * pool.page_bytes) >> 20);
   LogInfo("quantized layers: %s",
           server->pool_->quantizes_on_host()
               ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
-  engine::EngineOptions engine_options = config.engine;
-  if (!config.data_dir.empty()) {
-    ASSIGN_OR_RETURN(server->saved_files_,
-                     engine::SavedFileStore::Open(config.data_dir, config.disk_bytes));
-    engine_options.saved_files = server->saved_files_.get();
-    LogInfo("data dir %s: %d saved files", config.data_dir, server->saved_files_->List().size());
-  }
   server->engine_ = std::make_unique<engine::Engine>(*server->pool_, engine_options);
   server->lease_reaper_ =
       std::make_unique<engine::LeaseReaper>(*server->engine_, config.lease_check_interval);

@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
 #include "gpu/device.h"
+#include "core/disk_budget.h"
 #include "gpu/page_pool.h"
 
 namespace grpc {
@@ -40,7 +41,10 @@ struct ServerConfig {
   // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere
   // (SaveSnapshot and LoadSnapshot refuse, Export/Import of snapshots work).
   std::string data_dir;
-  // Most bytes the files there may hold; 0: no limit but the disk's.
+  // Most bytes kvcached may keep there, saved files and the disk tier's
+  // evicted pages together; 0: no limit but the disk's. The disk tier (a
+  // scratch file there, below host memory: pool.host_bytes) is on whenever
+  // data_dir is set.
   uint64_t disk_bytes = 0;
 };
 
@@ -70,6 +74,7 @@ class KvCacheServer {
   int port_ = 0;
   std::string lane_host_;
   std::unique_ptr<gpu::Device> device_;
+  std::unique_ptr<DiskBudget> disk_budget_;  // null without a data dir
   std::unique_ptr<gpu::PagePool> pool_;
   std::unique_ptr<engine::SavedFileStore> saved_files_;
   std::unique_ptr<engine::Engine> engine_;

@@ -44,7 +44,14 @@ ABSL_FLAG(uint64_t, max_pinned_bytes, 0,
 ABSL_FLAG(std::string, data_dir, "",
           "where prompt-cache files (mlx-lm safetensors) are saved and loaded; listed at start. "
           "Empty: no files (SaveSnapshot and LoadSnapshot refuse)");
-ABSL_FLAG(uint64_t, disk_bytes, 0, "most bytes the files in --data_dir may hold; 0 = no limit");
+ABSL_FLAG(uint64_t, disk_bytes, 0,
+          "most bytes kvcached may keep in --data_dir: saved files and the disk tier's evicted "
+          "pages together; 0 = no limit but the disk (the tier then holds at most 8x "
+          "--pool_bytes + --host_bytes)");
+ABSL_FLAG(uint64_t, host_bytes, 0,
+          "host memory for pages evicted from the device when it is full (snapshot pages no "
+          "cache holds, least recently used first); past it they go on to a file in "
+          "--data_dir. 0 = no host tier");
 ABSL_FLAG(uint64_t, metadata_bytes, 0,
           "most host memory caches and snapshots may hold outside the pool (page tables, layer "
           "objects, ids); past it a new cache or snapshot is RESOURCE_EXHAUSTED. "
@@ -73,6 +80,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.device.enable_validation = absl::GetFlag(FLAGS_validation);
   config.pool.budget_bytes = absl::GetFlag(FLAGS_pool_bytes);
   config.pool.page_bytes = absl::GetFlag(FLAGS_page_bytes);
+  config.pool.host_bytes = absl::GetFlag(FLAGS_host_bytes);
   config.engine.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   config.engine.max_update_tokens = absl::GetFlag(FLAGS_max_update_tokens);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

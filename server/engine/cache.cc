@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "engine/layer_factory.h"
+#include "engine/page_table.h"
 
 namespace kvcache::engine {
 namespace {
@@ -22,6 +23,43 @@ uint64_t CacheSnapshot::size_bytes() const {
   uint64_t total = 0;
   for (const LayerSnapshotPtr& layer : layers) total += layer ? layer->size_bytes() : 0;
   return total;
+}
+
+void CacheSnapshot::ForEachPage(absl::FunctionRef<void(gpu::PageId)> visit) const {
+  for (const LayerSnapshotPtr& layer : layers) {
+    if (layer == nullptr) continue;
+    layer->held_pages().ForEachChunk([&](const void*, long, absl::Span<const gpu::PageId> pages) {
+      for (const gpu::PageId page : pages) {
+        if (page != gpu::kNoPage) visit(page);
+      }
+    });
+  }
+}
+
+TierBytes CacheSnapshot::Tiers() const {
+  TierBytes bytes;
+  for (const LayerSnapshotPtr& layer : layers) {
+    if (layer == nullptr) continue;
+    const gpu::PagePool& pool = *layer->held_pages().pool();
+    const uint64_t page_bytes = pool.page_bytes();
+    layer->held_pages().ForEachChunk([&](const void*, long, absl::Span<const gpu::PageId> pages) {
+      for (const gpu::PageId page : pages) {
+        if (page == gpu::kNoPage) continue;
+        switch (pool.Where(page)) {
+          case gpu::Tier::kDevice:
+            bytes.device += page_bytes;
+            break;
+          case gpu::Tier::kHost:
+            bytes.host += page_bytes;
+            break;
+          case gpu::Tier::kDisk:
+            bytes.disk += page_bytes;
+            break;
+        }
+      }
+    });
+  }
+  return bytes;
 }
 
 std::vector<TokenRange> CacheSnapshot::Ranges(uint32_t layer, TokenRange window) const {

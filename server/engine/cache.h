@@ -2,18 +2,45 @@
 // are a LayerSnapshot per layer plus the token range they cover.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "engine/cache_spec.h"
 #include "engine/layer.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {
+
+// Bytes of distinct pages in each tier.
+struct TierBytes {
+  uint64_t device = 0;
+  uint64_t host = 0;
+  uint64_t disk = 0;
+};
+
+// The pool's eviction epoch at which a snapshot last had all its pages on the
+// device (engine/tiering.h); copies carry the value.
+class ResidentEpoch {
+ public:
+  ResidentEpoch() = default;
+  ResidentEpoch(const ResidentEpoch& other) : epoch_(other.load()) {}
+  ResidentEpoch& operator=(const ResidentEpoch& other) {
+    store(other.load());
+    return *this;
+  }
+  uint64_t load() const { return epoch_.load(std::memory_order_acquire); }
+  void store(uint64_t epoch) const { epoch_.store(epoch, std::memory_order_release); }
+
+ private:
+  // UINT64_MAX: not known to be resident at any epoch yet.
+  mutable std::atomic<uint64_t> epoch_{UINT64_MAX};
+};
 
 // An immutable whole-cache snapshot: a registered one, or the live cache (or
 // a speculation) frozen for a Fetch (Engine::Freeze). A null layer entry
@@ -28,8 +55,13 @@ struct CacheSnapshot {
   // the picture of a live cache (a merge, a split).
   uint64_t source_layout_id = 0;
   uint64_t source_generation = 0;
+  ResidentEpoch resident_epoch;
 
   uint64_t size_bytes() const;
+  // Every page of every layer (a page appears once per layer holding it).
+  void ForEachPage(absl::FunctionRef<void(gpu::PageId)> visit) const;
+  // Where its pages are now; a page two layers share counts once.
+  TierBytes Tiers() const;
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
   std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;
   absl::Status Read(uint32_t layer, TokenRange range, const KvOutput& out) const;

@@ -70,6 +70,7 @@ class ChunkedSnapshot final : public LayerSnapshot {
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
   absl::Status Mapped(TokenRange range, KvMappedPieces& out) const override;
   uint64_t size_bytes() const override;
+  const PageTable& held_pages() const override { return table_; }
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(uint64_t at) const override;
   const PageTable& table() const { return table_; }

@@ -64,10 +64,12 @@ CacheInfo Engine::Describe(const std::string& cache_id, const Cache& cache, cons
 }
 
 absl::StatusOr<CacheInfo> Engine::CreateCache(const CacheSpec& spec, absl::Duration ttl) {
-  RETURN_IF_ERROR(ValidateSpec(spec, options_.limits));
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
-                   Cache::Create(NormalizeSpec(spec), pool_, options_.page_tokens));
-  return AddCache(std::move(cache), ttl);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    RETURN_IF_ERROR(ValidateSpec(spec, options_.limits));
+    ASSIGN_OR_RETURN(std::unique_ptr<Cache> cache,
+                     Cache::Create(NormalizeSpec(spec), pool_, options_.page_tokens));
+    return AddCache(std::move(cache), ttl);
+  });
 }
 
 absl::StatusOr<MetadataCharge> Engine::ChargeCache(const Cache& cache) {
@@ -183,34 +185,38 @@ absl::StatusOr<uint64_t> Engine::UpdateState(const std::string& cache_id, uint32
 absl::StatusOr<uint64_t> Engine::UpdateLayer(
     const std::string& cache_id, uint32_t layer, std::optional<uint64_t> expected_offset,
     absl::FunctionRef<absl::Status(Cache&)> apply) {
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  if (layer >= cache->num_layers()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer: %d is out of range; the cache has %d layers", layer, cache->num_layers()));
-  }
-  const uint64_t offset = cache->layer(layer).offset();
-  if (expected_offset.has_value() && *expected_offset != offset) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "expected_offset: layer %d is at offset %d, not %d", layer, offset, *expected_offset));
-  }
-  RETURN_IF_ERROR(apply(*cache));
-  return cache->layer(layer).offset();
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<uint64_t> {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
+    if (layer >= cache->num_layers()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer: %d is out of range; the cache has %d layers", layer, cache->num_layers()));
+    }
+    const uint64_t offset = cache->layer(layer).offset();
+    if (expected_offset.has_value() && *expected_offset != offset) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "expected_offset: layer %d is at offset %d, not %d", layer, offset, *expected_offset));
+    }
+    RETURN_IF_ERROR(apply(*cache));
+    return cache->layer(layer).offset();
+  });
 }
 
 absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
     const std::string& cache_id, const std::string& snapshot_id) const {
-  if (!snapshot_id.empty()) return snapshots_.Get(snapshot_id);
+  if (!snapshot_id.empty()) return tiering_.Acquire(snapshot_id);
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   return cache->Freeze(cache_id);
 }
 
 absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n, CacheInfo* after) {
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  ASSIGN_OR_RETURN(const uint64_t trimmed, cache->Trim(n));
-  if (after != nullptr) *after = cache.Describe(cache_id);
-  return trimmed;
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<uint64_t> {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
+    ASSIGN_OR_RETURN(const uint64_t trimmed, cache->Trim(n));
+    if (after != nullptr) *after = cache.Describe(cache_id);
+    return trimmed;
+  });
 }
 
 absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint64_t from_offset,
@@ -223,46 +229,52 @@ absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint6
 
 absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
                                           const std::string& snapshot_id, uint64_t target_offset) {
-  CacheSnapshotPtr snapshot;
-  if (!snapshot_id.empty()) {
-    ASSIGN_OR_RETURN(snapshot, snapshots_.Get(snapshot_id));
-  }
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  RETURN_IF_ERROR(cache->Restore(snapshot.get(), target_offset));
-  return cache.Describe(cache_id);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    CacheSnapshotPtr snapshot;
+    if (!snapshot_id.empty()) {
+      ASSIGN_OR_RETURN(snapshot, tiering_.Acquire(snapshot_id));
+    }
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
+    RETURN_IF_ERROR(cache->Restore(snapshot.get(), target_offset));
+    return cache.Describe(cache_id);
+  });
 }
 
 absl::StatusOr<SnapshotInfo> Engine::MergeSnapshots(const std::string& parent_id,
                                                     const std::string& child_id) {
-  if (parent_id == child_id) {
-    return absl::FailedPreconditionError("child_id: a snapshot cannot be merged with itself");
-  }
-  ASSIGN_OR_RETURN(CacheSnapshotPtr parent, snapshots_.Get(parent_id));
-  ASSIGN_OR_RETURN(CacheSnapshotPtr child, snapshots_.Get(child_id));
-  ASSIGN_OR_RETURN(CacheSnapshotPtr merged, engine::MergeSnapshots(*parent, *child));
-  // Charged before the inputs' charges return: a merge needs room for its
-  // result while both inputs still exist.
-  std::vector<MetadataCharge> metadata(1);
-  ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*merged));
-  ASSIGN_OR_RETURN(
-      std::vector<SnapshotInfo> added,
-      snapshots_.Replace({parent_id, child_id}, {std::move(merged)}, std::move(metadata)));
-  return added[0];
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<SnapshotInfo> {
+    if (parent_id == child_id) {
+      return absl::FailedPreconditionError("child_id: a snapshot cannot be merged with itself");
+    }
+    ASSIGN_OR_RETURN(CacheSnapshotPtr parent, tiering_.Acquire(parent_id));
+    ASSIGN_OR_RETURN(CacheSnapshotPtr child, tiering_.Acquire(child_id));
+    ASSIGN_OR_RETURN(CacheSnapshotPtr merged, engine::MergeSnapshots(*parent, *child));
+    // Charged before the inputs' charges return: a merge needs room for its
+    // result while both inputs still exist.
+    std::vector<MetadataCharge> metadata(1);
+    ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*merged));
+    ASSIGN_OR_RETURN(
+        std::vector<SnapshotInfo> added,
+        snapshots_.Replace({parent_id, child_id}, {std::move(merged)}, std::move(metadata)));
+    return added[0];
+  });
 }
 
 absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> Engine::SplitSnapshot(
     const std::string& snapshot_id, uint64_t at) {
-  ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, snapshots_.Get(snapshot_id));
-  ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
-  std::vector<MetadataCharge> metadata(2);
-  ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*halves.first));
-  ASSIGN_OR_RETURN(metadata[1], ChargeSnapshot(*halves.second));
-  ASSIGN_OR_RETURN(
-      std::vector<SnapshotInfo> added,
-      snapshots_.Replace({snapshot_id}, {std::move(halves.first), std::move(halves.second)},
-                         std::move(metadata)));
-  return std::make_pair(added[0], added[1]);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> {
+    ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, tiering_.Acquire(snapshot_id));
+    ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
+    std::vector<MetadataCharge> metadata(2);
+    ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*halves.first));
+    ASSIGN_OR_RETURN(metadata[1], ChargeSnapshot(*halves.second));
+    ASSIGN_OR_RETURN(
+        std::vector<SnapshotInfo> added,
+        snapshots_.Replace({snapshot_id}, {std::move(halves.first), std::move(halves.second)},
+                           std::move(metadata)));
+    return std::make_pair(added[0], added[1]);
+  });
 }
 
 absl::Status Engine::ReleaseSnapshot(const std::string& snapshot_id) {
@@ -274,75 +286,83 @@ std::vector<SnapshotInfo> Engine::ListSnapshots(const std::string& cache_id) con
 }
 
 absl::StatusOr<CacheInfo> Engine::ExtractRow(const std::string& cache_id, uint32_t row) {
-  CacheSnapshotPtr frozen;
-  {
-    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-    ASSIGN_OR_RETURN(frozen, FrozenInStep(*cache, cache_id, "cache_id"));
-  }
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtractRow(*frozen, row));
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
-                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  return AddCache(std::move(built));
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    CacheSnapshotPtr frozen;
+    {
+      ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+      ASSIGN_OR_RETURN(frozen, FrozenInStep(*cache, cache_id, "cache_id"));
+    }
+    ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtractRow(*frozen, row));
+    ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                     AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+    return AddCache(std::move(built));
+  });
 }
 
 absl::StatusOr<CacheInfo> Engine::FilterRows(const std::string& cache_id,
                                              absl::Span<const uint32_t> keep_rows) {
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*frozen, keep_rows));
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
-                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
-  cache.Replace(std::move(built), std::move(metadata));
-  return cache.Describe(cache_id);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
+    ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
+    ASSIGN_OR_RETURN(const BatchPlan plan, PlanFilterRows(*frozen, keep_rows));
+    ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                     AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+    ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
+    cache.Replace(std::move(built), std::move(metadata));
+    return cache.Describe(cache_id);
+  });
 }
 
 // The sources are read under their locks and released before the copy: a
 // merge changes none of them.
 absl::StatusOr<CacheInfo> Engine::MergeCaches(absl::Span<const std::string> cache_ids) {
-  std::vector<std::string> fields;
-  for (size_t i = 0; i < cache_ids.size(); ++i) {
-    fields.push_back(absl::StrCat("cache_ids[", i, "]"));
-  }
-  std::vector<CacheSnapshotPtr> frozen_caches;
-  {
-    ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, cache_ids, fields));
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    std::vector<std::string> fields;
     for (size_t i = 0; i < cache_ids.size(); ++i) {
-      const auto it = std::find_if(locked.begin(), locked.end(),
-                                   [&](const auto& entry) { return entry.first == cache_ids[i]; });
-      ASSIGN_OR_RETURN(CacheSnapshotPtr frozen, FrozenInStep(*it->second, cache_ids[i], fields[i]));
-      frozen_caches.push_back(std::move(frozen));
+      fields.push_back(absl::StrCat("cache_ids[", i, "]"));
     }
-  }
-  std::vector<const CacheSnapshot*> sources;
-  for (const CacheSnapshotPtr& frozen : frozen_caches) sources.push_back(frozen.get());
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanMerge(sources));
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
-                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  return AddCache(std::move(built));
+    std::vector<CacheSnapshotPtr> frozen_caches;
+    {
+      ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, cache_ids, fields));
+      for (size_t i = 0; i < cache_ids.size(); ++i) {
+        const auto it = std::find_if(locked.begin(), locked.end(),
+                                     [&](const auto& entry) { return entry.first == cache_ids[i]; });
+        ASSIGN_OR_RETURN(CacheSnapshotPtr frozen, FrozenInStep(*it->second, cache_ids[i], fields[i]));
+        frozen_caches.push_back(std::move(frozen));
+      }
+    }
+    std::vector<const CacheSnapshot*> sources;
+    for (const CacheSnapshotPtr& frozen : frozen_caches) sources.push_back(frozen.get());
+    ASSIGN_OR_RETURN(const BatchPlan plan, PlanMerge(sources));
+    ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                     AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+    return AddCache(std::move(built));
+  });
 }
 
 absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
                                               const std::string& other_id) {
-  const std::string ids[] = {cache_id, other_id};
-  const std::string fields[] = {"cache_id", "other_id"};
-  ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, ids, fields));
-  const auto find = [&](const std::string& id) -> LockedCache& {
-    return std::find_if(locked.begin(), locked.end(),
-                        [&](const auto& entry) { return entry.first == id; })->second;
-  };
-  LockedCache& cache = find(cache_id);
-  RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr other,
-                   FrozenInStep(*find(other_id), other_id, "other_id"));
-  ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*frozen, *other));
-  ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
-                   AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
-  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
-  cache.Replace(std::move(built), std::move(metadata));
-  return cache.Describe(cache_id);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    const std::string ids[] = {cache_id, other_id};
+    const std::string fields[] = {"cache_id", "other_id"};
+    ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, ids, fields));
+    const auto find = [&](const std::string& id) -> LockedCache& {
+      return std::find_if(locked.begin(), locked.end(),
+                          [&](const auto& entry) { return entry.first == id; })->second;
+    };
+    LockedCache& cache = find(cache_id);
+    RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));
+    ASSIGN_OR_RETURN(const CacheSnapshotPtr frozen, FrozenInStep(*cache, cache_id, "cache_id"));
+    ASSIGN_OR_RETURN(const CacheSnapshotPtr other,
+                     FrozenInStep(*find(other_id), other_id, "other_id"));
+    ASSIGN_OR_RETURN(const BatchPlan plan, PlanExtend(*frozen, *other));
+    ASSIGN_OR_RETURN(std::unique_ptr<Cache> built,
+                     AssembleBatch(plan, pool_, options_.page_tokens, options_.limits));
+    ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*built));
+    cache.Replace(std::move(built), std::move(metadata));
+    return cache.Describe(cache_id);
+  });
 }
 
 absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> cache_ids,
@@ -368,6 +388,9 @@ absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> c
 }
 
 absl::StatusOr<SnapshotInfo> Engine::SetPinned(const std::string& snapshot_id, bool pinned) {
+  if (!pinned) return snapshots_.SetPinned(snapshot_id, pinned);
+  // Held (so not evicted again) from being brought back until it is pinned.
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr resident, tiering_.Acquire(snapshot_id));
   return snapshots_.SetPinned(snapshot_id, pinned);
 }
 

@@ -30,6 +30,7 @@
 #include "engine/saved_files.h"
 #include "engine/snapshot_registry.h"
 #include "engine/speculation.h"
+#include "engine/tiering.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {
@@ -235,6 +236,7 @@ class Engine {
   absl::StatusOr<RenewedLeases> RenewLease(absl::Span<const std::string> cache_ids,
                                            absl::Span<const std::string> snapshot_ids);
   // Pins (never evicted, never expires; within max_pinned_bytes) or unpins.
+  // Pinning an evicted snapshot brings its pages back to the device first.
   absl::StatusOr<SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
   // Deletes every cache and releases every snapshot whose lease has run out,
   // exactly as DeleteCache and ReleaseSnapshot would; the reaper's pass
@@ -340,6 +342,10 @@ class Engine {
   std::atomic<uint64_t> caches_expired_{0};
   // Lock order: caches_mutex_, then the registry's (RenewLease holds both).
   SnapshotRegistry snapshots_;
+  // Takes registered snapshots for calls that read their pages (Acquire),
+  // and makes room on the device (RetryAfterEviction) for every call that
+  // allocates pages: none holds another lock when it does.
+  const Tiering tiering_{pool_, snapshots_};
   // Lock order: a cache's mutex, then this one (never the other way round).
   mutable absl::Mutex speculations_mutex_;
   absl::flat_hash_map<std::string, SpeculationOwner> speculations_

@@ -36,7 +36,7 @@ absl::StatusOr<SavedFileStore*> Engine::SavedFiles() const {
 
 absl::StatusOr<PromptCacheFile> Engine::ExportSnapshot(
     const std::string& snapshot_id, const std::map<std::string, std::string>& metadata) const {
-  ASSIGN_OR_RETURN(const CacheSnapshotPtr snapshot, snapshots_.Get(snapshot_id));
+  ASSIGN_OR_RETURN(const CacheSnapshotPtr snapshot, tiering_.Acquire(snapshot_id));
   return ToPromptCache(*snapshot, metadata);
 }
 
@@ -45,17 +45,19 @@ absl::StatusOr<PromptCacheFile> Engine::ExportSnapshot(
 absl::StatusOr<LoadedSnapshot> Engine::ImportSnapshot(const PromptCacheFile& file,
                                                       bool checksum_verified, bool pinned,
                                                       absl::Duration ttl) {
-  ASSIGN_OR_RETURN(const std::unique_ptr<Cache> cache,
-                   CacheFromPromptCache(file, options_.limits, pool_, options_.page_tokens));
-  ASSIGN_OR_RETURN(const MetadataCharge cache_charge, ChargeCache(*cache));
-  ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot("", 0));
-  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeSnapshot(*snapshot));
-  LoadedSnapshot loaded{.spec = cache->spec(),
-                        .metadata = UserMetadata(file),
-                        .checksum_verified = checksum_verified};
-  ASSIGN_OR_RETURN(loaded.snapshot,
-                   snapshots_.Add(std::move(snapshot), std::move(metadata), pinned, ttl));
-  return loaded;
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<LoadedSnapshot> {
+    ASSIGN_OR_RETURN(const std::unique_ptr<Cache> cache,
+                     CacheFromPromptCache(file, options_.limits, pool_, options_.page_tokens));
+    ASSIGN_OR_RETURN(const MetadataCharge cache_charge, ChargeCache(*cache));
+    ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot("", 0));
+    ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeSnapshot(*snapshot));
+    LoadedSnapshot loaded{.spec = cache->spec(),
+                          .metadata = UserMetadata(file),
+                          .checksum_verified = checksum_verified};
+    ASSIGN_OR_RETURN(loaded.snapshot,
+                     snapshots_.Add(std::move(snapshot), std::move(metadata), pinned, ttl));
+    return loaded;
+  });
 }
 
 absl::StatusOr<LoadedSnapshot> Engine::ImportBytes(absl::string_view bytes,

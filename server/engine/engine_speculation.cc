@@ -30,27 +30,29 @@ SpeculationInfo Engine::DescribeSpeculation(const std::string& cache_id,
 
 absl::StatusOr<SpeculationInfo> Engine::BeginSpeculation(const std::string& cache_id,
                                                          bool isolated) {
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  if (cache.speculation() != nullptr) {
-    return absl::FailedPreconditionError(
-        "cache_id: a speculation is already open on this cache; commit or abort it first");
-  }
-  std::string id;
-  {
-    // Reserved before the drafts exist; a lookup meanwhile finds the cache
-    // without it and answers NOT_FOUND.
-    absl::MutexLock lock(&speculations_mutex_);
-    do id = NewRandomId(); while (speculations_.contains(id));
-    speculations_.emplace(id, SpeculationOwner{cache_id, cache.entry()});
-  }
-  absl::StatusOr<std::unique_ptr<Speculation>> speculation =
-      Speculation::Begin(*cache, id, isolated);
-  if (!speculation.ok()) {
-    ForgetSpeculation(id);
-    return speculation.status();
-  }
-  cache.speculation_slot() = *std::move(speculation);
-  return DescribeSpeculation(cache_id, *cache.speculation());
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<SpeculationInfo> {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    if (cache.speculation() != nullptr) {
+      return absl::FailedPreconditionError(
+          "cache_id: a speculation is already open on this cache; commit or abort it first");
+    }
+    std::string id;
+    {
+      // Reserved before the drafts exist; a lookup meanwhile finds the cache
+      // without it and answers NOT_FOUND.
+      absl::MutexLock lock(&speculations_mutex_);
+      do id = NewRandomId(); while (speculations_.contains(id));
+      speculations_.emplace(id, SpeculationOwner{cache_id, cache.entry()});
+    }
+    absl::StatusOr<std::unique_ptr<Speculation>> speculation =
+        Speculation::Begin(*cache, id, isolated);
+    if (!speculation.ok()) {
+      ForgetSpeculation(id);
+      return speculation.status();
+    }
+    cache.speculation_slot() = *std::move(speculation);
+    return DescribeSpeculation(cache_id, *cache.speculation());
+  });
 }
 
 absl::StatusOr<Engine::LockedCache> Engine::OpenSpeculation(const std::string& speculation_id,
@@ -128,21 +130,23 @@ absl::StatusOr<uint64_t> Engine::UpdateDraft(const std::string& speculation_id,
                                              const std::string& cache_id, uint32_t layer,
                                              std::optional<uint64_t> expected_offset,
                                              absl::FunctionRef<absl::Status(Speculation&)> apply) {
-  ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, cache_id));
-  Speculation& speculation = *cache.speculation();
-  if (layer >= speculation.num_layers()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer: %d is out of range; the cache has %d layers", layer, speculation.num_layers()));
-  }
-  const uint64_t offset = speculation.layer_offset(layer);
-  if (expected_offset.has_value() && *expected_offset != offset) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "expected_offset: layer %d of the speculation is at offset %d (committed + drafted), "
-        "not %d",
-        layer, offset, *expected_offset));
-  }
-  RETURN_IF_ERROR(apply(speculation));
-  return speculation.layer_offset(layer);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<uint64_t> {
+    ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, cache_id));
+    Speculation& speculation = *cache.speculation();
+    if (layer >= speculation.num_layers()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer: %d is out of range; the cache has %d layers", layer, speculation.num_layers()));
+    }
+    const uint64_t offset = speculation.layer_offset(layer);
+    if (expected_offset.has_value() && *expected_offset != offset) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "expected_offset: layer %d of the speculation is at offset %d (committed + drafted), "
+          "not %d",
+          layer, offset, *expected_offset));
+    }
+    RETURN_IF_ERROR(apply(speculation));
+    return speculation.layer_offset(layer);
+  });
 }
 
 absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
@@ -160,11 +164,13 @@ absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
 
 absl::StatusOr<CacheInfo> Engine::CommitSpeculation(const std::string& speculation_id,
                                                     uint64_t accepted) {
-  std::string cache_id;
-  ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, "", &cache_id));
-  RETURN_IF_ERROR(cache.speculation()->Commit(accepted));
-  EndSpeculation(cache);
-  return cache.Describe(cache_id);
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<CacheInfo> {
+    std::string cache_id;
+    ASSIGN_OR_RETURN(LockedCache cache, OpenSpeculation(speculation_id, "", &cache_id));
+    RETURN_IF_ERROR(cache.speculation()->Commit(accepted));
+    EndSpeculation(cache);
+    return cache.Describe(cache_id);
+  });
 }
 
 absl::StatusOr<CacheInfo> Engine::AbortSpeculation(const std::string& speculation_id) {

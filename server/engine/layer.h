@@ -135,6 +135,7 @@ struct KvMappedPieces {
 
 class LayerDraft;
 class LayerSnapshot;
+class PageTable;
 class StagedAppend;
 
 // One row of a layer being assembled by a batch operation (mlx-lm BatchKVCache
@@ -173,6 +174,8 @@ class LayerSnapshot : public std::enable_shared_from_this<LayerSnapshot> {
   // (quantized, recurrent layers) or not host-visible (the default).
   virtual absl::Status Mapped(TokenRange range, KvMappedPieces& out) const;
   virtual uint64_t size_bytes() const = 0;
+  // Every page it holds: what eviction moves and promotion brings back.
+  virtual const PageTable& held_pages() const = 0;
   // Quantized layers: `range` in its stored, packed form. Others: INVALID_ARGUMENT.
   virtual absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const;
   // Recurrent layers: the state as of to(). Others: INVALID_ARGUMENT.

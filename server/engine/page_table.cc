@@ -59,6 +59,13 @@ static_assert(PageTable::kChunkPages == 128, "Chunk::used has one bit per slot")
 
 uint64_t PageTable::ChunkHostBytes() { return HeapBlockBytes(kSharedCountBytes + sizeof(Chunk)); }
 
+void PageTable::ForEachChunk(
+    absl::FunctionRef<void(const void*, long, absl::Span<const PageId>)> visit) const {
+  for (const ChunkPtr& chunk : chunks_) {
+    if (chunk != nullptr) visit(chunk.get(), chunk.use_count(), chunk->pages);
+  }
+}
+
 PageId PageTable::Get(uint64_t index) const {
   const uint64_t c = index / kChunkPages;
   if (c >= chunks_.size() || !chunks_[c]) return kNoPage;

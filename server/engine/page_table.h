@@ -16,6 +16,8 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
+#include "absl/types/span.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {
@@ -43,6 +45,13 @@ class PageTable {
   uint64_t CountPages() const;
   // Host memory of one chunk, allocation overhead included.
   static uint64_t ChunkHostBytes();
+
+  // Each chunk holding pages: an id for it (the same in every table that
+  // shares it), how many tables share it now, and its slots (kNoPage where
+  // empty). The eviction policy's view: which pages only snapshots hold.
+  void ForEachChunk(absl::FunctionRef<void(const void* chunk, long tables,
+                                           absl::Span<const gpu::PageId> pages)>
+                        visit) const;
 
   // A table holding only the pages at indices [first, last) of this one.
   PageTable Slice(uint64_t first, uint64_t last) const;

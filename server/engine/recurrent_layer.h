@@ -70,6 +70,7 @@ class RecurrentSnapshot final : public LayerSnapshot {
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
   absl::Status ReadState(const StateOutput& out) const override;
   uint64_t size_bytes() const override;
+  const PageTable& held_pages() const override { return pages_; }
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   bool ChildSupersedes() const override { return true; }
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(uint64_t at) const override;

@@ -48,6 +48,7 @@ class RotatingSnapshot final : public LayerSnapshot {
   absl::Status Read(TokenRange range, const KvOutput& out) const override;
   absl::Status Mapped(TokenRange range, KvMappedPieces& out) const override;
   uint64_t size_bytes() const override;
+  const PageTable& held_pages() const override { return table_; }
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   bool ChildSupersedes() const override { return true; }
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(

@@ -56,12 +56,25 @@ absl::Status ValidateSavedFileName(absl::string_view name) {
 
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string data_dir,
                                                                      uint64_t max_bytes) {
+  auto budget = std::make_unique<DiskBudget>(max_bytes);
+  DiskBudget& shared = *budget;
+  return Open(std::move(data_dir), std::move(budget), shared);
+}
+
+absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string data_dir,
+                                                                     DiskBudget& budget) {
+  return Open(std::move(data_dir), nullptr, budget);
+}
+
+absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(
+    std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget) {
   std::error_code error;
   std::filesystem::create_directories(data_dir, error);
   if (error) {
     return FileErrorStatus(error.value(), "create_directories", data_dir, data_dir);
   }
-  std::unique_ptr<SavedFileStore> store(new SavedFileStore(std::move(data_dir), max_bytes));
+  std::unique_ptr<SavedFileStore> store(
+      new SavedFileStore(std::move(data_dir), std::move(own_budget), budget));
   RETURN_IF_ERROR(store->IndexDirectory());
   return store;
 }
@@ -86,6 +99,7 @@ absl::Status SavedFileStore::IndexDirectory() {
     if (!ValidateSavedFileName(name).ok()) continue;
     ASSIGN_OR_RETURN(SavedFileInfo info, StatSavedFile(name, entry.path().string(), data_dir_));
     used_bytes_ += info.size_bytes;
+    budget_.Charge(info.size_bytes);
     files_.emplace(info.name, std::move(info));
   }
   if (error) return FileErrorStatus(error.value(), "readdir", data_dir_, data_dir_);
@@ -187,6 +201,7 @@ absl::Status SavedFileStore::Delete(absl::string_view name) {
     absl::MutexLock lock(&mu_);
     auto file = files_.find(name);
     used_bytes_ -= file->second.size_bytes;
+    budget_.Credit(file->second.size_bytes);
     files_.erase(file);
   }
   return SyncDirectory(data_dir_);
@@ -207,6 +222,7 @@ absl::StatusOr<SavedFileInfo> SavedFileStore::Commit(absl::string_view name,
   {
     absl::MutexLock lock(&mu_);
     reserved_bytes_ -= growth;
+    budget_.Credit(growth);
     ReindexLocked(name, on_disk);
   }
   RETURN_IF_ERROR(written);
@@ -218,10 +234,12 @@ void SavedFileStore::ReindexLocked(absl::string_view name,
   if (!on_disk.ok() && !absl::IsNotFound(on_disk.status())) return;  // unknown: keep the entry
   if (auto old = files_.find(name); old != files_.end()) {
     used_bytes_ -= old->second.size_bytes;
+    budget_.Credit(old->second.size_bytes);
     files_.erase(old);
   }
   if (on_disk.ok()) {
     used_bytes_ += on_disk->size_bytes;
+    budget_.Charge(on_disk->size_bytes);
     files_.emplace(on_disk->name, *on_disk);
   }
 }
@@ -233,10 +251,12 @@ absl::StatusOr<uint64_t> SavedFileStore::ReserveBytes(absl::string_view name, ui
   auto old = files_.find(name);
   const uint64_t old_bytes = old == files_.end() ? 0 : old->second.size_bytes;
   const uint64_t growth = size_bytes > old_bytes ? size_bytes - old_bytes : 0;
-  if (max_bytes_ != 0 && used_bytes_ + reserved_bytes_ + growth > max_bytes_) {
+  if (!budget_.TryCharge(growth)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "saving ", size_bytes, " bytes as \"", name, "\" would pass disk_bytes ", max_bytes_, " (",
-        used_bytes_, " bytes used, ", reserved_bytes_, " being written)"));
+        "saving ", size_bytes, " bytes as \"", name, "\" would pass disk_bytes ",
+        budget_.max_bytes(), " (", used_bytes_, " bytes in saved files, ", reserved_bytes_,
+        " being written, ", budget_.used() - used_bytes_ - reserved_bytes_,
+        " holding evicted pages)"));
   }
   reserved_bytes_ += growth;
   return growth;

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "core/disk_budget.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "engine/prompt_cache.h"
@@ -56,6 +57,10 @@ class SavedFileStore {
   // saved files. `max_bytes` bounds the files' total size (0: no limit).
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
                                                               uint64_t max_bytes);
+  // The same within `budget`, shared with whatever else writes under
+  // data_dir (the pool's disk tier); it must outlive the store.
+  static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
+                                                              DiskBudget& budget);
 
   absl::StatusOr<SavedFileInfo> Save(absl::string_view name, const PromptCacheFile& file);
   // The decoded file, and whether its checksum was verified (files from mlx-lm have none).
@@ -69,13 +74,15 @@ class SavedFileStore {
   absl::StatusOr<SavedFileInfo> WriteBytes(absl::string_view name, absl::string_view bytes);
 
   uint64_t used_bytes() const;
-  uint64_t max_bytes() const { return max_bytes_; }
+  uint64_t max_bytes() const { return budget_.max_bytes(); }
   const std::string& data_dir() const { return data_dir_; }
 
  private:
-  SavedFileStore(std::string data_dir, uint64_t max_bytes)
-      : data_dir_(std::move(data_dir)), max_bytes_(max_bytes) {}
+  SavedFileStore(std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget)
+      : data_dir_(std::move(data_dir)), own_budget_(std::move(own_budget)), budget_(budget) {}
 
+  static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(
+      std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget);
   std::string PathOf(absl::string_view name) const;
   absl::Status IndexDirectory();
   absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
@@ -91,7 +98,9 @@ class SavedFileStore {
   void ReleaseName(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string data_dir_;
-  const uint64_t max_bytes_;
+  const std::unique_ptr<DiskBudget> own_budget_;  // null when shared
+  // Charged with used_bytes_ + reserved_bytes_ (and whatever shares it).
+  DiskBudget& budget_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, SavedFileInfo, std::less<>> files_ ABSL_GUARDED_BY(mu_);

@@ -42,6 +42,7 @@ SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
       .from_offset = entry.snapshot->from,
       .to_offset = entry.snapshot->to,
       .size_bytes = entry.snapshot->size_bytes(),
+      .tiers = entry.snapshot->Tiers(),
       .pinned = entry.pinned,
       .ttl = entry.lease.ttl(),
       .expires_at = entry.pinned ? absl::InfiniteFuture() : entry.lease.expires_at()};
@@ -75,6 +76,7 @@ SnapshotInfo SnapshotRegistry::Insert(Entry entry) {
     entry.lease.Renew(clock_.Now());
     deadlines_.Push(entry.lease.expires_at(), id);
   }
+  entry.last_use = ++use_clock_;
   const Entry& added = entries_.try_emplace(id, std::move(entry)).first->second;
   return Info(id, added);
 }
@@ -115,7 +117,16 @@ absl::StatusOr<CacheSnapshotPtr> SnapshotRegistry::Get(const std::string& snapsh
   // Renewed under the lock that Expire takes: a call either renews it in
   // time or finds it gone.
   it->second.lease.Renew(now);
+  it->second.last_use = ++use_clock_;
   return it->second.snapshot;
+}
+
+void SnapshotRegistry::VisitForEviction(
+    absl::FunctionRef<void(const CacheSnapshotPtr&, bool, uint64_t)> visit,
+    absl::FunctionRef<void()> then) const {
+  absl::MutexLock lock(&mutex_);
+  for (const auto& [id, entry] : entries_) visit(entry.snapshot, entry.pinned, entry.last_use);
+  then();
 }
 
 absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
@@ -194,6 +205,7 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snap
   entry.pinned = pinned;
   // Naming it renews it; an unpinned lease runs from now.
   entry.lease.Renew(now);
+  entry.last_use = ++use_clock_;
   if (!pinned) deadlines_.Push(entry.lease.expires_at(), snapshot_id);
   return Info(snapshot_id, entry);
 }
@@ -211,6 +223,7 @@ absl::StatusOr<std::vector<LeaseInfo>> SnapshotRegistry::Renew(absl::Span<const 
   for (const std::string& id : ids) {
     Entry& entry = entries_.find(id)->second;
     entry.lease.Renew(now);
+    entry.last_use = ++use_clock_;
     const SnapshotInfo info = Info(id, entry);
     leases.push_back(LeaseInfo{.id = id,
                                .ttl = entry.pinned ? absl::ZeroDuration() : info.ttl,

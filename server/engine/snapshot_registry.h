@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -25,6 +26,8 @@ struct SnapshotInfo {
   uint64_t from_offset = 0;
   uint64_t to_offset = 0;
   uint64_t size_bytes = 0;
+  // Where its pages are now (CacheSnapshot::TierBytes).
+  TierBytes tiers;
   bool pinned = false;
   absl::Duration ttl;                              // zero: no lease
   absl::Time expires_at = absl::InfiniteFuture();  // never while pinned or without a lease
@@ -78,6 +81,14 @@ class SnapshotRegistry {
   // The earliest deadline the reaper may find (a hint).
   absl::Time NextDeadline() const;
 
+  // For the eviction policy, under the registry's lock: each entry's
+  // snapshot, whether it is pinned, and when a call last named it (a
+  // counter, higher is later); then `then`, the lock still held, so that
+  // nothing it takes a reference to is freed before it has.
+  void VisitForEviction(
+      absl::FunctionRef<void(const CacheSnapshotPtr&, bool pinned, uint64_t last_use)> visit,
+      absl::FunctionRef<void()> then) const;
+
   size_t size() const;
   uint64_t pinned_bytes() const;
   uint64_t expired() const;
@@ -89,6 +100,7 @@ class SnapshotRegistry {
     MetadataCharge metadata;
     bool pinned = false;
     Lease lease;
+    uint64_t last_use = 0;  // use_clock_ when a call last named it
   };
   static SnapshotInfo Info(const std::string& id, const Entry& entry);
   // Pinned, or its lease not yet run out: callers can name it.
@@ -112,6 +124,7 @@ class SnapshotRegistry {
   LeaseQueue deadlines_ ABSL_GUARDED_BY(mutex_);
   uint64_t pinned_bytes_ ABSL_GUARDED_BY(mutex_) = 0;
   uint64_t expired_ ABSL_GUARDED_BY(mutex_) = 0;
+  mutable uint64_t use_clock_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
 }  // namespace kvcache::engine

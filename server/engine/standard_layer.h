@@ -30,6 +30,7 @@ class StandardSnapshot final : public LayerSnapshot {
   // Quantized geometry only: the range's planes as stored.
   absl::Status ReadPacked(TokenRange range, const PackedOutput& out) const override;
   uint64_t size_bytes() const override;
+  const PageTable& held_pages() const override { return table_; }
   const PageGeometry& geometry() const { return geometry_; }
   absl::StatusOr<LayerSnapshotPtr> MergedWith(const LayerSnapshot& child) const override;
   absl::StatusOr<std::pair<LayerSnapshotPtr, LayerSnapshotPtr>> SplitAt(

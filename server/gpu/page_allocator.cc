@@ -79,12 +79,14 @@ absl::StatusOr<PagePlan> PlanPages(const Device& device, const PoolOptions& opti
                   .max_disk_pages = disk_pages};
 }
 
-PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped)
+PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped,
+                             DiskBudget* disk_budget)
     : device_(device),
       plan_(plan),
       host_mapped_(host_mapped),
       max_slabs_((plan.max_pages + plan.pages_per_slab - 1) / plan.pages_per_slab),
       max_ids_(plan.max_pages + plan.max_host_pages + plan.max_disk_pages),
+      disk_budget_(disk_budget),
       refcounts_(new std::atomic<uint32_t>[max_ids_]),
       where_(new std::atomic<uint32_t>[max_ids_]),
       slabs_(new std::unique_ptr<Buffer>[max_slabs_]) {
@@ -111,6 +113,7 @@ PoolStats PageAllocator::stats() const {
       .page_bytes = plan_.page_bytes,
       .max_pages = plan_.max_pages,
       .used_pages = backed - static_cast<uint32_t>(free_.size()),
+      .peak_used_pages = peak_used_,
       .backed_pages = backed,
       .slabs = slab_count_,
       .host_pages = plan_.max_host_pages - static_cast<uint32_t>(host_free_.size()),
@@ -155,6 +158,8 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
     refcounts_[page].store(1, std::memory_order_relaxed);
     out.push_back(page);
   }
+  peak_used_ = std::max(peak_used_, backed_pages_.load(std::memory_order_relaxed) -
+                                        static_cast<uint32_t>(free_.size()));
   return absl::OkStatus();
 }
 
@@ -168,6 +173,8 @@ absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
   out.insert(out.end(), free_.end() - count, free_.end());
   free_.resize(free_.size() - count);
+  peak_used_ = std::max(peak_used_, backed_pages_.load(std::memory_order_relaxed) -
+                                        static_cast<uint32_t>(free_.size()));
   return absl::OkStatus();
 }
 
@@ -187,6 +194,9 @@ std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
   absl::MutexLock lock(&mutex_);
   std::vector<uint32_t>& free = FreeSlotsLocked(tier);
   if (free.empty()) return std::nullopt;
+  if (tier == Tier::kDisk && disk_budget_ != nullptr && !disk_budget_->TryCharge(plan_.page_bytes)) {
+    return std::nullopt;  // saved files hold the rest of disk_bytes
+  }
   const uint32_t slot = free.back();
   free.pop_back();
   return slot;
@@ -194,13 +204,18 @@ std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
 
 void PageAllocator::ReturnSlot(Tier tier, uint32_t slot) {
   absl::MutexLock lock(&mutex_);
+  FreeSlotLocked(tier, slot);
+}
+
+void PageAllocator::FreeSlotLocked(Tier tier, uint32_t slot) {
+  if (tier == Tier::kDisk && disk_budget_ != nullptr) disk_budget_->Credit(plan_.page_bytes);
   FreeSlotsLocked(tier).push_back(slot);
 }
 
 void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
   absl::MutexLock lock(&mutex_);
   const uint32_t old = where_[page].load(std::memory_order_relaxed);
-  FreeSlotsLocked(TierOf(old)).push_back(SlotOfWord(old));
+  FreeSlotLocked(TierOf(old), SlotOfWord(old));
   where_[page].store(Encode(tier, slot), std::memory_order_release);
   if (tier == Tier::kHost) host_arrivals_.emplace_back(page, slot);
 }
@@ -224,7 +239,7 @@ void PageAllocator::CountMoves(Tier from, Tier to, uint32_t pages) {
 
 void PageAllocator::FreeLocked(PageId page) {
   const uint32_t word = where_[page].load(std::memory_order_relaxed);
-  FreeSlotsLocked(TierOf(word)).push_back(SlotOfWord(word));
+  FreeSlotLocked(TierOf(word), SlotOfWord(word));
   where_[page].store(kNowhere, std::memory_order_relaxed);
   free_ids_.push_back(page);
 }

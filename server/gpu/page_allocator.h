@@ -68,7 +68,8 @@ class PageAllocator {
  public:
   // `host_mapped` slabs live in host-visible memory mapped for their lifetime;
   // otherwise in device-local memory that only transfer commands reach.
-  PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped);
+  PageAllocator(const Device& device, const PagePlan& plan, bool host_mapped,
+                DiskBudget* disk_budget = nullptr);
 
   const PagePlan& plan() const { return plan_; }
   bool host_mapped() const { return host_mapped_; }
@@ -109,6 +110,7 @@ class PageAllocator {
   uint32_t AvailableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
   // Frees a page whose count reached zero: its id and its slot.
   void FreeLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  void FreeSlotLocked(Tier tier, uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   std::vector<uint32_t>& FreeSlotsLocked(Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Allocates the next slab and pushes its pages onto the free list.
   absl::Status AddSlabLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
@@ -121,6 +123,7 @@ class PageAllocator {
   const bool host_mapped_;
   const uint32_t max_slabs_;
   const uint32_t max_ids_;
+  DiskBudget* const disk_budget_;  // charged a page per disk slot in use; may be null
   const std::unique_ptr<std::atomic<uint32_t>[]> refcounts_;
   // Written under mutex_ (Allocate, Relocate, the free at zero); read without
   // it by the holders of the page, which no one relocates while they read.
@@ -132,6 +135,7 @@ class PageAllocator {
 
   mutable absl::Mutex mutex_;
   uint32_t slab_count_ ABSL_GUARDED_BY(mutex_) = 0;
+  uint32_t peak_used_ ABSL_GUARDED_BY(mutex_) = 0;
   std::vector<PageId> free_ids_ ABSL_GUARDED_BY(mutex_);
   std::vector<uint32_t> free_ ABSL_GUARDED_BY(mutex_);  // device slots
   std::vector<uint32_t> host_free_ ABSL_GUARDED_BY(mutex_);

@@ -272,7 +272,8 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
     ASSIGN_OR_RETURN(disk, DiskPageStore::Create(options.disk_path, plan.page_bytes));
   }
   return std::unique_ptr<PagePool>(new PagePool(std::make_unique<Impl>(
-      device, plan, options.quantize_kernel, std::move(staged), std::move(disk))));
+      device, plan, options.quantize_kernel, std::move(staged), std::move(disk),
+      options.disk_budget)));
 }
 
 PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/disk_budget.h"
 #include "gpu/device.h"
 
 namespace kvcache::gpu {
@@ -52,6 +53,9 @@ struct PoolOptions {
   uint64_t host_bytes = 0;
   std::string disk_path;  // created (truncated) at start, removed at the end
   uint64_t disk_bytes = 0;
+  // Shared with others who write to the same disk (saved files), charged a
+  // page per disk slot in use; null: disk_bytes alone bounds the tier.
+  DiskBudget* disk_budget = nullptr;
 };
 
 // Copies `bytes` bytes from host memory into page `page` at byte `offset`.
@@ -92,7 +96,8 @@ struct PageMove {
 struct PoolStats {
   uint64_t page_bytes;
   uint32_t max_pages;       // budget_bytes / page_bytes
-  uint32_t used_pages;      // pages with a reference count above zero
+  uint32_t used_pages;      // device pages with a reference count above zero
+  uint32_t peak_used_pages = 0;  // the most used_pages has been
   uint32_t backed_pages;    // pages whose slab has been allocated
   uint32_t slabs;
   // Lower tiers, in pages: held, and the most they hold.
@@ -150,9 +155,10 @@ class PagePool {
   // reference counting may go on meanwhile. Both keep page ids, counts and
   // bytes: the holders of a page see it move once, wherever it is shared.
   Tier Where(PageId page) const;
-  // Moves device pages to host memory, making room there by moving its
-  // oldest pages to disk when host memory is full. Stops where neither tier
-  // has room; returns how many moved (the first ones of `pages`).
+  // Moves device pages (distinct, least recently used first) to host memory,
+  // making room there by moving its oldest pages to disk when it is full;
+  // those host memory cannot hold at all go straight to disk. Stops where
+  // neither tier has room; returns how many moved.
   absl::StatusOr<uint32_t> Evict(absl::Span<const PageId> pages);
   // Brings pages back to device memory, all or none: RESOURCE_EXHAUSTED
   // (nothing moved) unless the device has room for every one not there.

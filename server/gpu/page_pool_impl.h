@@ -24,8 +24,9 @@ namespace kvcache::gpu {
 class PagePool::Impl {
  public:
   Impl(const Device& device, const PagePlan& plan, QuantKernel quantize_kernel,
-       std::unique_ptr<StagedTransfer> staged, std::unique_ptr<DiskPageStore> disk)
-      : pages(device, plan, /*host_mapped=*/staged == nullptr),
+       std::unique_ptr<StagedTransfer> staged, std::unique_ptr<DiskPageStore> disk,
+       DiskBudget* disk_budget)
+      : pages(device, plan, /*host_mapped=*/staged == nullptr, disk_budget),
         quantizer(device, pages, {.kernel = quantize_kernel}),
         staged_(std::move(staged)),
         host_(plan.page_bytes, plan.max_host_pages),

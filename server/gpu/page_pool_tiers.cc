@@ -98,8 +98,22 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
   std::vector<std::pair<PageId, std::pair<Tier, uint32_t>>> planned;
   planned.reserve(victims.size());
   absl::Status status;
-  for (const PageId page : victims) {
+  // The least recently used come first. Those host memory could not hold even
+  // if it held nothing else go straight to disk; the rest go to host memory,
+  // moving older host pages down to make room.
+  const uint32_t straight_to_disk =
+      disk_ != nullptr && victims.size() > pages.plan().max_host_pages
+          ? victims.size() - pages.plan().max_host_pages
+          : 0;
+  for (size_t i = 0; i < victims.size(); ++i) {
+    const PageId page = victims[i];
     if (pages.Where(page) != Tier::kDevice) continue;
+    if (i < straight_to_disk) {
+      if (std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk)) {
+        planned.emplace_back(page, std::make_pair(Tier::kDisk, *disk_slot));
+        continue;
+      }
+    }
     absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> slot = EvictionSlot();
     if (!slot.ok()) {
       status = slot.status();

@@ -123,6 +123,9 @@ void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
   out->set_from_offset(info.from_offset);
   out->set_to_offset(info.to_offset);
   out->set_size_bytes(info.size_bytes);
+  out->set_device_bytes(info.tiers.device);
+  out->set_host_bytes(info.tiers.host);
+  out->set_disk_bytes(info.tiers.disk);
   out->set_pinned(info.pinned);
   out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
   if (info.expires_at != absl::InfiniteFuture())

@@ -281,7 +281,14 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_pool_bytes_used(uint64_t{stats.pool.used_pages} * stats.pool.page_bytes);
   response->set_caches(stats.caches);
   response->set_snapshots(stats.snapshots);
-  response->set_evictions(0);
+  response->set_evictions(stats.pool.evictions);
+  response->set_host_pages_used(stats.pool.host_pages);
+  response->set_host_pages_total(stats.pool.max_host_pages);
+  response->set_disk_pages_used(stats.pool.disk_pages);
+  response->set_disk_pages_total(stats.pool.max_disk_pages);
+  response->set_demotions(stats.pool.demotions);
+  response->set_promotions_from_host(stats.pool.promotions_from_host);
+  response->set_promotions_from_disk(stats.pool.promotions_from_disk);
   response->set_caches_expired(stats.caches_expired);
   response->set_snapshots_expired(stats.snapshots_expired);
   response->set_pinned_bytes(stats.pinned_bytes);

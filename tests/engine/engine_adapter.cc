@@ -202,7 +202,11 @@ absl::StatusOr<CacheState> EngineAdapter::ExtendCache(const std::string& cache_i
   return ::testing::AssertionSuccess();
 }
 
-absl::StatusOr<uint64_t> EngineAdapter::PagesInUse() { return engine_.Stats().pool.used_pages; }
+// In every tier: evictions move pages, they do not free them.
+absl::StatusOr<uint64_t> EngineAdapter::PagesInUse() {
+  const gpu::PoolStats pool = engine_.Stats().pool;
+  return uint64_t{pool.used_pages} + pool.host_pages + pool.disk_pages;
+}
 
 absl::StatusOr<SpeculationState> EngineAdapter::BeginSpeculation(const std::string& cache_id,
                                                                  bool isolated) {

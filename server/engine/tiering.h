@@ -1,0 +1,97 @@
+// Tiers, the engine's half: which pages leave the device when it is full, and
+// bringing them back before anyone reads them. The pool (gpu/page_pool.h)
+// moves the bytes; a page keeps its id wherever it is, so every table holding
+// it, snapshot or cache, sees it move once and copy-on-write sharing survives.
+//
+// Which pages may leave: those whose every reference comes from registered,
+// unpinned snapshots that no call is using. Counted, not assumed, level by
+// level: a snapshot whose only holder is the registry; a layer snapshot held
+// only by such snapshots; a page-table chunk held only by such layers; a page
+// whose pool count equals the number of such chunks holding it. A live cache,
+// a running speculation, a Fetch in flight, a pinned snapshot or anything else
+// that holds the page, a chunk of it or a snapshot of it adds a reference that
+// no eligible holder accounts for, and keeps the page on the device. Of the
+// eligible pages the least recently used go first (a page is as recent as the
+// latest snapshot holding it).
+//
+// Locking: a call that reads a registered snapshot's pages takes it with
+// Acquire, which finds it by id and checks its pages under mutex_ shared, and
+// promotes under mutex_ exclusive; once it holds the snapshot, its reference
+// keeps the pages from being chosen, so it reads them without the lock.
+// Eviction and promotion hold mutex_ exclusive, then the registry's lock
+// while choosing. Caches' own Update and Fetch never take mutex_.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/cache.h"
+#include "engine/snapshot_registry.h"
+#include "gpu/page_pool.h"
+
+namespace kvcache::engine {
+
+class Tiering {
+ public:
+  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots)
+      : pool_(pool), snapshots_(snapshots) {}
+
+  // Whether the pool has a lower tier; without one nothing ever moves.
+  bool enabled() const;
+  // SnapshotRegistry::Get, with the snapshot's pages on the device:
+  // promoted, evicting others to make room, if some were not.
+  // RESOURCE_EXHAUSTED naming pool_bytes when no room can be made.
+  absl::StatusOr<CacheSnapshotPtr> Acquire(const std::string& snapshot_id) const;
+  // Runs `op`; when it fails because the pool had too few pages, evicts and
+  // runs it again (a failed call changes nothing), until it succeeds, fails
+  // otherwise, or nothing more can leave the device.
+  template <typename Op>
+  auto RetryAfterEviction(Op op) const -> decltype(op());
+  // Evicts up to `pages` pages (at least a batch, to spread the cost of
+  // choosing); returns how many moved.
+  absl::StatusOr<uint32_t> Evict(uint32_t pages) const;
+
+ private:
+  // A call that allocates page by page may need a round per page it lacks;
+  // each round moves at least a batch, so this bounds the retries, not the room.
+  static constexpr int kMaxEvictionRounds = 64;
+
+  absl::StatusOr<uint32_t> EvictLocked(uint32_t pages) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  absl::Status PromoteLocked(const CacheSnapshot& snapshot) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // All its pages on the device (remembered per eviction epoch).
+  bool Resident(const CacheSnapshot& snapshot) const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  // The pool's refusal, as the caller sees it once eviction cannot help.
+  static absl::Status NothingToEvict(const absl::Status& refused);
+  static const absl::Status& StatusOf(const absl::Status& status) { return status; }
+  template <typename T>
+  static absl::Status StatusOf(const absl::StatusOr<T>& result) {
+    return result.status();
+  }
+
+  gpu::PagePool& pool_;
+  const SnapshotRegistry& snapshots_;
+  mutable absl::Mutex mutex_;
+};
+
+template <typename Op>
+auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
+  for (int round = 0;; ++round) {
+    const uint64_t refused = pool_.refused_allocations();
+    auto result = op();
+    if (result.ok() || !enabled()) return result;
+    const absl::Status status = StatusOf(result);
+    if (status.code() != absl::StatusCode::kResourceExhausted ||
+        pool_.refused_allocations() == refused) {
+      return result;  // not the pool's refusal (or not this call's)
+    }
+    absl::StatusOr<uint32_t> moved = Evict(pool_.last_shortfall());
+    if (!moved.ok()) return moved.status();
+    if (*moved == 0 || round + 1 == kMaxEvictionRounds) return NothingToEvict(status);
+  }
+}
+
+}  // namespace kvcache::engine
