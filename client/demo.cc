@@ -193,6 +193,54 @@ absl::Status ShowPromptCacheFile(kvcache::Client& client, const std::string& sna
 
 }  // namespace
 
+// A fleet's sessions on a device too small for all of them (the demo starts
+// kvcached with --pool_bytes=32MiB --host_bytes=64MiB): the pages of idle
+// sessions' snapshots move to host memory when new work needs the device, and
+// come back when a session resumes.
+absl::Status ShowTiers(kvcache::Client& client) {
+  constexpr int kSessions = 8;
+  constexpr uint64_t kSessionTokens = 2048;
+  std::vector<std::string> snapshots;
+  for (int i = 0; i < kSessions; ++i) {
+    auto cache = client.CreateCache(ToySpec());
+    if (!cache.ok()) return cache.status();
+    uint64_t offset = 0;
+    if (auto s = Generate(client, cache->cache_id(), offset, kSessionTokens, 0); !s.ok()) return s;
+    auto snapshot = client.Snapshot(cache->cache_id(), 0);
+    if (!snapshot.ok()) return snapshot.status();
+    snapshots.push_back(snapshot->snapshot_id());
+    if (auto s = client.DeleteCache(cache->cache_id()); !s.ok()) return s;
+  }
+  auto stats = client.GetStats();
+  if (!stats.ok()) return stats.status();
+  absl::PrintF(
+      "%d idle sessions of %d tokens on a %d MiB device: %d pages evicted, %d of %d host-memory "
+      "pages in use, %d on disk\n",
+      kSessions, kSessionTokens, stats->pool_bytes_total() >> 20, stats->evictions(),
+      stats->host_pages_used(), stats->host_pages_total(), stats->disk_pages_used());
+  auto listed = client.ListSnapshots();
+  if (!listed.ok()) return listed.status();
+  for (const auto& info : *listed) {
+    if (info.snapshot_id() != snapshots[0]) continue;
+    absl::PrintF("session 0's snapshot: %d KiB on the device, %d KiB in host memory, %d KiB on disk\n",
+                 info.device_bytes() >> 10, info.host_bytes() >> 10, info.disk_bytes() >> 10);
+  }
+  auto cache = client.CreateCache(ToySpec());
+  if (!cache.ok()) return cache.status();
+  if (auto s = client.Restore(cache->cache_id(), snapshots[0], kSessionTokens).status(); !s.ok()) {
+    return s;
+  }
+  auto after = client.GetStats();
+  if (!after.ok()) return after.status();
+  absl::PrintF("session 0 resumed (%d pages brought back from host memory):\n",
+               after->promotions_from_host() - stats->promotions_from_host());
+  if (auto s = Verify(client, cache->cache_id(), kSessionTokens); !s.ok()) return s;
+  for (const std::string& snapshot : snapshots) {
+    if (auto s = client.ReleaseSnapshot(snapshot); !s.ok()) return s;
+  }
+  return client.DeleteCache(cache->cache_id());
+}
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   auto client = kvcache::Client::Connect(
@@ -232,6 +280,8 @@ int main(int argc, char** argv) {
   if (Check(ShowPromptCacheFile(*client, snapshot->snapshot_id(), offset), "prompt-cache file")) {
     return 1;
   }
+
+  if (Check(ShowTiers(*client), "tiers")) return 1;
 
   auto stats = client->GetStats();
   if (Check(stats.status(), "GetStats")) return 1;

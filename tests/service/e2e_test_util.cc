@@ -28,6 +28,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.engine.default_ttl = setup.default_ttl;
   config.engine.max_pinned_bytes = setup.max_pinned_bytes;
   config.engine.metadata_bytes = setup.metadata_bytes;
+  config.pool.host_bytes = setup.host_bytes;
   config.data_dir = setup.data_dir;
   config.disk_bytes = setup.disk_bytes;
   config.lease_check_interval = setup.lease_check_interval;
@@ -88,6 +89,8 @@ void TestServer::CleanUpAndCheck() {
     absl::StatusOr<v1::Stats> stats = client_->GetStats();
     ASSERT_TRUE(stats.ok()) << stats.status();
     EXPECT_EQ(stats->pages_used(), 0u) << "pages leaked";
+    EXPECT_EQ(stats->host_pages_used(), 0u) << "host-tier pages leaked";
+    EXPECT_EQ(stats->disk_pages_used(), 0u) << "disk-tier pages leaked";
     EXPECT_EQ(stats->caches(), 0u);
     EXPECT_EQ(stats->snapshots(), 0u);
   }

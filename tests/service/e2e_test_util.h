@@ -41,7 +41,9 @@ struct ServerSetup {
   uint64_t max_pinned_bytes = 0;
   // The server's --metadata_bytes (0: its default).
   uint64_t metadata_bytes = 0;
-  // The server's --data_dir (empty: none) and --disk_bytes.
+  // The server's --host_bytes (0: no host tier).
+  uint64_t host_bytes = 0;
+  // The server's --data_dir (empty: none; else the disk tier is on too) and --disk_bytes.
   std::string data_dir;
   uint64_t disk_bytes = 0;
   absl::Duration lease_check_interval = absl::Milliseconds(250);
