@@ -39,10 +39,10 @@ constexpr uint32_t kEvictionBatchDivisor = 32;
 
 }  // namespace
 
-bool Tiering::enabled() const {
-  const gpu::PoolStats stats = pool_.stats();
-  return stats.max_host_pages + stats.max_disk_pages > 0;
-}
+Tiering::Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots)
+    : pool_(pool),
+      snapshots_(snapshots),
+      enabled_(pool.stats().max_host_pages + pool.stats().max_disk_pages > 0) {}
 
 absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id) const {
   CacheSnapshotPtr snapshot;

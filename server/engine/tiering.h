@@ -36,11 +36,10 @@ namespace kvcache::engine {
 
 class Tiering {
  public:
-  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots)
-      : pool_(pool), snapshots_(snapshots) {}
+  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots);
 
   // Whether the pool has a lower tier; without one nothing ever moves.
-  bool enabled() const;
+  bool enabled() const { return enabled_; }
   // SnapshotRegistry::Get, with the snapshot's pages on the device:
   // promoted, evicting others to make room, if some were not.
   // RESOURCE_EXHAUSTED naming pool_bytes when no room can be made.
@@ -74,6 +73,7 @@ class Tiering {
 
   gpu::PagePool& pool_;
   const SnapshotRegistry& snapshots_;
+  const bool enabled_;
   mutable absl::Mutex mutex_;
 };
 

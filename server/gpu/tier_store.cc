@@ -1,6 +1,7 @@
 #include "gpu/tier_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -34,8 +35,24 @@ std::byte* HostPageStore::Slot(uint32_t slot) {
 
 absl::StatusOr<std::unique_ptr<DiskPageStore>> DiskPageStore::Create(std::string path,
                                                                      uint64_t page_bytes) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, "open", path);
+  // Held for the process's life: a second kvcached on the same data dir would
+  // overwrite this one's evicted pages.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    if (error == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "disk tier ", path, ": another kvcached uses this data_dir (its tier file is locked)"));
+    }
+    return ErrnoStatus(error, "flock", path);
+  }
+  if (::ftruncate(fd, 0) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return ErrnoStatus(error, "ftruncate", path);
+  }
   return std::unique_ptr<DiskPageStore>(new DiskPageStore(std::move(path), page_bytes, fd));
 }
 

@@ -28,9 +28,10 @@ class HostPageStore {
   std::vector<std::unique_ptr<std::byte[]>> blocks_;
 };
 
-// A file of `slots` page-sized slots, created empty (truncating what a former
-// run left: evicted pages do not outlive the process that held their tables)
-// and removed when the store goes. Space is taken as slots are written.
+// A file of page-sized slots, created empty (truncating what a former run
+// left: evicted pages do not outlive the process that held their tables),
+// locked against a second process (FAILED_PRECONDITION), and removed when the
+// store goes. Space is taken as slots are written.
 class DiskPageStore {
  public:
   static absl::StatusOr<std::unique_ptr<DiskPageStore>> Create(std::string path,

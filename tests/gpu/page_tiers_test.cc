@@ -199,6 +199,17 @@ TEST_P(PageTiersTest, TheDiskTierFileGoesWithThePool) {
   EXPECT_NE(::access(path.c_str(), F_OK), 0);
 }
 
+TEST_P(PageTiersTest, ASecondPoolCannotTakeTheSameDiskTierFile) {
+  auto first = MakeTieredPool(2, 0, 2);
+  ASSERT_NE(first, nullptr);
+  PoolOptions options{.page_bytes = kPage,
+                      .budget_bytes = 2 * kPage,
+                      .disk_path = DiskPath(),
+                      .disk_bytes = 2 * kPage};
+  auto second = PagePool::Create(device(), options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, PageTiersTest, ::testing::ValuesIn(kAllTransferPaths),
                          [](const auto& info) { return TransferPathName(info.param); });
 
