@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -155,9 +156,13 @@ void Fill(Engine& engine, const std::string& cache_id, uint32_t layers, uint64_t
   std::vector<std::byte> data(kChunk * kTokenBytes);
   for (uint64_t done = 0; done < tokens; done += kChunk) {
     const uint64_t n = std::min(kChunk, tokens - done);
-    for (uint64_t t = 0; t < n; ++t) {
-      std::memset(data.data() + t * kTokenBytes, static_cast<int>((seed * 131 + first + done + t) & 0xff),
-                  kTokenBytes);
+    // [B=1, H, L, D]: each head's run of n tokens.
+    constexpr uint64_t kRowBytes = kHeadDim * 2;
+    for (uint32_t h = 0; h < kHeads; ++h) {
+      for (uint64_t t = 0; t < n; ++t) {
+        std::memset(data.data() + (h * n + t) * kRowBytes,
+                    static_cast<int>((seed * 131 + first + done + t) & 0xff), kRowBytes);
+      }
     }
     const KvInput kv{.keys = absl::MakeSpan(data.data(), n * kTokenBytes),
                      .values = absl::MakeSpan(data.data(), n * kTokenBytes),
@@ -258,9 +263,14 @@ bool SessionsIntact(Engine& engine, const std::vector<Session>& sessions) {
     for (uint32_t layer = 0; layer < kSessionLayers; ++layer) {
       for (uint64_t t = 0; t < sessions[i].tokens; t += 37) {
         const KvOutput out{.keys = absl::MakeSpan(keys), .values = absl::MakeSpan(values)};
-        if (!(*view)->Read(layer, {t, t + 1}, out).ok()) return false;
+        const absl::Status read = (*view)->Read(layer, {t, t + 1}, out);
         const auto expected = static_cast<std::byte>((i * 131 + t) & 0xff);
-        if (keys[0] != expected || values[kTokenBytes - 1] != expected) return false;
+        if (!read.ok() || keys[0] != expected || values[kTokenBytes - 1] != expected) {
+          std::fprintf(stderr, "session %u layer %u token %llu: %s, key %d value %d, want %d\n", i,
+                       layer, (unsigned long long)t, std::string(read.message()).c_str(),
+                       int(keys[0]), int(values[kTokenBytes - 1]), int(expected));
+          return false;
+        }
       }
     }
   }
