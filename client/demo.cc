@@ -222,8 +222,9 @@ absl::Status ShowTiers(kvcache::Client& client) {
   if (!listed.ok()) return listed.status();
   for (const auto& info : *listed) {
     if (info.snapshot_id() != snapshots[0]) continue;
-    absl::PrintF("session 0's snapshot: %d KiB on the device, %d KiB in host memory, %d KiB on disk\n",
-                 info.device_bytes() >> 10, info.host_bytes() >> 10, info.disk_bytes() >> 10);
+    absl::PrintF(
+        "session 0's snapshot: %d KiB on the device, %d KiB in host memory, %d KiB on disk\n",
+        info.device_bytes() >> 10, info.host_bytes() >> 10, info.disk_bytes() >> 10);
   }
   auto cache = client.CreateCache(ToySpec());
   if (!cache.ok()) return cache.status();

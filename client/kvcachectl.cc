@@ -111,18 +111,19 @@ int Stats(kvcache::Client& client) {
       Bytes(stats->metadata_bytes()).c_str(), Bytes(stats->max_metadata_bytes()).c_str());
   const auto tier = [&](uint64_t used, uint64_t total) {
     if (total == 0) return std::string("off");
-    return absl::StrFormat("%s used of %s (%llu of %llu pages)",
-                           Bytes(used * stats->page_bytes()), Bytes(total * stats->page_bytes()),
-                           (unsigned long long)used, (unsigned long long)total);
+    return absl::StrFormat("%s used of %s (%llu of %llu pages)", Bytes(used * stats->page_bytes()),
+                           Bytes(total * stats->page_bytes()), (unsigned long long)used,
+                           (unsigned long long)total);
   };
   std::printf("host tier     %s\ndisk tier     %s\n",
               tier(stats->host_pages_used(), stats->host_pages_total()).c_str(),
               tier(stats->disk_pages_used(), stats->disk_pages_total()).c_str());
-  std::printf("pages moved   %llu evicted, %llu host to disk, %llu back from host, %llu back from "
-              "disk\n",
-              (unsigned long long)stats->evictions(), (unsigned long long)stats->demotions(),
-              (unsigned long long)stats->promotions_from_host(),
-              (unsigned long long)stats->promotions_from_disk());
+  std::printf(
+      "pages moved   %llu evicted, %llu host to disk, %llu back from host, %llu back from "
+      "disk\n",
+      (unsigned long long)stats->evictions(), (unsigned long long)stats->demotions(),
+      (unsigned long long)stats->promotions_from_host(),
+      (unsigned long long)stats->promotions_from_disk());
   return 0;
 }
 
@@ -138,8 +139,8 @@ int Caches(kvcache::Client& client) {
 int Snapshots(kvcache::Client& client, const Args& args) {
   auto snapshots = client.ListSnapshots(args.size() > 1 ? args[1] : "");
   if (!snapshots.ok()) return Fail(snapshots.status());
-  std::printf("%-32s  %-32s  %-20s  %10s  %-8s  %-6s  %s\n", "SNAPSHOT", "CACHE", "TOKENS",
-              "SIZE", "EXPIRES", "PIN", "WHERE");
+  std::printf("%-32s  %-32s  %-20s  %10s  %-8s  %-6s  %s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE",
+              "EXPIRES", "PIN", "WHERE");
   for (const auto& snapshot : *snapshots) PrintSnapshot(snapshot);
   return 0;
 }

@@ -1,16 +1,15 @@
 #include "kv_server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -75,7 +74,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     pool_options.disk_path = absl::StrCat(config.data_dir, "/", kDiskTierFile);
     pool_options.disk_bytes = config.disk_bytes;
     if (pool_options.disk_bytes == 0) {
-      ASSIGN_OR_RETURN(pool_options.disk_bytes, DefaultDiskTierBytes(config.data_dir, pool_options));
+      ASSIGN_OR_RETURN(pool_options.disk_bytes,
+                       DefaultDiskTierBytes(config.data_dir, pool_options));
     }
     pool_options.disk_budget = server->disk_budget_.get();
   }
@@ -84,12 +84,13 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
           pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
           config.engine.page_tokens);
-  LogInfo("tiers below the device: host memory %d MiB, disk %d MiB", 
+  LogInfo("tiers below the device: host memory %d MiB, disk %d MiB",
           (uint64_t{pool.max_host_pages} * pool.page_bytes) >> 20,
           (uint64_t{pool.max_disk_pages} * pool.page_bytes) >> 20);
   LogInfo("quantized layers: %s",
           server->pool_->quantizes_on_host()
-              ? absl::StrCat("native CPU kernels (", std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
+              ? absl::StrCat("native CPU kernels (",
+                             std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
   server->engine_ = std::make_unique<engine::Engine>(*server->pool_, engine_options);
   server->lease_reaper_ =

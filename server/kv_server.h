@@ -8,10 +8,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/disk_budget.h"
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
 #include "gpu/device.h"
-#include "core/disk_budget.h"
 #include "gpu/page_pool.h"
 
 namespace grpc {

@@ -52,8 +52,7 @@ gpu::Device& SharedDevice() {
 
 std::string DiskPath(const char* what) {
   const char* dir = std::getenv("KVCACHED_BENCH_DIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/kvcached_tiers_bench_", what, "_",
-                      getpid());
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/kvcached_tiers_bench_", what, "_", getpid());
 }
 
 std::unique_ptr<gpu::PagePool> MakePool(uint64_t device_bytes, uint64_t lower_bytes, int tier) {
@@ -135,7 +134,11 @@ void BM_MemcpyPages(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Evict)->Arg(kTierHost)->Arg(kTierDisk)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Promote)->Arg(kTierHost)->Arg(kTierDisk)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Promote)
+    ->Arg(kTierHost)
+    ->Arg(kTierDisk)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MemcpyPages)->Unit(benchmark::kMillisecond);
 
 // ------------------------------------------------------------- restore latency

@@ -263,18 +263,19 @@ absl::StatusOr<SnapshotInfo> Engine::MergeSnapshots(const std::string& parent_id
 
 absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> Engine::SplitSnapshot(
     const std::string& snapshot_id, uint64_t at) {
-  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> {
-    ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, tiering_.Acquire(snapshot_id));
-    ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
-    std::vector<MetadataCharge> metadata(2);
-    ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*halves.first));
-    ASSIGN_OR_RETURN(metadata[1], ChargeSnapshot(*halves.second));
-    ASSIGN_OR_RETURN(
-        std::vector<SnapshotInfo> added,
-        snapshots_.Replace({snapshot_id}, {std::move(halves.first), std::move(halves.second)},
-                           std::move(metadata)));
-    return std::make_pair(added[0], added[1]);
-  });
+  return tiering_.RetryAfterEviction(
+      [&]() -> absl::StatusOr<std::pair<SnapshotInfo, SnapshotInfo>> {
+        ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, tiering_.Acquire(snapshot_id));
+        ASSIGN_OR_RETURN(auto halves, engine::SplitSnapshot(*snapshot, at));
+        std::vector<MetadataCharge> metadata(2);
+        ASSIGN_OR_RETURN(metadata[0], ChargeSnapshot(*halves.first));
+        ASSIGN_OR_RETURN(metadata[1], ChargeSnapshot(*halves.second));
+        ASSIGN_OR_RETURN(
+            std::vector<SnapshotInfo> added,
+            snapshots_.Replace({snapshot_id}, {std::move(halves.first), std::move(halves.second)},
+                               std::move(metadata)));
+        return std::make_pair(added[0], added[1]);
+      });
 }
 
 absl::Status Engine::ReleaseSnapshot(const std::string& snapshot_id) {
@@ -326,9 +327,11 @@ absl::StatusOr<CacheInfo> Engine::MergeCaches(absl::Span<const std::string> cach
     {
       ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, cache_ids, fields));
       for (size_t i = 0; i < cache_ids.size(); ++i) {
-        const auto it = std::find_if(locked.begin(), locked.end(),
-                                     [&](const auto& entry) { return entry.first == cache_ids[i]; });
-        ASSIGN_OR_RETURN(CacheSnapshotPtr frozen, FrozenInStep(*it->second, cache_ids[i], fields[i]));
+        const auto it = std::find_if(locked.begin(), locked.end(), [&](const auto& entry) {
+          return entry.first == cache_ids[i];
+        });
+        ASSIGN_OR_RETURN(CacheSnapshotPtr frozen,
+                         FrozenInStep(*it->second, cache_ids[i], fields[i]));
         frozen_caches.push_back(std::move(frozen));
       }
     }
@@ -349,7 +352,8 @@ absl::StatusOr<CacheInfo> Engine::ExtendCache(const std::string& cache_id,
     ASSIGN_OR_RETURN(auto locked, LockedCache::OpenInOrder(*this, ids, fields));
     const auto find = [&](const std::string& id) -> LockedCache& {
       return std::find_if(locked.begin(), locked.end(),
-                          [&](const auto& entry) { return entry.first == id; })->second;
+                          [&](const auto& entry) { return entry.first == id; })
+          ->second;
     };
     LockedCache& cache = find(cache_id);
     RETURN_IF_ERROR(cache.RefuseWhileSpeculating("cache_id"));

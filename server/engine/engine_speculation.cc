@@ -41,7 +41,8 @@ absl::StatusOr<SpeculationInfo> Engine::BeginSpeculation(const std::string& cach
       // Reserved before the drafts exist; a lookup meanwhile finds the cache
       // without it and answers NOT_FOUND.
       absl::MutexLock lock(&speculations_mutex_);
-      do id = NewRandomId(); while (speculations_.contains(id));
+      do id = NewRandomId();
+      while (speculations_.contains(id));
       speculations_.emplace(id, SpeculationOwner{cache_id, cache.entry()});
     }
     absl::StatusOr<std::unique_ptr<Speculation>> speculation =

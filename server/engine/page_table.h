@@ -49,9 +49,9 @@ class PageTable {
   // Each chunk holding pages: an id for it (the same in every table that
   // shares it), how many tables share it now, and its slots (kNoPage where
   // empty). The eviction policy's view: which pages only snapshots hold.
-  void ForEachChunk(absl::FunctionRef<void(const void* chunk, long tables,
-                                           absl::Span<const gpu::PageId> pages)>
-                        visit) const;
+  void ForEachChunk(
+      absl::FunctionRef<void(const void* chunk, long tables, absl::Span<const gpu::PageId> pages)>
+          visit) const;
 
   // A table holding only the pages at indices [first, last) of this one.
   PageTable Slice(uint64_t first, uint64_t last) const;

@@ -252,11 +252,11 @@ absl::StatusOr<uint64_t> SavedFileStore::ReserveBytes(absl::string_view name, ui
   const uint64_t old_bytes = old == files_.end() ? 0 : old->second.size_bytes;
   const uint64_t growth = size_bytes > old_bytes ? size_bytes - old_bytes : 0;
   if (!budget_.TryCharge(growth)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "saving ", size_bytes, " bytes as \"", name, "\" would pass disk_bytes ",
-        budget_.max_bytes(), " (", used_bytes_, " bytes in saved files, ", reserved_bytes_,
-        " being written, ", budget_.used() - used_bytes_ - reserved_bytes_,
-        " holding evicted pages)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("saving ", size_bytes, " bytes as \"", name, "\" would pass disk_bytes ",
+                     budget_.max_bytes(), " (", used_bytes_, " bytes in saved files, ",
+                     reserved_bytes_, " being written, ",
+                     budget_.used() - used_bytes_ - reserved_bytes_, " holding evicted pages)"));
   }
   reserved_bytes_ += growth;
   return growth;

@@ -30,9 +30,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "core/disk_budget.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/disk_budget.h"
 #include "engine/prompt_cache.h"
 #include "engine/safetensors.h"
 

@@ -81,10 +81,9 @@ absl::Status Tiering::PromoteLocked(const CacheSnapshot& snapshot) const {
     promoted = pool_.Promote(lower);
   }
   if (promoted.code() == absl::StatusCode::kResourceExhausted) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("pool_bytes: no room on the device to bring back the snapshot's ",
-                     lower.size(), " evicted pages (", promoted.message(),
-                     "), and no more can leave it"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "pool_bytes: no room on the device to bring back the snapshot's ", lower.size(),
+        " evicted pages (", promoted.message(), "), and no more can leave it"));
   }
   RETURN_IF_ERROR(promoted);
   snapshot.resident_epoch.store(pool_.eviction_epoch());

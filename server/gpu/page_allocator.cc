@@ -109,21 +109,20 @@ PoolStats PageAllocator::stats() const {
   constexpr int kDevice = static_cast<int>(Tier::kDevice);
   constexpr int kHost = static_cast<int>(Tier::kHost);
   constexpr int kDisk = static_cast<int>(Tier::kDisk);
-  return PoolStats{
-      .page_bytes = plan_.page_bytes,
-      .max_pages = plan_.max_pages,
-      .used_pages = backed - static_cast<uint32_t>(free_.size()),
-      .peak_used_pages = peak_used_,
-      .backed_pages = backed,
-      .slabs = slab_count_,
-      .host_pages = plan_.max_host_pages - static_cast<uint32_t>(host_free_.size()),
-      .max_host_pages = plan_.max_host_pages,
-      .disk_pages = plan_.max_disk_pages - static_cast<uint32_t>(disk_free_.size()),
-      .max_disk_pages = plan_.max_disk_pages,
-      .evictions = moves_[kDevice][kHost] + moves_[kDevice][kDisk],
-      .demotions = moves_[kHost][kDisk],
-      .promotions_from_host = moves_[kHost][kDevice],
-      .promotions_from_disk = moves_[kDisk][kDevice]};
+  return PoolStats{.page_bytes = plan_.page_bytes,
+                   .max_pages = plan_.max_pages,
+                   .used_pages = backed - static_cast<uint32_t>(free_.size()),
+                   .peak_used_pages = peak_used_,
+                   .backed_pages = backed,
+                   .slabs = slab_count_,
+                   .host_pages = plan_.max_host_pages - static_cast<uint32_t>(host_free_.size()),
+                   .max_host_pages = plan_.max_host_pages,
+                   .disk_pages = plan_.max_disk_pages - static_cast<uint32_t>(disk_free_.size()),
+                   .max_disk_pages = plan_.max_disk_pages,
+                   .evictions = moves_[kDevice][kHost] + moves_[kDevice][kDisk],
+                   .demotions = moves_[kHost][kDisk],
+                   .promotions_from_host = moves_[kHost][kDevice],
+                   .promotions_from_disk = moves_[kDisk][kDevice]};
 }
 
 uint32_t PageAllocator::available_pages() const {
@@ -166,9 +165,9 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
 absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out) {
   absl::MutexLock lock(&mutex_);
   if (count > AvailableLocked()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("page pool budget exhausted: ", count, " pages to bring back, ",
-                     AvailableLocked(), " of ", plan_.max_pages, " available"));
+    return absl::ResourceExhaustedError(absl::StrCat("page pool budget exhausted: ", count,
+                                                     " pages to bring back, ", AvailableLocked(),
+                                                     " of ", plan_.max_pages, " available"));
   }
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
   out.insert(out.end(), free_.end() - count, free_.end());
@@ -194,7 +193,8 @@ std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
   absl::MutexLock lock(&mutex_);
   std::vector<uint32_t>& free = FreeSlotsLocked(tier);
   if (free.empty()) return std::nullopt;
-  if (tier == Tier::kDisk && disk_budget_ != nullptr && !disk_budget_->TryCharge(plan_.page_bytes)) {
+  if (tier == Tier::kDisk && disk_budget_ != nullptr &&
+      !disk_budget_->TryCharge(plan_.page_bytes)) {
     return std::nullopt;  // saved files hold the rest of disk_bytes
   }
   const uint32_t slot = free.back();
@@ -314,9 +314,7 @@ uint32_t PageAllocator::SlotOf(PageId page) const {
   return SlotOfWord(where_[page].load(std::memory_order_acquire));
 }
 
-PageLocation PageAllocator::Locate(PageId page) const {
-  return LocateSlot(SlotOf(page));
-}
+PageLocation PageAllocator::Locate(PageId page) const { return LocateSlot(SlotOf(page)); }
 
 PageLocation PageAllocator::LocateSlot(uint32_t device_slot) const {
   const uint32_t slab = device_slot / plan_.pages_per_slab;

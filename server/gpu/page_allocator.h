@@ -28,8 +28,8 @@
 #include <deque>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"

@@ -271,9 +271,9 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
   if (plan.max_disk_pages > 0) {
     ASSIGN_OR_RETURN(disk, DiskPageStore::Create(options.disk_path, plan.page_bytes));
   }
-  return std::unique_ptr<PagePool>(new PagePool(std::make_unique<Impl>(
-      device, plan, options.quantize_kernel, std::move(staged), std::move(disk),
-      options.disk_budget)));
+  return std::unique_ptr<PagePool>(
+      new PagePool(std::make_unique<Impl>(device, plan, options.quantize_kernel, std::move(staged),
+                                          std::move(disk), options.disk_budget)));
 }
 
 PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -304,30 +304,16 @@ void PagePool::Release(PageId page) {
 uint32_t PagePool::RefCount(PageId page) const {
   return impl_->pages.RefCount(page);
 }
-bool PagePool::TryRetain(PageId page) {
-  return impl_->pages.TryRetain(page);
-}
-uint32_t PagePool::max_page_ids() const {
-  return impl_->pages.max_ids();
-}
-uint64_t PagePool::refused_allocations() const {
-  return impl_->pages.refused_allocations();
-}
-uint32_t PagePool::last_shortfall() const {
-  return impl_->pages.last_shortfall();
-}
-Tier PagePool::Where(PageId page) const {
-  return impl_->pages.Where(page);
-}
+bool PagePool::TryRetain(PageId page) { return impl_->pages.TryRetain(page); }
+uint32_t PagePool::max_page_ids() const { return impl_->pages.max_ids(); }
+uint64_t PagePool::refused_allocations() const { return impl_->pages.refused_allocations(); }
+uint32_t PagePool::last_shortfall() const { return impl_->pages.last_shortfall(); }
+Tier PagePool::Where(PageId page) const { return impl_->pages.Where(page); }
 absl::StatusOr<uint32_t> PagePool::Evict(absl::Span<const PageId> pages) {
   return impl_->Evict(pages);
 }
-absl::Status PagePool::Promote(absl::Span<const PageId> pages) {
-  return impl_->Promote(pages);
-}
-uint64_t PagePool::eviction_epoch() const {
-  return impl_->eviction_epoch();
-}
+absl::Status PagePool::Promote(absl::Span<const PageId> pages) { return impl_->Promote(pages); }
+uint64_t PagePool::eviction_epoch() const { return impl_->eviction_epoch(); }
 
 absl::Status PagePool::Write(absl::Span<const WriteRun> runs) {
   return impl_->Write(runs);

@@ -101,10 +101,9 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
   // The least recently used come first. Those host memory could not hold even
   // if it held nothing else go straight to disk; the rest go to host memory,
   // moving older host pages down to make room.
-  const uint32_t straight_to_disk =
-      disk_ != nullptr && victims.size() > pages.plan().max_host_pages
-          ? victims.size() - pages.plan().max_host_pages
-          : 0;
+  const uint32_t straight_to_disk = disk_ != nullptr && victims.size() > pages.plan().max_host_pages
+                                        ? victims.size() - pages.plan().max_host_pages
+                                        : 0;
   for (size_t i = 0; i < victims.size(); ++i) {
     const PageId page = victims[i];
     if (pages.Where(page) != Tier::kDevice) continue;
@@ -149,8 +148,8 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
   // Straight to disk (no host tier, or it was all demoted): through a bounce buffer.
   std::vector<std::byte> bounce(page_bytes);
   for (size_t i = 0; i < to_disk.size(); ++i) {
-    absl::Status wrote = status.ok() ? ReadSlots({{pages.SlotOf(to_disk[i]), bounce.data()}})
-                                     : status;
+    absl::Status wrote =
+        status.ok() ? ReadSlots({{pages.SlotOf(to_disk[i]), bounce.data()}}) : status;
     if (wrote.ok()) wrote = disk_->Write(disk_slots[i], bounce.data());
     if (!wrote.ok()) {
       status.Update(wrote);

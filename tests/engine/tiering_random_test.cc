@@ -20,11 +20,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "chunked_recurrent_test_util.h"
 #include "engine/engine.h"
+#include "engine/safetensors.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
-#include "chunked_recurrent_test_util.h"
-#include "engine/safetensors.h"
 #include "speculation_test_util.h"
 #include "support/gpu_test_base.h"
 
@@ -77,8 +77,8 @@ class TieringRandomTest : public GpuTestBase {
           session = Session{};
         }
         const gpu::PoolStats stats = pool->stats();
-        most_pages = std::max<uint64_t>(most_pages,
-                                        uint64_t{stats.used_pages} + stats.host_pages + stats.disk_pages);
+        most_pages = std::max<uint64_t>(
+            most_pages, uint64_t{stats.used_pages} + stats.host_pages + stats.disk_pages);
         ExpectPinnedOnDevice(engine);
       }
       for (const Session& session : sessions) {
@@ -168,9 +168,9 @@ class TieringRandomTest : public GpuTestBase {
         } else if (action < 85 && !session.snapshot_id.empty()) {
           EXPECT_EQ(Encoded(engine, session.snapshot_id), session.encoded);
         } else if (action < 95 && !session.snapshot_id.empty()) {
-          const bool pin = !session.pinned &&
-                           std::none_of(sessions.begin(), sessions.end(),
-                                        [](const EncodedSession& s) { return s.pinned; });
+          const bool pin =
+              !session.pinned && std::none_of(sessions.begin(), sessions.end(),
+                                              [](const EncodedSession& s) { return s.pinned; });
           ASSERT_TRUE(engine.SetPinned(session.snapshot_id, pin).ok());
           session.pinned = pin;
         } else if (!session.snapshot_id.empty()) {
@@ -249,13 +249,13 @@ class TieringRandomTest : public GpuTestBase {
   void ExpectOversubscribedAndFree(const std::string& name, const gpu::PagePool& pool,
                                    uint64_t most_pages, uint32_t device_pages) {
     const gpu::PoolStats after = pool.stats();
-    std::printf("[ tiers ] %-10s %llu pages at most on a %u-page device (%.1fx): %llu evicted, "
-                "%llu host to disk, %llu back from host, %llu back from disk\n",
-                name.c_str(), (unsigned long long)most_pages, device_pages,
-                double(most_pages) / device_pages, (unsigned long long)after.evictions,
-                (unsigned long long)after.demotions,
-                (unsigned long long)after.promotions_from_host,
-                (unsigned long long)after.promotions_from_disk);
+    std::printf(
+        "[ tiers ] %-10s %llu pages at most on a %u-page device (%.1fx): %llu evicted, "
+        "%llu host to disk, %llu back from host, %llu back from disk\n",
+        name.c_str(), (unsigned long long)most_pages, device_pages,
+        double(most_pages) / device_pages, (unsigned long long)after.evictions,
+        (unsigned long long)after.demotions, (unsigned long long)after.promotions_from_host,
+        (unsigned long long)after.promotions_from_disk);
     EXPECT_GE(most_pages, 2 * device_pages) << "not oversubscribed";
     EXPECT_GT(after.evictions, 0u);
     EXPECT_GT(after.demotions, 0u);

@@ -217,8 +217,7 @@ TEST_P(TieringTest, WhenNoTierHasRoomTheCallIsRefusedAndNothingIsLost) {
   ASSERT_TRUE(other.Append(4 * kTokensPerPage));
   // Restore needs 2 pages back, and none can leave: refused, nothing lost.
   MirroredCache restored(*engine_, Spec(), 13);
-  const absl::Status no_room =
-      engine_->Restore(restored.id(), snapshot, reference->to).status();
+  const absl::Status no_room = engine_->Restore(restored.id(), snapshot, reference->to).status();
   EXPECT_EQ(no_room.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(no_room.message(), HasSubstr("pool_bytes"));
   ASSERT_TRUE(engine_->DeleteCache(other.id()).ok());

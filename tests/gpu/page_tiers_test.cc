@@ -45,7 +45,8 @@ class PageTiersTest : public GpuTestBase {
     std::vector<WriteRun> runs;
     for (size_t i = 0; i < pages.size(); ++i) {
       contents.emplace_back(kPage);
-      for (uint64_t b = 0; b < kPage; ++b) contents.back()[b] = static_cast<uint8_t>(b * 7 + i * 31);
+      for (uint64_t b = 0; b < kPage; ++b)
+        contents.back()[b] = static_cast<uint8_t>(b * 7 + i * 31);
     }
     for (size_t i = 0; i < pages.size(); ++i) {
       runs.push_back({pages[i], 0, contents[i].data(), kPage});
