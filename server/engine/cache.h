@@ -60,7 +60,8 @@ struct CacheSnapshot {
   uint64_t size_bytes() const;
   // Every page of every layer (a page appears once per layer holding it).
   void ForEachPage(absl::FunctionRef<void(gpu::PageId)> visit) const;
-  // Where its pages are now; a page two layers share counts once.
+  // Where its pages are now (layers hold pages of their own, never shared
+  // with another layer of the same snapshot).
   TierBytes Tiers() const;
   // Tokens of `layer` in temporal order, clipped to [window.begin, window.end).
   std::vector<TokenRange> Ranges(uint32_t layer, TokenRange window) const;

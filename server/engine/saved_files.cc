@@ -222,8 +222,14 @@ absl::StatusOr<SavedFileInfo> SavedFileStore::Commit(absl::string_view name,
   {
     absl::MutexLock lock(&mu_);
     reserved_bytes_ -= growth;
-    budget_.Credit(growth);
+    const uint64_t used_before = used_bytes_;
     ReindexLocked(name, on_disk);
+    // One net change to the shared budget: a momentary credit could be taken
+    // by the disk tier meanwhile, and the charge after it would overrun.
+    const int64_t change = static_cast<int64_t>(used_bytes_) -
+                           static_cast<int64_t>(used_before) - static_cast<int64_t>(growth);
+    if (change > 0) budget_.Charge(change);
+    if (change < 0) budget_.Credit(-change);
   }
   RETURN_IF_ERROR(written);
   return on_disk;
@@ -234,12 +240,10 @@ void SavedFileStore::ReindexLocked(absl::string_view name,
   if (!on_disk.ok() && !absl::IsNotFound(on_disk.status())) return;  // unknown: keep the entry
   if (auto old = files_.find(name); old != files_.end()) {
     used_bytes_ -= old->second.size_bytes;
-    budget_.Credit(old->second.size_bytes);
     files_.erase(old);
   }
   if (on_disk.ok()) {
     used_bytes_ += on_disk->size_bytes;
-    budget_.Charge(on_disk->size_bytes);
     files_.emplace(on_disk->name, *on_disk);
   }
 }

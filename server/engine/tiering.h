@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/cache.h"
 #include "engine/snapshot_registry.h"
@@ -85,8 +86,9 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
     if (result.ok() || !enabled()) return result;
     const absl::Status status = StatusOf(result);
     if (status.code() != absl::StatusCode::kResourceExhausted ||
-        pool_.refused_allocations() == refused) {
-      return result;  // not the pool's refusal (or not this call's)
+        pool_.refused_allocations() == refused ||
+        !absl::StrContains(status.message(), gpu::kPoolExhausted)) {
+      return result;  // not the pool's refusal (another budget's, or no pool refusal since)
     }
     absl::StatusOr<uint32_t> moved = Evict(pool_.last_shortfall());
     if (!moved.ok()) return moved.status();

@@ -99,6 +99,7 @@ PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool ho
   free_.reserve(plan.max_pages);
   host_free_.reserve(plan.max_host_pages);
   for (uint32_t slot = plan.max_host_pages; slot > 0; --slot) host_free_.push_back(slot - 1);
+  disk_charged_.resize(plan.max_disk_pages);
   disk_free_.reserve(plan.max_disk_pages);
   for (uint32_t slot = plan.max_disk_pages; slot > 0; --slot) disk_free_.push_back(slot - 1);
 }
@@ -141,7 +142,7 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
   if (count > available) {
     last_shortfall_.store(count - available, std::memory_order_relaxed);
     refused_.fetch_add(1, std::memory_order_release);
-    return absl::ResourceExhaustedError(absl::StrCat("page pool budget exhausted: ", count,
+    return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
                                                      " pages requested, ", available, " of ",
                                                      plan_.max_pages, " available"));
   }
@@ -165,7 +166,7 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
 absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out) {
   absl::MutexLock lock(&mutex_);
   if (count > AvailableLocked()) {
-    return absl::ResourceExhaustedError(absl::StrCat("page pool budget exhausted: ", count,
+    return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
                                                      " pages to bring back, ", AvailableLocked(),
                                                      " of ", plan_.max_pages, " available"));
   }
@@ -193,9 +194,10 @@ std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
   absl::MutexLock lock(&mutex_);
   std::vector<uint32_t>& free = FreeSlotsLocked(tier);
   if (free.empty()) return std::nullopt;
-  if (tier == Tier::kDisk && disk_budget_ != nullptr &&
-      !disk_budget_->TryCharge(plan_.page_bytes)) {
-    return std::nullopt;  // saved files hold the rest of disk_bytes
+  if (tier == Tier::kDisk && disk_budget_ != nullptr && !disk_charged_[free.back()]) {
+    // Saved files may hold the rest of disk_bytes.
+    if (!disk_budget_->TryCharge(plan_.page_bytes)) return std::nullopt;
+    disk_charged_[free.back()] = true;
   }
   const uint32_t slot = free.back();
   free.pop_back();
@@ -208,8 +210,17 @@ void PageAllocator::ReturnSlot(Tier tier, uint32_t slot) {
 }
 
 void PageAllocator::FreeSlotLocked(Tier tier, uint32_t slot) {
-  if (tier == Tier::kDisk && disk_budget_ != nullptr) disk_budget_->Credit(plan_.page_bytes);
+  if (tier == Tier::kDisk && disk_budget_ != nullptr && discard_disk_slot_ != nullptr &&
+      discard_disk_slot_(slot)) {
+    disk_budget_->Credit(plan_.page_bytes);
+    disk_charged_[slot] = false;
+  }
   FreeSlotsLocked(tier).push_back(slot);
+}
+
+void PageAllocator::SetDiskDiscard(std::function<bool(uint32_t)> discard) {
+  absl::MutexLock lock(&mutex_);
+  discard_disk_slot_ = std::move(discard);
 }
 
 void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
@@ -217,17 +228,36 @@ void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
   const uint32_t old = where_[page].load(std::memory_order_relaxed);
   FreeSlotLocked(TierOf(old), SlotOfWord(old));
   where_[page].store(Encode(tier, slot), std::memory_order_release);
-  if (tier == Tier::kHost) host_arrivals_.emplace_back(page, slot);
+  // Only a disk tier ever asks which host page came first.
+  if (tier == Tier::kHost && plan_.max_disk_pages > 0) {
+    host_arrivals_.emplace_back(page, slot);
+    // Entries of pages that left or were freed stay until popped; keep them
+    // from outgrowing the host tier.
+    if (host_arrivals_.size() > 2 * uint64_t{plan_.max_host_pages}) DropStaleArrivalsLocked();
+  }
 }
 
-std::optional<std::pair<PageId, uint32_t>> PageAllocator::OldestHostPage() {
+void PageAllocator::DropStaleArrivalsLocked() {
+  std::deque<std::pair<PageId, uint32_t>> live;
+  for (const auto& [page, slot] : host_arrivals_) {
+    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot)) {
+      live.emplace_back(page, slot);
+    }
+  }
+  host_arrivals_.swap(live);
+}
+
+std::optional<std::pair<PageId, uint32_t>> PageAllocator::RetainOldestHostPage() {
   absl::MutexLock lock(&mutex_);
   while (!host_arrivals_.empty()) {
     const auto [page, slot] = host_arrivals_.front();
-    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot)) {
+    host_arrivals_.pop_front();
+    // Checked and retained under the lock that frees ids: a page freed (its
+    // count at zero, its id perhaps reused) since it arrived is passed over.
+    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot) &&
+        TryRetain(page)) {
       return std::make_pair(page, slot);
     }
-    host_arrivals_.pop_front();  // stale: the page left the host or was freed
   }
   return std::nullopt;
 }

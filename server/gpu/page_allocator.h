@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -102,9 +103,14 @@ class PageAllocator {
   void ReturnSlot(Tier tier, uint32_t slot);
   // The page's bytes now live in `slot` of `tier`; its old slot is freed.
   void Relocate(PageId page, Tier tier, uint32_t slot);
-  // The host page that went there first and is still there, with its slot.
-  std::optional<std::pair<PageId, uint32_t>> OldestHostPage();
+  // The host page that went there first and is still there, with its slot,
+  // retained (the caller releases it once moved); none when no host page is
+  // left. Only kept when there is a disk tier to move it to.
+  std::optional<std::pair<PageId, uint32_t>> RetainOldestHostPage();
   void CountMoves(Tier from, Tier to, uint32_t pages);
+  // How a freed disk slot's space goes back to the file system (true: it
+  // did); until it does, the slot stays charged to the disk budget.
+  void SetDiskDiscard(std::function<bool(uint32_t)> discard);
 
  private:
   uint32_t AvailableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
@@ -112,6 +118,7 @@ class PageAllocator {
   void FreeLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void FreeSlotLocked(Tier tier, uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   std::vector<uint32_t>& FreeSlotsLocked(Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  void DropStaleArrivalsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Allocates the next slab and pushes its pages onto the free list.
   absl::Status AddSlabLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // A reference-count call on a page that is not allocated: a bug in the caller.
@@ -140,6 +147,9 @@ class PageAllocator {
   std::vector<uint32_t> free_ ABSL_GUARDED_BY(mutex_);  // device slots
   std::vector<uint32_t> host_free_ ABSL_GUARDED_BY(mutex_);
   std::vector<uint32_t> disk_free_ ABSL_GUARDED_BY(mutex_);
+  // Disk slots whose space is charged to disk_budget_ (written, not discarded).
+  std::vector<bool> disk_charged_ ABSL_GUARDED_BY(mutex_);
+  std::function<bool(uint32_t)> discard_disk_slot_ ABSL_GUARDED_BY(mutex_);
   // Host pages in the order they arrived (entries go stale when the page
   // leaves or is freed: checked against where_ when popped).
   std::deque<std::pair<PageId, uint32_t>> host_arrivals_ ABSL_GUARDED_BY(mutex_);

@@ -28,6 +28,9 @@ namespace kvcache::gpu {
 using PageId = uint32_t;
 inline constexpr PageId kNoPage = UINT32_MAX;
 
+// How the pool's refusals for want of pages begin (Allocate and Promote).
+inline constexpr char kPoolExhausted[] = "page pool budget exhausted";
+
 // Where a page's bytes are. Only device pages can be read, written or copied;
 // the others wait in a lower tier until Promote brings them back.
 enum class Tier { kDevice, kHost, kDisk };

@@ -30,7 +30,9 @@ class PagePool::Impl {
         quantizer(device, pages, {.kernel = quantize_kernel}),
         staged_(std::move(staged)),
         host_(plan.page_bytes, plan.max_host_pages),
-        disk_(std::move(disk)) {}
+        disk_(std::move(disk)) {
+    if (disk_ != nullptr) pages.SetDiskDiscard([this](uint32_t slot) { return disk_->Discard(slot); });
+  }
 
   absl::Status Write(absl::Span<const WriteRun> runs);
   absl::Status Read(absl::Span<const ReadRun> runs);

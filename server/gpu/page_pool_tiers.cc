@@ -2,10 +2,12 @@
 // changes (PageAllocator::Relocate), so every table that holds it, shared or
 // not, sees it move once. The caller serialises Evict and Promote against each
 // other and against every access to the pages they move.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu/page_pool_impl.h"
 
@@ -52,20 +54,18 @@ absl::Status PagePool::Impl::WriteSlots(
 
 absl::Status PagePool::Impl::DemoteOldestHostPage(uint32_t disk_slot, bool& demoted) {
   demoted = false;
-  while (std::optional<std::pair<PageId, uint32_t>> oldest = pages.OldestHostPage()) {
-    const auto [page, host_slot] = *oldest;
-    // Held for the move, so it cannot be freed (and its id reused) meanwhile.
-    if (!pages.TryRetain(page)) continue;
-    absl::Status written = disk_->Write(disk_slot, host_.Slot(host_slot));
-    if (written.ok()) {
-      pages.Relocate(page, Tier::kDisk, disk_slot);
-      pages.CountMoves(Tier::kHost, Tier::kDisk, 1);
-      demoted = true;
-    }
-    pages.Release(page);
-    return written;
+  // Held for the move, so it cannot be freed (and its id reused) meanwhile.
+  const std::optional<std::pair<PageId, uint32_t>> oldest = pages.RetainOldestHostPage();
+  if (!oldest.has_value()) return absl::OkStatus();
+  const auto [page, host_slot] = *oldest;
+  absl::Status written = disk_->Write(disk_slot, host_.Slot(host_slot));
+  if (written.ok()) {
+    pages.Relocate(page, Tier::kDisk, disk_slot);
+    pages.CountMoves(Tier::kHost, Tier::kDisk, 1);
+    demoted = true;
   }
-  return absl::OkStatus();
+  pages.Release(page);
+  return written;
 }
 
 absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::EvictionSlot() {
@@ -144,8 +144,9 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
     }
   }
   pages.CountMoves(Tier::kDevice, Tier::kHost, moved);
-  RETURN_IF_ERROR(read);
-  // Straight to disk (no host tier, or it was all demoted): through a bounce buffer.
+  status.Update(read);
+  // Straight to disk (no host tier, or it was all demoted): through a bounce
+  // buffer. After a failure the rest only give their slots back.
   std::vector<std::byte> bounce(page_bytes);
   for (size_t i = 0; i < to_disk.size(); ++i) {
     absl::Status wrote =
@@ -160,6 +161,11 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
     pages.CountMoves(Tier::kDevice, Tier::kDisk, 1);
     ++moved;
   }
+  // Pages that did move stay moved: their room is the caller's either way.
+  if (!status.ok() && moved > 0) {
+    LogError("evicting %d pages: %d moved, then: %s", victims.size(), moved, status.ToString());
+    return moved;
+  }
   RETURN_IF_ERROR(status);
   return moved;
 }
@@ -170,6 +176,9 @@ absl::Status PagePool::Impl::Promote(absl::Span<const PageId> promoted) {
   for (const PageId page : promoted) {
     if (pages.Where(page) != Tier::kDevice) lower.push_back(page);
   }
+  // A page listed twice moves once.
+  std::sort(lower.begin(), lower.end());
+  lower.erase(std::unique(lower.begin(), lower.end()), lower.end());
   if (lower.empty()) return absl::OkStatus();
   std::vector<uint32_t> device_slots;
   RETURN_IF_ERROR(pages.TakeDeviceSlots(lower.size(), device_slots));

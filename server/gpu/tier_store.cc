@@ -1,6 +1,7 @@
 #include "gpu/tier_store.h"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -70,6 +71,12 @@ absl::Status DiskPageStore::Write(uint32_t slot, const std::byte* bytes) {
     done += wrote;
   }
   return absl::OkStatus();
+}
+
+bool DiskPageStore::Discard(uint32_t slot) {
+  const off_t at = static_cast<off_t>(uint64_t{slot} * page_bytes_);
+  return ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at,
+                     static_cast<off_t>(page_bytes_)) == 0;
 }
 
 absl::Status DiskPageStore::Read(uint32_t slot, std::byte* bytes) const {

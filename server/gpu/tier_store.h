@@ -42,6 +42,9 @@ class DiskPageStore {
 
   absl::Status Write(uint32_t slot, const std::byte* bytes);
   absl::Status Read(uint32_t slot, std::byte* bytes) const;
+  // Gives a free slot's disk space back (a hole punched in the file); false
+  // where the file system cannot, and the space stays taken.
+  bool Discard(uint32_t slot);
 
  private:
   DiskPageStore(std::string path, uint64_t page_bytes, int fd)
