@@ -1,9 +1,11 @@
 #include "engine/safetensors.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "engine/file_checksum.h"
 #include "engine/fresh_memory.h"
 #include "engine/safetensors_header.h"
 #include "nlohmann/json.hpp"
@@ -12,7 +14,6 @@ namespace kvcache::engine {
 namespace {
 
 using Json = nlohmann::json;
-using safetensors_internal::ChecksumHex;
 using safetensors_internal::ParsedHeader;
 
 constexpr size_t kLengthBytes = 8;  // the header length, u64 little-endian
@@ -72,11 +73,17 @@ struct CheckedFile {
 absl::Status VerifyChecksum(const ParsedHeader& header, absl::string_view data) {
   const absl::Span<const std::byte> data_span(reinterpret_cast<const std::byte*>(data.data()),
                                               data.size());
-  std::string actual = ChecksumHex(header.canonical_without_checksum, {data_span});
-  if (actual != *header.checksum_hex) {
+  const std::optional<std::string> actual =
+      RecomputeFileChecksum(*header.checksum_hex, header.canonical_without_checksum, {data_span});
+  if (!actual.has_value()) {
     return absl::DataLossError(absl::StrCat("safetensors ", kSafetensorsChecksumKey,
-                                            " mismatch: ", "the file says ", *header.checksum_hex,
-                                            ", its bytes hash to ", actual));
+                                            " mismatch: the file says ", *header.checksum_hex,
+                                            ", which is no checksum kvcached writes"));
+  }
+  if (*actual != *header.checksum_hex) {
+    return absl::DataLossError(absl::StrCat("safetensors ", kSafetensorsChecksumKey,
+                                            " mismatch: the file says ", *header.checksum_hex,
+                                            ", its bytes hash to ", *actual));
   }
   return absl::OkStatus();
 }
@@ -140,7 +147,7 @@ absl::StatusOr<EncodedSafetensors> EncodeSafetensors(const PromptCacheFile& file
     offset += tensor.data.size();
   }
   ASSIGN_OR_RETURN(std::string canonical, DumpHeader(header));
-  encoded.checksum_hex = ChecksumHex(canonical, encoded.tensor_data);
+  encoded.checksum_hex = FileChecksum(canonical, encoded.tensor_data);
   header["__metadata__"][checksum_key] = encoded.checksum_hex;
   encoded.prefix = LengthPrefixed(header.dump());
   encoded.size_bytes = encoded.prefix.size() + offset;
@@ -152,20 +159,44 @@ absl::StatusOr<std::string> EncodeSafetensorsBytes(const PromptCacheFile& file) 
   return encoded.ToBytes();
 }
 
-absl::StatusOr<DecodedSafetensors> DecodeSafetensors(absl::string_view bytes) {
+namespace {
+
+// Every check, then each tensor copied out of `bytes`, or borrowed from them
+// when `backing` (which holds them) is given.
+absl::StatusOr<DecodedSafetensors> Decode(absl::string_view bytes,
+                                          std::shared_ptr<const void> backing) {
   ASSIGN_OR_RETURN(CheckedFile checked, CheckFile(bytes));
   DecodedSafetensors decoded;
   decoded.checksum_verified = checked.checksum_verified;
   decoded.file.metadata = std::move(checked.header.metadata);
   for (safetensors_internal::TensorEntry& entry : checked.header.tensors) {
     const auto* begin = reinterpret_cast<const std::byte*>(checked.data.data()) + entry.begin;
+    const absl::Span<const std::byte> tensor_bytes(begin, entry.end - entry.begin);
     FileTensor tensor{.dtype = entry.dtype, .shape = std::move(entry.shape), .data = {}};
-    tensor.data.reserve(entry.end - entry.begin);  // then one copy, no zero fill
-    PrepareFreshBuffer(tensor.data.data(), tensor.data.capacity());
-    tensor.data.insert(tensor.data.end(), begin, begin + (entry.end - entry.begin));
+    if (backing != nullptr) {
+      tensor.data = FileBytes::Borrow(tensor_bytes);
+    } else {
+      std::vector<std::byte> copy;
+      copy.reserve(tensor_bytes.size());  // then one copy, no zero fill
+      PrepareFreshBuffer(copy.data(), copy.capacity());
+      copy.insert(copy.end(), tensor_bytes.begin(), tensor_bytes.end());
+      tensor.data = std::move(copy);
+    }
     decoded.file.tensors.emplace(std::move(entry.name), std::move(tensor));
   }
+  decoded.file.backing = std::move(backing);
   return decoded;
+}
+
+}  // namespace
+
+absl::StatusOr<DecodedSafetensors> DecodeSafetensors(absl::string_view bytes) {
+  return Decode(bytes, nullptr);
+}
+
+absl::StatusOr<DecodedSafetensors> DecodeSafetensorsInPlace(absl::string_view bytes,
+                                                            std::shared_ptr<const void> backing) {
+  return Decode(bytes, std::move(backing));
 }
 
 absl::StatusOr<bool> VerifySafetensors(absl::string_view bytes) {

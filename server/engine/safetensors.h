@@ -9,8 +9,9 @@
 //           relative to the data section, which the tensors tile exactly.
 //
 // Integrity: safetensors has no checksum, so files kvcached writes carry one in
-// user metadata, under kSafetensorsChecksumKey: the hex XXH3-128 of the header's
-// canonical JSON without that key, followed by the data section. mlx-lm loads
+// user metadata, under kSafetensorsChecksumKey: XXH3-128 over the header's
+// canonical JSON without that key and the data section (engine/file_checksum.h
+// has the exact forms; the data hashes on several cores). mlx-lm loads
 // such a file and sees one extra "1.*" metadata key. A file without the key
 // (written by mlx-lm) is accepted after the structural checks.
 //
@@ -22,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -68,6 +70,10 @@ struct DecodedSafetensors {
 // Every structural check, the checksum when present, then one copy of each
 // tensor's bytes.
 absl::StatusOr<DecodedSafetensors> DecodeSafetensors(absl::string_view bytes);
+// The same checks, but the tensors borrow `bytes` (no copy); `backing` owns
+// them and the decoded file keeps it alive.
+absl::StatusOr<DecodedSafetensors> DecodeSafetensorsInPlace(absl::string_view bytes,
+                                                            std::shared_ptr<const void> backing);
 
 // The checks of DecodeSafetensors without building the file (for validating an
 // upload before it is stored). Returns whether a checksum was verified.

@@ -1,14 +1,10 @@
 #include "engine/safetensors_header.h"
 
-#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
-#include <xxhash.h>
-
 #include <algorithm>
 #include <array>
 #include <set>
 #include <utility>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "engine/safetensors.h"
@@ -270,20 +266,6 @@ absl::Status CheckDataLayout(const std::vector<TensorEntry>& tensors, uint64_t d
                                                    " bytes after the last tensor's data_offsets"));
   }
   return absl::OkStatus();
-}
-
-std::string ChecksumHex(absl::string_view canonical_header,
-                        absl::Span<const absl::Span<const std::byte>> data) {
-  XXH3_state_t state;
-  XXH3_128bits_reset(&state);
-  XXH3_128bits_update(&state, canonical_header.data(), canonical_header.size());
-  for (absl::Span<const std::byte> piece : data) {
-    XXH3_128bits_update(&state, piece.data(), piece.size());
-  }
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(canonical.digest), sizeof(canonical.digest)));
 }
 
 }  // namespace safetensors_internal

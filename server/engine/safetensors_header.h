@@ -46,8 +46,4 @@ absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view header_json);
 // is truncation (DATA_LOSS).
 absl::Status CheckDataLayout(const std::vector<TensorEntry>& tensors, uint64_t data_bytes);
 
-// Lowercase hex of XXH3-128 over `canonical_header` then each of `data` in order.
-std::string ChecksumHex(absl::string_view canonical_header,
-                        absl::Span<const absl::Span<const std::byte>> data);
-
 }  // namespace kvcache::engine::safetensors_internal

@@ -147,8 +147,13 @@ absl::StatusOr<std::string> SavedFileStore::ReadBytes(absl::string_view name) co
 
 absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) const {
   RETURN_IF_ERROR(ValidateSavedFileName(name));
-  ASSIGN_OR_RETURN(std::string bytes, ReadExisting(name));
-  absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensors(bytes);
+  ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> mapped,
+                   OpenExisting<std::shared_ptr<const MappedFile>>(
+                       name, [](const std::string& path, absl::string_view data_dir) {
+                         return MappedFile::Open(path, data_dir);
+                       }));
+  const absl::string_view bytes = mapped->bytes();
+  absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensorsInPlace(bytes, std::move(mapped));
   if (!decoded.ok()) {
     return absl::Status(decoded.status().code(),
                         absl::StrCat("saved file \"", name, "\": ", decoded.status().message()));
@@ -158,16 +163,21 @@ absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) 
 
 // Reads outside the mutex: a rename replaces the file whole, so a read sees
 // the old file or the new one.
-absl::StatusOr<std::string> SavedFileStore::ReadExisting(absl::string_view name) const {
+template <typename Contents, typename Reader>
+absl::StatusOr<Contents> SavedFileStore::OpenExisting(absl::string_view name, Reader read) const {
   const absl::Status not_found =
       absl::NotFoundError(absl::StrCat("no saved file named \"", name, "\""));
   {
     absl::MutexLock lock(&mu_);
     if (!files_.contains(name)) return not_found;
   }
-  absl::StatusOr<std::string> bytes = ReadWholeFile(PathOf(name), data_dir_);
-  if (absl::IsNotFound(bytes.status())) return not_found;  // deleted meanwhile
-  return bytes;
+  absl::StatusOr<Contents> contents = read(PathOf(name), data_dir_);
+  if (absl::IsNotFound(contents.status())) return not_found;  // deleted meanwhile
+  return contents;
+}
+
+absl::StatusOr<std::string> SavedFileStore::ReadExisting(absl::string_view name) const {
+  return OpenExisting<std::string>(name, ReadWholeFile);
 }
 
 std::vector<SavedFileInfo> SavedFileStore::List() const {

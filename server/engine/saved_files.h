@@ -63,7 +63,8 @@ class SavedFileStore {
                                                               DiskBudget& budget);
 
   absl::StatusOr<SavedFileInfo> Save(absl::string_view name, const PromptCacheFile& file);
-  // The decoded file, and whether its checksum was verified (files from mlx-lm have none).
+  // The decoded file, and whether its checksum was verified (files from mlx-lm
+  // have none). Its tensors borrow the mapped file, which it keeps alive.
   absl::StatusOr<DecodedSafetensors> Load(absl::string_view name) const;
   std::vector<SavedFileInfo> List() const;  // sorted by name
   absl::Status Delete(absl::string_view name);
@@ -86,6 +87,9 @@ class SavedFileStore {
   std::string PathOf(absl::string_view name) const;
   absl::Status IndexDirectory();
   absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
+  // read(path, data_dir) of an indexed name; NOT_FOUND naming it if absent.
+  template <typename Contents, typename Reader>
+  absl::StatusOr<Contents> OpenExisting(absl::string_view name, Reader read) const;
 
   // Writes `pieces` (size_bytes in all) as `name`, crash-safely, within budget.
   absl::StatusOr<SavedFileInfo> Commit(absl::string_view name, absl::Span<const iovec> pieces,

@@ -419,7 +419,8 @@ template <typename KvMatch>
     return ::testing::AssertionFailure() << "metadata differs";
   }
   for (const auto& [key, tensor] : expected.tensors) {
-    if (auto r = TensorIs(actual, key, tensor.dtype, tensor.shape, &tensor.data); !r) return r;
+    const std::vector<std::byte> bytes(tensor.data.begin(), tensor.data.end());
+    if (auto r = TensorIs(actual, key, tensor.dtype, tensor.shape, &bytes); !r) return r;
   }
   if (expected.tensors.size() != actual.tensors.size()) {
     return ::testing::AssertionFailure()

@@ -94,13 +94,25 @@ TEST(SafetensorsTest, EmptyFileRoundTrips) {
   EXPECT_TRUE(decoded->file.metadata.empty());
 }
 
-// Computes the checksum with xxhash directly, so the test does not trust the codec's.
-std::string ExpectedChecksum(const std::string& canonical_header, const std::string& data) {
-  const std::string covered = canonical_header + data;
+std::string CanonicalDigest(absl::string_view bytes) {
   XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, XXH3_128bits(covered.data(), covered.size()));
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(canonical.digest), sizeof(canonical.digest)));
+  XXH128_canonicalFromHash(&canonical, XXH3_128bits(bytes.data(), bytes.size()));
+  return std::string(reinterpret_cast<const char*>(canonical.digest), sizeof(canonical.digest));
+}
+
+// Computes the checksum with xxhash directly, one chunk after another, so the
+// test trusts neither the codec's chunking nor its threads.
+std::string ExpectedChecksum(const std::string& canonical_header, const std::string& data) {
+  std::string covered = canonical_header;
+  for (size_t at = 0; at < data.size(); at += 4 << 20) {
+    covered += CanonicalDigest(absl::string_view(data).substr(at, 4 << 20));
+  }
+  return "xxh3-128/4MiB:" + absl::BytesToHexString(CanonicalDigest(covered));
+}
+
+// The form kvcached wrote before chunking: one stream over header and data.
+std::string LegacyChecksum(const std::string& canonical_header, const std::string& data) {
+  return absl::BytesToHexString(CanonicalDigest(canonical_header + data));
 }
 
 TEST(SafetensorsTest, HeaderIsSortedCanonicalJsonWithTheChecksum) {
@@ -295,6 +307,49 @@ TEST(SafetensorsTest, TruncationAtEveryLengthIsDataLoss) {
     EXPECT_EQ(decoded.status().code(), absl::StatusCode::kDataLoss) << decoded.status();
     EXPECT_NE(decoded.status().message().find("truncated"), absl::string_view::npos);
   }
+}
+
+// Tensors that straddle 4 MiB chunk boundaries, hashed on several threads:
+// the checksum is the serial one, and damage in any chunk is caught.
+TEST(SafetensorsTest, ChunkedChecksumCoversEveryChunk) {
+  PromptCacheFile file;
+  file.tensors["0.0"] = PatternTensor(FileDType::kU8, {(9 << 20) + 7}, 3);
+  file.tensors["0.1"] = PatternTensor(FileDType::kU8, {(15 << 20) + 1}, 4);
+  file.tensors["0.2"] = PatternTensor(FileDType::kU8, {5}, 6);
+  absl::StatusOr<EncodedSafetensors> encoded = EncodeSafetensors(file);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  const std::string data =
+      DataOf(file.tensors["0.0"]) + DataOf(file.tensors["0.1"]) + DataOf(file.tensors["0.2"]);
+  const std::string canonical = absl::StrCat(
+      R"({"0.0":{"data_offsets":[0,)", (9 << 20) + 7, R"(],"dtype":"U8","shape":[)", (9 << 20) + 7,
+      R"(]},"0.1":{"data_offsets":[)", (9 << 20) + 7, ",", (24 << 20) + 8,
+      R"(],"dtype":"U8","shape":[)", (15 << 20) + 1, R"(]},"0.2":{"data_offsets":[)",
+      (24 << 20) + 8, ",", (24 << 20) + 13, R"(],"dtype":"U8","shape":[5]},"__metadata__":{}})");
+  EXPECT_EQ(encoded->checksum_hex, ExpectedChecksum(canonical, data));
+  const std::string bytes = encoded->ToBytes();
+  ASSERT_TRUE(DecodeSafetensors(bytes).ok());
+  const size_t data_begin = bytes.size() - data.size();
+  for (size_t at :
+       {size_t{0}, size_t{4 << 20} - 1, size_t{4 << 20}, size_t{13 << 20}, data.size() - 1}) {
+    std::string damaged = bytes;
+    damaged[data_begin + at] = static_cast<char>(damaged[data_begin + at] ^ 0x01);
+    ExpectRefused(damaged, absl::StatusCode::kDataLoss, "1.kvcached_checksum mismatch");
+  }
+}
+
+// Files kvcached wrote before the chunked form still load, and still catch damage.
+TEST(SafetensorsTest, LegacyChecksumStillVerifies) {
+  const std::string tensors = R"({"0.0":{"data_offsets":[0,4],"dtype":"U8","shape":[4]},)";
+  const std::string data = "\x01\x02\x03\x04";
+  const std::string checksum =
+      LegacyChecksum(tensors + R"("__metadata__":{"2.0":"KVCache"}})", data);
+  const std::string header =
+      tensors + R"("__metadata__":{"1.kvcached_checksum":")" + checksum + R"(","2.0":"KVCache"}})";
+  absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensors(RawFile(header, data));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_TRUE(decoded->checksum_verified);
+  ExpectRefused(RawFile(header, "\x01\x02\x03\x05"), absl::StatusCode::kDataLoss,
+                "1.kvcached_checksum mismatch");
 }
 
 TEST(SafetensorsTest, ChecksumCoversTheDataSection) {

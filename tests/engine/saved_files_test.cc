@@ -156,6 +156,33 @@ TEST_F(SavedFileStoreTest, SaveOverwritesAnExistingName) {
   EXPECT_EQ(CountTemporaries(dir_), 0);
 }
 
+// A load maps the file and its tensors borrow the mapping: what was loaded
+// stays intact while the name is saved over and deleted, and writing to a
+// loaded tensor changes that tensor's own copy, never the file.
+TEST_F(SavedFileStoreTest, LoadedTensorsOutliveTheFileAndCopyOnWrite) {
+  const PromptCacheFile first = MakeFile(1 << 20, 1), second = MakeFile(1 << 20, 2);
+  ASSERT_TRUE(store_->Save("x", first).ok());
+  absl::StatusOr<DecodedSafetensors> loaded = store_->Load("x");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_NE(loaded->file.backing, nullptr);
+  for (const auto& [name, tensor] : loaded->file.tensors) EXPECT_TRUE(tensor.data.borrowed());
+
+  ASSERT_TRUE(store_->Save("x", second).ok());
+  EXPECT_TRUE(SameFile(loaded->file, first));
+  ASSERT_TRUE(store_->Delete("x").ok());
+  EXPECT_TRUE(SameFile(loaded->file, first));
+
+  PromptCacheFile copy = loaded->file;  // shares the mapping
+  FileTensor& written = copy.tensors.at("0.0");
+  written.data[0] = std::byte{0xee};
+  EXPECT_FALSE(written.data.borrowed());
+  EXPECT_EQ(written.data[0], std::byte{0xee});
+  EXPECT_EQ(loaded->file.tensors.at("0.0").data[0], first.tensors.at("0.0").data[0]);
+  EXPECT_TRUE(SameFile(loaded->file, first));
+  loaded = absl::UnknownError("dropped");  // the copy alone holds the mapping now
+  EXPECT_EQ(copy.tensors.at("0.1").data, first.tensors.at("0.1").data);
+}
+
 TEST_F(SavedFileStoreTest, RestartListsFilesAndRemovesTemporaries) {
   const PromptCacheFile a = MakeFile(4096, 1), b = MakeFile(2048, 2);
   ASSERT_TRUE(store_->Save("a", a).ok());
