@@ -623,7 +623,7 @@ class PromptCacheFilesTest(unittest.TestCase):
         self.assertIsNotNone(parsed.metadata, what + ": __metadata__")
         metadata = dict(parsed.metadata)
         checksum = metadata.pop("1.kvcached_checksum", None)
-        self.assertRegex(checksum or "", r"^[0-9a-f]{32}$", what + ": 1.kvcached_checksum")
+        self.assertRegex(checksum or "", r"^xxh3-128/4MiB:[0-9a-f]{32}$", what + ": 1.kvcached_checksum")
         self.assertEqual(metadata, fx.metadata, what + ": metadata")
 
     # --- tests ---
