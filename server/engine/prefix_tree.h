@@ -52,7 +52,7 @@ class PrefixTree {
   std::optional<Value> Insert(absl::Span<const uint32_t> tokens, Value value) {
     if (tokens.empty()) return std::nullopt;  // the caller refuses empty prefixes
     std::vector<Node*> path;
-    Node* node = &root_;
+    Node* node = root_.get();
     size_t at = 0;
     while (at < tokens.size()) {
       auto child = node->children.find(tokens[at]);
@@ -77,7 +77,7 @@ class PrefixTree {
   // value ends at); no value and 0 tokens when none does.
   Match Lookup(absl::Span<const uint32_t> tokens, bool exact) const {
     Match best;
-    const Node* node = &root_;
+    const Node* node = root_.get();
     size_t at = 0;
     while (at < tokens.size()) {
       auto child = node->children.find(tokens[at]);
@@ -98,7 +98,7 @@ class PrefixTree {
   // below and stay compressed.
   bool Erase(absl::Span<const uint32_t> tokens, const Value& value) {
     std::vector<Node*> path;
-    Node* node = &root_;
+    Node* node = root_.get();
     size_t at = 0;
     while (at < tokens.size()) {
       auto child = node->children.find(tokens[at]);
@@ -128,14 +128,14 @@ class PrefixTree {
   std::vector<std::pair<std::vector<uint32_t>, Value>> Entries() const {
     std::vector<std::pair<std::vector<uint32_t>, Value>> entries;
     std::vector<uint32_t> tokens;
-    CollectEntries(root_, tokens, entries);
+    CollectEntries(*root_, tokens, entries);
     return entries;
   }
 
   // Empty when the invariants above hold; otherwise what breaks them.
   std::string CheckInvariants() const {
     uint64_t counted_nodes = 0, counted_tokens = 0, counted_values = 0;
-    std::string broken = CheckBelow(root_, counted_nodes, counted_tokens, counted_values);
+    std::string broken = CheckBelow(*root_, counted_nodes, counted_tokens, counted_values);
     if (broken.empty() && (counted_nodes != nodes_ || counted_tokens != stored_tokens_ ||
                            counted_values != values_)) {
       broken = absl::StrCat("counts ", nodes_, "/", stored_tokens_, "/", values_, " but found ",
@@ -237,7 +237,8 @@ class PrefixTree {
     return "";
   }
 
-  Node root_;
+  // On the heap, so that moving the tree leaves its children's parent pointers valid.
+  std::unique_ptr<Node> root_ = std::make_unique<Node>();
   size_t nodes_ = 0;  // not counting the root
   uint64_t stored_tokens_ = 0;
   size_t values_ = 0;

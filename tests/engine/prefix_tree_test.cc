@@ -134,6 +134,19 @@ TEST(PrefixTreeTest, EraseRecoversAndCompresses) {
   EXPECT_FALSE(tree.Lookup({1, 2, 7}, false).value.has_value());
 }
 
+// Trees live in hash maps that move them: a moved tree's nodes still find
+// their parents.
+TEST(PrefixTreeTest, WorksAfterAMove) {
+  PrefixTree<int> first;
+  first.Insert({1, 2, 3}, 1);
+  first.Insert({1, 2, 4}, 2);
+  PrefixTree<int> moved = std::move(first);
+  EXPECT_TRUE(moved.Erase({1, 2, 3}, 1));  // merges [1, 2] into its only child, via the root
+  EXPECT_EQ(moved.CheckInvariants(), "");
+  EXPECT_EQ(moved.Lookup({1, 2, 4}, true).value, 2);
+  EXPECT_EQ(moved.nodes(), 1u);
+}
+
 TEST(PrefixTreeTest, RandomOperationsMatchTheReference) {
   absl::BitGen random;
   for (int round = 0; round < 20; ++round) {
