@@ -148,10 +148,7 @@ absl::StatusOr<std::string> SavedFileStore::ReadBytes(absl::string_view name) co
 absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) const {
   RETURN_IF_ERROR(ValidateSavedFileName(name));
   ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> mapped,
-                   OpenExisting<std::shared_ptr<const MappedFile>>(
-                       name, [](const std::string& path, absl::string_view data_dir) {
-                         return MappedFile::Open(path, data_dir);
-                       }));
+                   OpenExisting<std::shared_ptr<const MappedFile>>(name, MappedFile::Open));
   const absl::string_view bytes = mapped->bytes();
   absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensorsInPlace(bytes, std::move(mapped));
   if (!decoded.ok()) {
