@@ -242,6 +242,42 @@ absl::StatusOr<v1::SnapshotInfo> Client::SetPinned(const std::string& snapshot_i
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(SetPinned, request));
 }
 
+absl::StatusOr<v1::PublishPrefixResponse> Client::PublishPrefix(const std::string& snapshot_id,
+                                                                absl::Span<const uint32_t> tokens,
+                                                                uint32_t ttl_seconds) {
+  v1::PublishPrefixRequest request;
+  request.set_snapshot_id(snapshot_id);
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_ttl_seconds(ttl_seconds);
+  return Unary<v1::PublishPrefixResponse>(*this, KV_UNARY(PublishPrefix, request));
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefix(const v1::CacheSpec& spec,
+                                                              absl::Span<const uint32_t> tokens,
+                                                              uint32_t ttl_seconds) {
+  v1::LookupPrefixRequest request;
+  *request.mutable_spec() = spec;
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_ttl_seconds(ttl_seconds);
+  return Unary<v1::LookupPrefixResponse>(*this, KV_UNARY(LookupPrefix, request));
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefixCache(
+    const std::string& cache_id, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
+  v1::LookupPrefixRequest request;
+  request.set_cache_id(cache_id);
+  request.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  request.set_ttl_seconds(ttl_seconds);
+  return Unary<v1::LookupPrefixResponse>(*this, KV_UNARY(LookupPrefix, request));
+}
+
+absl::StatusOr<std::vector<v1::PrefixEntry>> Client::ListPrefixes() {
+  auto response =
+      Unary<v1::ListPrefixesResponse>(*this, KV_UNARY(ListPrefixes, v1::ListPrefixesRequest()));
+  if (!response.ok()) return response.status();
+  return std::vector<v1::PrefixEntry>(response->entries().begin(), response->entries().end());
+}
+
 absl::StatusOr<v1::SavedFile> Client::SaveSnapshot(
     const std::string& snapshot_id, const std::string& name,
     const std::map<std::string, std::string>& metadata) {

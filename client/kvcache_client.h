@@ -163,6 +163,22 @@ class Client {
   absl::StatusOr<v1::LoadSnapshotResponse> ImportSnapshot(
       absl::string_view file, const v1::ImportSnapshotRequest& options = {});
 
+  // Prefix sharing. Publishes the first tokens.size() positions of a
+  // snapshot (from 0, batch 1) as the K/V of `tokens`.
+  absl::StatusOr<v1::PublishPrefixResponse> PublishPrefix(const std::string& snapshot_id,
+                                                          absl::Span<const uint32_t> tokens,
+                                                          uint32_t ttl_seconds = 0);
+  // The longest cached prefix of `tokens` for caches laid out as `spec`
+  // (or as cache `cache_id`, with LookupPrefixCache): a handle to Restore at
+  // matched_tokens, or matched_tokens 0.
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::CacheSpec& spec,
+                                                        absl::Span<const uint32_t> tokens,
+                                                        uint32_t ttl_seconds = 0);
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefixCache(const std::string& cache_id,
+                                                             absl::Span<const uint32_t> tokens,
+                                                             uint32_t ttl_seconds = 0);
+  absl::StatusOr<std::vector<v1::PrefixEntry>> ListPrefixes();
+
   // A recurrent layer's state (of the live cache, or of snapshot_id if set).
   absl::StatusOr<v1::RecurrentState> FetchState(const std::string& cache_id,
                                                 const std::string& snapshot_id, uint32_t layer);

@@ -8,6 +8,7 @@
 //   kvcachectl release SNAPSHOT_ID
 //   kvcachectl pin SNAPSHOT_ID | unpin SNAPSHOT_ID
 //   kvcachectl renew ID...                                   (caches or snapshots)
+//   kvcachectl prefixes                                      (published prefixes)
 // Prompt-cache files (mlx-lm save_prompt_cache layout):
 //   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
 //   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
@@ -89,6 +90,12 @@ void PrintCache(const kvcache::v1::CacheInfo& c) {
               Expiry(c.has_expires_at(), c.expires_at()).c_str(), c.spec().model().c_str());
 }
 
+std::string PrefixTotals(const kvcache::v1::Stats& stats) {
+  return absl::StrFormat("%d entries, %d distinct tokens; %d lookups, %d hits, %d tokens matched",
+                         stats.prefix_entries(), stats.prefix_tokens(), stats.prefix_lookups(),
+                         stats.prefix_hits(), stats.prefix_matched_tokens());
+}
+
 int Stats(kvcache::Client& client) {
   auto stats = client.GetStats();
   if (!stats.ok()) return Fail(stats.status());
@@ -124,6 +131,26 @@ int Stats(kvcache::Client& client) {
       (unsigned long long)stats->evictions(), (unsigned long long)stats->demotions(),
       (unsigned long long)stats->promotions_from_host(),
       (unsigned long long)stats->promotions_from_disk());
+  std::printf("prefixes      %s\n", PrefixTotals(*stats).c_str());
+  return 0;
+}
+
+// Every published prefix, then the totals (shared pages count once there).
+int Prefixes(kvcache::Client& client) {
+  auto entries = client.ListPrefixes();
+  if (!entries.ok()) return Fail(entries.status());
+  auto stats = client.GetStats();
+  if (!stats.ok()) return Fail(stats.status());
+  std::printf("%-32s  %-16s  %8s  %10s  %8s  %-8s  %s\n", "ENTRY", "MODEL", "TOKENS", "SIZE",
+              "HITS", "EXPIRES", "WHERE");
+  for (const auto& entry : *entries) {
+    const auto& s = entry.snapshot();
+    std::printf("%-32s  %-16s  %8llu  %10s  %8llu  %-8s  %s\n", s.snapshot_id().c_str(),
+                entry.model().c_str(), (unsigned long long)entry.tokens(),
+                Bytes(s.size_bytes()).c_str(), (unsigned long long)entry.hits(),
+                Expiry(s.has_expires_at(), s.expires_at()).c_str(), Tiers(s).c_str());
+  }
+  std::printf("%s\n", PrefixTotals(*stats).c_str());
   return 0;
 }
 
@@ -321,7 +348,8 @@ int main(int argc, char** argv) {
       "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
       "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
       "SNAPSHOT "
-      "| unpin SNAPSHOT | renew ID... | save SNAPSHOT FILE [--metadata=k=v,...] | load FILE "
+      "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
+      "FILE "
       "[--name=NAME] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
       "delete-saved NAME");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -341,6 +369,7 @@ int main(int argc, char** argv) {
   if (command == "pin") return Pin(*client, args, true);
   if (command == "unpin") return Pin(*client, args, false);
   if (command == "renew") return Renew(*client, args);
+  if (command == "prefixes") return Prefixes(*client);
   if (command == "save") return Save(*client, args);
   if (command == "load") return Load(*client, args);
   if (command == "saved") return Saved(*client);

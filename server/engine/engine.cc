@@ -30,8 +30,12 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
                     ? options_.metadata_bytes
                     : DefaultMetadataBytes(pool.stats().max_pages * pool.page_bytes())),
       pool_tables_(metadata_.Reserve(PoolTablesBytes(pool.stats().max_pages))),
-      snapshots_(clock_, SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
-                                                 .max_pinned_bytes = options_.max_pinned_bytes}) {}
+      snapshots_(clock_,
+                 SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
+                                         .max_pinned_bytes = options_.max_pinned_bytes,
+                                         .on_drop = [this](absl::Span<const std::string> ids) {
+                                           prefixes_.ForgetAny(ids);
+                                         }}) {}
 
 Engine::~Engine() {
   {
@@ -442,7 +446,8 @@ EngineStats Engine::Stats() const {
                     .pinned_bytes = snapshots_.pinned_bytes(),
                     .max_pinned_bytes = options_.max_pinned_bytes,
                     .metadata_bytes = metadata_.used(),
-                    .max_metadata_bytes = metadata_.max_bytes()};
+                    .max_metadata_bytes = metadata_.max_bytes(),
+                    .prefixes = prefixes_.Stats()};
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();
   return stats;

@@ -26,6 +26,7 @@
 #include "engine/cache_spec.h"
 #include "engine/lease.h"
 #include "engine/metadata_budget.h"
+#include "engine/prefix_index.h"
 #include "engine/prompt_cache.h"
 #include "engine/saved_files.h"
 #include "engine/snapshot_registry.h"
@@ -85,6 +86,35 @@ struct EngineStats {
   uint64_t max_pinned_bytes = 0;  // 0: no limit
   uint64_t metadata_bytes = 0;    // charged to caches, snapshots and the pool's tables
   uint64_t max_metadata_bytes = 0;
+  PrefixStats prefixes;
+};
+
+// What PublishPrefix left in the index.
+struct PublishedPrefix {
+  // The index's own snapshot of the prefix: leased, evicted and released like
+  // any other (ReleaseSnapshot on it unpublishes the prefix).
+  SnapshotInfo entry;
+  uint64_t tokens = 0;
+  // Leading tokens whose pages the entry shares with what was published
+  // before (on page boundaries), instead of taking them from the snapshot.
+  uint64_t shared_tokens = 0;
+  // These exact tokens were published already: that entry stays, renewed.
+  bool already_published = false;
+};
+
+// What LookupPrefix found: a new handle on the entry of the longest cached
+// prefix, or none.
+struct PrefixLookup {
+  std::optional<SnapshotInfo> handle;
+  uint64_t matched_tokens = 0;  // restore the handle to this offset
+  uint64_t prefix_tokens = 0;   // the entry's own length (the handle's to_offset)
+};
+
+struct PrefixEntry {
+  SnapshotInfo snapshot;
+  std::string model;
+  uint64_t tokens = 0;
+  uint64_t hits = 0;
 };
 
 // A snapshot made from a prompt-cache file, and what the file said.
@@ -269,6 +299,29 @@ class Engine {
   // A saved file's bytes as stored.
   absl::StatusOr<std::string> ReadSaved(const std::string& name) const;
 
+  // Prefix sharing (engine/prefix_index.h has the index). `name_space`
+  // keeps tenants apart ("" until there are tenants).
+  //
+  // Publishes the first tokens.size() tokens of snapshot `snapshot_id` (which
+  // must start at 0 and be of batch size 1) as the K/V of `tokens`, under a
+  // new entry snapshot with a lease of `ttl` (zero: the default). Pages of
+  // an earlier entry that agrees on a prefix are shared, not stored again;
+  // an earlier entry this one extends is dropped (this one answers all its
+  // lookups). A layout with a rotating, chunked or recurrent layer publishes
+  // only a snapshot that ends where the tokens do (FAILED_PRECONDITION).
+  absl::StatusOr<PublishedPrefix> PublishPrefix(const std::string& name_space,
+                                                const std::string& snapshot_id,
+                                                absl::Span<const uint32_t> tokens,
+                                                absl::Duration ttl = absl::ZeroDuration());
+  // The longest published prefix of `tokens` for caches of `spec`, with a
+  // new snapshot handle on it (no pages copied), leased for `ttl`; zero: the
+  // default, or 5 minutes without one. A miss is not an error: no handle,
+  // matched_tokens 0.
+  absl::StatusOr<PrefixLookup> LookupPrefix(const std::string& name_space, const CacheSpec& spec,
+                                            absl::Span<const uint32_t> tokens,
+                                            absl::Duration ttl = absl::ZeroDuration());
+  std::vector<PrefixEntry> ListPrefixes() const;
+
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -330,6 +383,15 @@ class Engine {
   static SpeculationInfo DescribeSpeculation(const std::string& cache_id,
                                              const Speculation& speculation);
 
+  // Prefixes (engine_prefixes.cc). What a prefix entry of `tokens` from
+  // `source` holds: pages of `earlier` (an entry agreeing on a prefix) where
+  // it can, the rest from `source`. `shared` gets how many tokens came from
+  // `earlier`.
+  absl::StatusOr<CacheSnapshotPtr> PrefixContent(const CacheSnapshotPtr& source, uint64_t tokens,
+                                                 bool any_length,
+                                                 const std::optional<PrefixFound>& earlier,
+                                                 uint64_t& shared);
+
   gpu::PagePool& pool_;
   const EngineOptions options_;
   const LeaseClock& clock_;
@@ -340,6 +402,8 @@ class Engine {
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> caches_ ABSL_GUARDED_BY(caches_mutex_);
   LeaseQueue cache_deadlines_ ABSL_GUARDED_BY(caches_mutex_);
   std::atomic<uint64_t> caches_expired_{0};
+  // Before snapshots_, which tells it of every snapshot it drops.
+  PrefixIndex prefixes_;
   // Lock order: caches_mutex_, then the registry's (RenewLease holds both).
   SnapshotRegistry snapshots_;
   // Takes registered snapshots for calls that read their pages (Acquire),

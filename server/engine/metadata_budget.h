@@ -70,6 +70,12 @@ uint64_t CacheMetadataBytes(const CacheSpec& spec);
 // `page_bytes` and `page_tokens` are the pool's and the engine's.
 uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_bytes,
                                uint32_t page_tokens);
+// A second registered name for a snapshot that is registered already (a
+// prefix lookup's handle): the registry entry and its lease, nothing shared.
+uint64_t HandleMetadataBytes();
+// What a published prefix of `tokens` adds to its snapshot's charge: the
+// tokens, once on the index's tree and once in its entry, and their nodes.
+uint64_t PrefixEntryMetadataBytes(uint64_t tokens);
 // The chunks live caches' page tables hold beyond their first per layer: one
 // per kChunkPages pages of the pool, reserved once.
 uint64_t PoolTablesBytes(uint64_t pool_pages);

@@ -69,7 +69,7 @@ bool RestorableAtAnyLength(const CacheSpec& spec) {
 
 std::optional<std::string> PrefixIndex::Publish(const std::string& scope, bool any_length,
                                                 absl::Span<const uint32_t> tokens,
-                                                const std::string& snapshot_id) {
+                                                const std::string& snapshot_id, std::string model) {
   if (tokens.empty()) return std::nullopt;  // the engine refuses an empty prefix first
   absl::MutexLock lock(&mu_);
   if (auto old = entries_.find(snapshot_id); old != entries_.end()) ForgetLocked(old);
@@ -79,23 +79,43 @@ std::optional<std::string> PrefixIndex::Publish(const std::string& scope, bool a
   if (replaced.has_value()) entries_.erase(*replaced);
   auto entry = std::make_unique<Entry>();
   entry->scope = scope;
+  entry->model = std::move(model);
   entry->tokens.assign(tokens.begin(), tokens.end());
   entries_[snapshot_id] = std::move(entry);
   return replaced;
+}
+
+std::optional<PrefixFound> PrefixIndex::FindLocked(const std::string& scope,
+                                                   absl::Span<const uint32_t> tokens,
+                                                   const Entry** entry) const {
+  auto place = scopes_.find(scope);
+  if (place == scopes_.end()) return std::nullopt;
+  const auto match = place->second.tree.Lookup(tokens, /*exact=*/!place->second.any_length);
+  if (!match.value.has_value()) return std::nullopt;
+  const Entry& found = *entries_.at(*match.value);
+  if (entry != nullptr) *entry = &found;
+  return PrefixFound{.snapshot_id = *match.value,
+                     .matched_tokens = match.matched_tokens,
+                     .entry_tokens = found.tokens.size()};
+}
+
+std::optional<PrefixFound> PrefixIndex::Find(const std::string& scope,
+                                             absl::Span<const uint32_t> tokens) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return FindLocked(scope, tokens, nullptr);
 }
 
 std::optional<PrefixFound> PrefixIndex::Lookup(const std::string& scope,
                                                absl::Span<const uint32_t> tokens) const {
   lookups_.fetch_add(1, std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);
-  auto place = scopes_.find(scope);
-  if (place == scopes_.end()) return std::nullopt;
-  const auto match = place->second.tree.Lookup(tokens, /*exact=*/!place->second.any_length);
-  if (!match.value.has_value()) return std::nullopt;
+  const Entry* entry = nullptr;
+  std::optional<PrefixFound> found = FindLocked(scope, tokens, &entry);
+  if (!found.has_value()) return std::nullopt;
   hits_.fetch_add(1, std::memory_order_relaxed);
-  matched_tokens_.fetch_add(match.matched_tokens, std::memory_order_relaxed);
-  entries_.at(*match.value)->hits.fetch_add(1, std::memory_order_relaxed);
-  return PrefixFound{.snapshot_id = *match.value, .matched_tokens = match.matched_tokens};
+  matched_tokens_.fetch_add(found->matched_tokens, std::memory_order_relaxed);
+  entry->hits.fetch_add(1, std::memory_order_relaxed);
+  return found;
 }
 
 bool PrefixIndex::Forget(const std::string& snapshot_id) {
@@ -104,6 +124,21 @@ bool PrefixIndex::Forget(const std::string& snapshot_id) {
   if (entry == entries_.end()) return false;
   ForgetLocked(entry);
   return true;
+}
+
+void PrefixIndex::ForgetAny(absl::Span<const std::string> snapshot_ids) {
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (std::none_of(snapshot_ids.begin(), snapshot_ids.end(),
+                     [this](const std::string& id)
+                         ABSL_NO_THREAD_SAFETY_ANALYSIS { return entries_.contains(id); })) {
+      return;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : snapshot_ids) {
+    if (auto entry = entries_.find(id); entry != entries_.end()) ForgetLocked(entry);
+  }
 }
 
 void PrefixIndex::ForgetLocked(
@@ -131,6 +166,7 @@ std::vector<PrefixEntryInfo> PrefixIndex::List() const {
     infos.reserve(entries_.size());
     for (const auto& [id, entry] : entries_) {
       infos.push_back({.snapshot_id = id,
+                       .model = entry->model,
                        .tokens = entry->tokens.size(),
                        .hits = entry->hits.load(std::memory_order_relaxed)});
     }

@@ -46,10 +46,12 @@ bool RestorableAtAnyLength(const CacheSpec& spec);
 struct PrefixFound {
   std::string snapshot_id;
   uint64_t matched_tokens = 0;
+  uint64_t entry_tokens = 0;  // the length it was published with
 };
 
 struct PrefixEntryInfo {
   std::string snapshot_id;
+  std::string model;
   uint64_t tokens = 0;
   uint64_t hits = 0;  // lookups this entry answered
 };
@@ -67,14 +69,22 @@ class PrefixIndex {
   // Publishes `snapshot_id` as the K/V of `tokens` (not empty) in `scope`. An
   // id published before under other tokens moves here. Returns the id that
   // was published for exactly these tokens before, now forgotten.
+  // `model` is only shown (List).
   std::optional<std::string> Publish(const std::string& scope, bool any_length,
                                      absl::Span<const uint32_t> tokens,
-                                     const std::string& snapshot_id);
-  // The longest published prefix of `tokens` in `scope`, if any.
+                                     const std::string& snapshot_id, std::string model = "");
+  // The longest published prefix of `tokens` in `scope`, if any, counted in
+  // the stats (Lookup) or not (Find: what a publish asks before it stores).
   std::optional<PrefixFound> Lookup(const std::string& scope,
                                     absl::Span<const uint32_t> tokens) const;
+  std::optional<PrefixFound> Find(const std::string& scope,
+                                  absl::Span<const uint32_t> tokens) const;
   // Forgets what `snapshot_id` was published as; false if it was not.
   bool Forget(const std::string& snapshot_id);
+  // Forgets each of `snapshot_ids` that was published. Told of every
+  // snapshot the registry drops, most of them never published, so it looks
+  // under the shared lock first and takes it exclusively only when one was.
+  void ForgetAny(absl::Span<const std::string> snapshot_ids);
 
   PrefixStats Stats() const;
   std::vector<PrefixEntryInfo> List() const;  // sorted by snapshot id
@@ -86,10 +96,14 @@ class PrefixIndex {
   };
   struct Entry {
     std::string scope;
+    std::string model;
     std::vector<uint32_t> tokens;
-    std::atomic<uint64_t> hits{0};
+    mutable std::atomic<uint64_t> hits{0};
   };
 
+  // Find's walk; the entry found in `entry` when not null.
+  std::optional<PrefixFound> FindLocked(const std::string& scope, absl::Span<const uint32_t> tokens,
+                                        const Entry** entry) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void ForgetLocked(absl::flat_hash_map<std::string, std::unique_ptr<Entry>>::iterator entry)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -90,10 +90,20 @@ absl::Status SnapshotRegistry::CheckPinBudget(uint64_t more_bytes) const {
       options_.max_pinned_bytes, pinned_bytes_));
 }
 
+SnapshotRegistry::Dropped::~Dropped() {
+  snapshots_.clear();
+  if (options_.on_drop && !ids_.empty()) options_.on_drop(ids_);
+}
+
+void SnapshotRegistry::Dropped::Add(std::string id, CacheSnapshotPtr snapshot) {
+  ids_.push_back(std::move(id));
+  snapshots_.push_back(std::move(snapshot));
+}
+
 void SnapshotRegistry::Erase(absl::flat_hash_map<std::string, Entry>::iterator it,
-                             std::vector<CacheSnapshotPtr>& dropped) {
+                             Dropped& dropped) {
   if (it->second.pinned) pinned_bytes_ -= it->second.snapshot->size_bytes();
-  dropped.push_back(std::move(it->second.snapshot));
+  dropped.Add(it->first, std::move(it->second.snapshot));
   entries_.erase(it);
 }
 
@@ -129,8 +139,15 @@ void SnapshotRegistry::VisitForEviction(
   then();
 }
 
+std::optional<SnapshotInfo> SnapshotRegistry::Peek(const std::string& snapshot_id) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = FindLive(snapshot_id, clock_.Now());
+  if (it == entries_.end()) return std::nullopt;
+  return Info(it->first, it->second);
+}
+
 absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
-  std::vector<CacheSnapshotPtr> dropped;  // freed outside the lock
+  Dropped dropped(options_);  // freed outside the lock
   absl::MutexLock lock(&mutex_);
   auto it = FindLive(snapshot_id, clock_.Now());
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);  // expired: the reaper's
@@ -141,7 +158,7 @@ absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
 absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
     const std::vector<std::string>& consumed, std::vector<CacheSnapshotPtr> added,
     std::vector<MetadataCharge> metadata) {
-  std::vector<CacheSnapshotPtr> dropped;
+  Dropped dropped(options_);
   absl::MutexLock lock(&mutex_);
   bool pinned = false;
   absl::Duration ttl;
@@ -235,7 +252,7 @@ absl::StatusOr<std::vector<LeaseInfo>> SnapshotRegistry::Renew(absl::Span<const 
 uint64_t SnapshotRegistry::Expire() {
   uint64_t count = 0;
   for (;;) {
-    std::vector<CacheSnapshotPtr> dropped;  // freed outside the lock, between batches
+    Dropped dropped(options_);  // freed outside the lock, between batches
     absl::MutexLock lock(&mutex_);
     const absl::Time now = clock_.Now();
     const std::vector<std::string> due = deadlines_.PopDue(now, kExpiriesPerLock);

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +50,9 @@ struct SnapshotRegistryOptions {
   absl::Duration default_ttl;
   // Most bytes pinned snapshots may hold (size_bytes each); 0: no limit.
   uint64_t max_pinned_bytes = 0;
+  // Told the ids of entries that went (released, expired, consumed by a
+  // merge or split), after the registry's lock is released; may be empty.
+  std::function<void(absl::Span<const std::string> ids)> on_drop;
 };
 
 class SnapshotRegistry {
@@ -63,6 +68,8 @@ class SnapshotRegistry {
   // The snapshot, its lease renewed.
   absl::StatusOr<CacheSnapshotPtr> Get(const std::string& snapshot_id) const;
   absl::Status Release(const std::string& snapshot_id);
+  // The live entry's info, its lease left as it is (listing is not use).
+  std::optional<SnapshotInfo> Peek(const std::string& snapshot_id) const;
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no
   // change) if any consumed id is gone by now. The added ones are pinned if
   // any consumed one was, and take the longest of their leases; each keeps
@@ -102,6 +109,22 @@ class SnapshotRegistry {
     Lease lease;
     uint64_t last_use = 0;  // use_clock_ when a call last named it
   };
+  // What erasing leaves to do once the lock is released (declare it before
+  // the lock): free the snapshots, then tell on_drop which ids went.
+  class Dropped {
+   public:
+    explicit Dropped(const SnapshotRegistryOptions& options) : options_(options) {}
+    Dropped(const Dropped&) = delete;
+    Dropped& operator=(const Dropped&) = delete;
+    ~Dropped();
+    void Add(std::string id, CacheSnapshotPtr snapshot);
+    size_t size() const { return ids_.size(); }
+
+   private:
+    const SnapshotRegistryOptions& options_;
+    std::vector<std::string> ids_;
+    std::vector<CacheSnapshotPtr> snapshots_;
+  };
   static SnapshotInfo Info(const std::string& id, const Entry& entry);
   // Pinned, or its lease not yet run out: callers can name it.
   static bool Live(const Entry& entry, absl::Time now);
@@ -112,9 +135,9 @@ class SnapshotRegistry {
   // Registers `entry` under a new id, its lease started (unless pinned).
   SnapshotInfo Insert(Entry entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status CheckPinBudget(uint64_t more_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  // Drops `it`'s entry, handing its snapshot to `dropped` (freed outside the lock).
-  void Erase(absl::flat_hash_map<std::string, Entry>::iterator it,
-             std::vector<CacheSnapshotPtr>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Drops `it`'s entry, handing it to `dropped`.
+  void Erase(absl::flat_hash_map<std::string, Entry>::iterator it, Dropped& dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
 
   const LeaseClock& clock_;
   const SnapshotRegistryOptions options_;

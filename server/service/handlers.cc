@@ -295,6 +295,11 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_max_pinned_bytes(stats.max_pinned_bytes);
   response->set_metadata_bytes(stats.metadata_bytes);
   response->set_max_metadata_bytes(stats.max_metadata_bytes);
+  response->set_prefix_entries(stats.prefixes.entries);
+  response->set_prefix_tokens(stats.prefixes.stored_tokens);
+  response->set_prefix_lookups(stats.prefixes.lookups);
+  response->set_prefix_hits(stats.prefixes.hits);
+  response->set_prefix_matched_tokens(stats.prefixes.matched_tokens);
   return absl::OkStatus();
 }
 

@@ -28,8 +28,11 @@
   X(AbortSpeculation, AbortSpeculationRequest, CacheInfo)                \
   X(GetStats, GetStatsRequest, Stats)                                    \
   X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)                   \
-  X(SetPinned, SetPinnedRequest, SnapshotInfo)                          \
+  X(SetPinned, SetPinnedRequest, SnapshotInfo)                           \
   X(SaveSnapshot, SaveSnapshotRequest, SavedFile)                        \
   X(LoadSnapshot, LoadSnapshotRequest, LoadSnapshotResponse)             \
   X(ListSaved, ListSavedRequest, ListSavedResponse)                      \
-  X(DeleteSaved, DeleteSavedRequest, DeleteSavedResponse)
+  X(DeleteSaved, DeleteSavedRequest, DeleteSavedResponse)                \
+  X(PublishPrefix, PublishPrefixRequest, PublishPrefixResponse)          \
+  X(LookupPrefix, LookupPrefixRequest, LookupPrefixResponse)             \
+  X(ListPrefixes, ListPrefixesRequest, ListPrefixesResponse)

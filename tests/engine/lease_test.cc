@@ -16,6 +16,7 @@
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "manual_clock.h"
 #include "support/gpu_test_base.h"
 
 namespace kvcache::testing {
@@ -26,15 +27,6 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kPageBytes = 8 << 10;
 constexpr uint64_t kBudgetBytes = 32 << 20;
-
-class ManualClock final : public engine::LeaseClock {
- public:
-  absl::Time Now() const override { return absl::FromUnixNanos(now_ns_.load()); }
-  void Advance(absl::Duration by) { now_ns_ += absl::ToInt64Nanoseconds(by); }
-
- private:
-  std::atomic<int64_t> now_ns_{absl::ToUnixNanos(absl::FromUnixSeconds(1'800'000'000))};
-};
 
 class LeaseTest : public GpuTestBase {
  protected:

@@ -1,0 +1,440 @@
+// Prefix sharing through the engine: PublishPrefix, LookupPrefix and the
+// entries' lifecycle, against a reference of plain token sequences.
+//
+// The K/V of position i is a function of the tokens [0, i] (as a model's
+// is), so sequences that share a prefix share its K/V, and every restored
+// byte can be checked against what a worker would have computed itself.
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "manual_clock.h"
+#include "support/gpu_test_base.h"
+#include "support/prefix_kv.h"
+
+namespace kvcache::testing {
+namespace {
+
+using engine::Engine;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kPageBytes = 8 << 10;
+constexpr uint64_t kBudgetBytes = 64 << 20;
+constexpr uint32_t kPageTokens = 4;
+constexpr uint32_t kHeads = 2;
+constexpr uint32_t kDim = 8;
+
+using Tokens = std::vector<uint32_t>;
+
+using prefix_kv::KvByte;
+using prefix_kv::PrefixHashes;
+
+// What a worker computes for positions [begin, end): [1, H, L, D] tensors.
+KvTensors WorkerKv(const std::vector<uint64_t>& hashes, uint32_t layer, uint64_t begin,
+                   uint64_t end) {
+  constexpr uint32_t kRowBytes = kDim * 2;  // float16
+  return KvTensors{.keys = prefix_kv::SideTensor(hashes, layer, 0, kHeads, kRowBytes, begin, end),
+                   .values = prefix_kv::SideTensor(hashes, layer, 1, kHeads, kRowBytes, begin, end),
+                   .tokens = end - begin};
+}
+
+// The same positions as a Fetch shows them: one token of every head.
+std::vector<RefToken> ExpectedTokens(const std::vector<uint64_t>& hashes, uint32_t layer,
+                                     uint64_t end) {
+  std::vector<RefToken> tokens;
+  for (uint64_t i = 0; i < end; ++i) {
+    RefToken& token = tokens.emplace_back();
+    token.position = i;
+    for (uint32_t head = 0; head < kHeads; ++head) {
+      for (uint32_t d = 0; d < kDim * 2; ++d) {
+        token.keys.push_back(KvByte(hashes[i], layer, 0, head, d));
+        token.values.push_back(KvByte(hashes[i], layer, 1, head, d));
+      }
+    }
+  }
+  return tokens;
+}
+
+uint64_t CommonPrefix(const Tokens& a, const Tokens& b) {
+  uint64_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+
+class PrefixSharingTest : public GpuTestBase {
+ protected:
+  void SetUp() override {
+    GpuTestBase::SetUp();
+    pool_ = MakePool(kPageBytes, kBudgetBytes);
+    ASSERT_NE(pool_, nullptr);
+    StartEngine(Spec());
+  }
+  void TearDown() override {
+    if (engine_ != nullptr) {
+      ReleaseEverything(*engine_);
+      EXPECT_TRUE(engine_->ListPrefixes().empty()) << "entries outlived their snapshots";
+      EXPECT_EQ(engine_->Stats().prefixes.entries, 0u);
+      EXPECT_EQ(pool_->stats().used_pages, 0u) << "pages leaked";
+    }
+    engine_.reset();
+    pool_.reset();
+    GpuTestBase::TearDown();
+  }
+  void StartEngine(engine::CacheSpec spec, const engine::LeaseClock* clock = nullptr) {
+    spec_ = std::move(spec);
+    engine_.reset();
+    engine_ = std::make_unique<Engine>(
+        *pool_, engine::EngineOptions{.page_tokens = kPageTokens, .clock = clock});
+  }
+  static engine::CacheSpec Spec() {
+    return MakeSpec({StandardLayerSpec(kHeads, kDim), StandardLayerSpec(kHeads, kDim)});
+  }
+
+  // A worker's prefill of `tokens`, `chunk` tokens an Update (0: all at
+  // once): a cache, its K/V, a snapshot [0, n) of it; the cache is deleted,
+  // so only the snapshot holds the pages.
+  std::string Prefill(const Tokens& tokens, uint64_t chunk = 0) {
+    auto cache = engine_->CreateCache(spec_);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return "";
+    const std::vector<uint64_t> hashes = PrefixHashes(tokens);
+    if (chunk == 0) chunk = tokens.size();
+    for (uint64_t begin = 0; begin < tokens.size(); begin += chunk) {
+      const uint64_t end = std::min<uint64_t>(begin + chunk, tokens.size());
+      for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
+        const KvTensors kv = WorkerKv(hashes, layer, begin, end);
+        auto offset = engine_->Update(cache->cache_id, layer, kv.input());
+        EXPECT_TRUE(offset.ok()) << offset.status();
+      }
+    }
+    auto snapshot = engine_->Snapshot(cache->cache_id, 0);
+    EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+    EXPECT_TRUE(engine_->DeleteCache(cache->cache_id).ok());
+    return snapshot.ok() ? snapshot->snapshot_id : "";
+  }
+
+  // Publishes the first `n` of `tokens` from a fresh prefill, then releases
+  // the worker's own snapshot (the entry keeps what it needs).
+  engine::PublishedPrefix PrefillAndPublish(const Tokens& tokens, uint64_t n) {
+    const std::string snapshot = Prefill(tokens);
+    auto published =
+        engine_->PublishPrefix("", snapshot, absl::MakeConstSpan(tokens).subspan(0, n));
+    EXPECT_TRUE(published.ok()) << published.status();
+    EXPECT_TRUE(engine_->ReleaseSnapshot(snapshot).ok());
+    return published.ok() ? *published : engine::PublishedPrefix{};
+  }
+
+  // A worker that finds `query`'s prefix: a fresh cache restored from the
+  // handle at the matched length. Checks every byte, that the restore took
+  // no page (unless other threads run), and releases all it made. Returns
+  // the matched length.
+  uint64_t LookupAndRestore(const Tokens& query, bool alone = true) {
+    auto found = engine_->LookupPrefix("", spec_, query);
+    EXPECT_TRUE(found.ok()) << found.status();
+    if (!found.ok() || !found->handle.has_value()) return 0;
+    auto cache = engine_->CreateCache(spec_);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    const uint32_t pages_before = pool_->stats().used_pages;
+    auto restored =
+        engine_->Restore(cache->cache_id, found->handle->snapshot_id, found->matched_tokens);
+    EXPECT_TRUE(restored.ok()) << restored.status();
+    if (alone) {
+      EXPECT_EQ(pool_->stats().used_pages, pages_before) << "a restore copied pages";
+    }
+    auto view = engine_->Freeze(cache->cache_id, "");
+    EXPECT_TRUE(view.ok()) << view.status();
+    const std::vector<uint64_t> hashes = PrefixHashes(query);
+    for (uint32_t layer = 0; view.ok() && layer < spec_.layers.size(); ++layer) {
+      auto fetched = FetchLayer(**view, layer, kEverything);
+      EXPECT_TRUE(fetched.ok()) << fetched.status();
+      if (fetched.ok()) {
+        EXPECT_TRUE(SameTokens(ExpectedTokens(hashes, layer, found->matched_tokens), *fetched))
+            << "layer " << layer;
+      }
+    }
+    EXPECT_TRUE(engine_->DeleteCache(cache->cache_id).ok());
+    EXPECT_TRUE(engine_->ReleaseSnapshot(found->handle->snapshot_id).ok());
+    return found->matched_tokens;
+  }
+
+  ManualClock clock_;  // outlives engine_, which may read it
+  std::unique_ptr<gpu::PagePool> pool_;
+  std::unique_ptr<Engine> engine_;
+  engine::CacheSpec spec_;
+};
+
+// Random publish / lookup / restore / release against a map of entry id to
+// tokens. A lookup must match the longest common prefix with any entry; an
+// entry the engine drops must be a strict prefix of one it keeps (nothing a
+// lookup could find is lost).
+TEST_P(PrefixSharingTest, RandomSequencesMatchTheReference) {
+  std::mt19937_64 rng(20261125);
+  std::vector<Tokens> stems;
+  for (int i = 0; i < 5; ++i) {
+    Tokens stem(1 + rng() % 40);
+    for (uint32_t& token : stem) token = rng() % 6;
+    stems.push_back(stem);
+  }
+  const auto random_sequence = [&] {
+    Tokens tokens = stems[rng() % stems.size()];
+    tokens.resize(1 + rng() % tokens.size());
+    for (uint64_t tail = rng() % 24; tail > 0; --tail) tokens.push_back(rng() % 6);
+    return tokens;
+  };
+  std::map<std::string, Tokens> reference;
+  uint64_t hits = 0;
+  for (int step = 0; step < 400; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    const uint64_t op = rng() % 100;
+    if (op < 40) {
+      const Tokens tokens = random_sequence();
+      const uint64_t n = 1 + rng() % tokens.size();
+      const engine::PublishedPrefix published = PrefillAndPublish(tokens, n);
+      reference[published.entry.snapshot_id] = Tokens(tokens.begin(), tokens.begin() + n);
+      // Sync with what the engine keeps; what it dropped must be covered.
+      std::map<std::string, Tokens> kept;
+      for (const engine::PrefixEntry& entry : engine_->ListPrefixes()) {
+        auto it = reference.find(entry.snapshot.snapshot_id);
+        ASSERT_NE(it, reference.end()) << "an entry nobody published";
+        EXPECT_EQ(entry.tokens, it->second.size());
+        kept.insert(*it);
+      }
+      for (const auto& [id, dropped] : reference) {
+        if (kept.contains(id)) continue;
+        EXPECT_TRUE(std::any_of(kept.begin(), kept.end(), [&](const auto& entry) {
+          return entry.second.size() > dropped.size() &&
+                 CommonPrefix(entry.second, dropped) == dropped.size();
+        })) << "an entry was lost";
+      }
+      reference = std::move(kept);
+    } else if (op < 90) {
+      const Tokens query = random_sequence();
+      uint64_t expected = 0;
+      for (const auto& [id, tokens] : reference) {
+        expected = std::max(expected, CommonPrefix(query, tokens));
+      }
+      EXPECT_EQ(LookupAndRestore(query), expected);
+      hits += expected > 0;
+    } else if (!reference.empty()) {
+      auto victim = std::next(reference.begin(), rng() % reference.size());
+      ASSERT_TRUE(engine_->ReleaseSnapshot(victim->first).ok());
+      reference.erase(victim);
+      EXPECT_EQ(engine_->ListPrefixes().size(), reference.size());
+    }
+  }
+  EXPECT_GT(hits, 50u) << "the sequences should share prefixes often";
+  EXPECT_EQ(engine_->Stats().prefixes.entries, reference.size());
+}
+
+// Two workers publish the same system prompt: one copy of its pages stays.
+// A third publishes it with a different continuation: the common whole pages
+// are shared, only the rest is new.
+TEST_P(PrefixSharingTest, PublishingWhatIsCachedSharesItsPages) {
+  Tokens prompt(64);
+  for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 1000 + i;
+  const engine::PublishedPrefix first = PrefillAndPublish(prompt, prompt.size());
+  EXPECT_FALSE(first.already_published);
+  const uint32_t one_copy = pool_->stats().used_pages;
+  EXPECT_EQ(one_copy, 2 * prompt.size() / kPageTokens);  // two layers
+
+  const engine::PublishedPrefix second = PrefillAndPublish(prompt, prompt.size());
+  EXPECT_TRUE(second.already_published);
+  EXPECT_EQ(second.entry.snapshot_id, first.entry.snapshot_id);
+  EXPECT_EQ(pool_->stats().used_pages, one_copy);
+
+  Tokens longer = prompt;
+  longer.resize(62);  // diverges two tokens before the end of page 16
+  for (uint32_t i = 0; i < 10; ++i) longer.push_back(7 + i);
+  const engine::PublishedPrefix third = PrefillAndPublish(longer, longer.size());
+  EXPECT_EQ(third.shared_tokens, 60u);  // whole pages of the match
+  // Pages 15.. (positions 60-71) are new on each layer: 3 pages a layer.
+  EXPECT_EQ(pool_->stats().used_pages, one_copy + 2 * 3);
+  EXPECT_EQ(LookupAndRestore(longer), longer.size());
+  EXPECT_EQ(LookupAndRestore(prompt), prompt.size());
+}
+
+// Publishing a longer sequence drops the entry it extends; lookups of the
+// shorter one still match all of it.
+TEST_P(PrefixSharingTest, AnEntryThatIsExtendedGivesWayToTheLongerOne) {
+  Tokens turns = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const engine::PublishedPrefix system = PrefillAndPublish(turns, 5);
+  const engine::PublishedPrefix chat = PrefillAndPublish(turns, 9);
+  EXPECT_EQ(chat.shared_tokens, 4u);
+  ASSERT_EQ(engine_->ListPrefixes().size(), 1u);
+  EXPECT_EQ(engine_->ListPrefixes()[0].snapshot.snapshot_id, chat.entry.snapshot_id);
+  EXPECT_EQ(absl::StatusCode::kNotFound, engine_->ReleaseSnapshot(system.entry.snapshot_id).code());
+  EXPECT_EQ(LookupAndRestore({1, 2, 3, 4, 5, 99}), 5u);
+  const engine::PrefixStats stats = engine_->Stats().prefixes;
+  EXPECT_EQ(stats.lookups, 1u);
+  EXPECT_EQ(stats.hits, 1u);
+  EXPECT_EQ(stats.matched_tokens, 5u);
+  EXPECT_EQ(engine_->ListPrefixes()[0].hits, 1u);
+}
+
+TEST_P(PrefixSharingTest, BadInputIsRefusedAndChangesNothing) {
+  const Tokens tokens = {4, 5, 6, 7, 8, 9};
+  const std::string snapshot = Prefill(tokens);
+  PrefillAndPublish({1, 2, 3}, 3);
+  const EngineFingerprint before = Fingerprint(*engine_);
+  const auto refused = [&](absl::StatusCode code, absl::string_view field,
+                           const absl::Status& status) {
+    EXPECT_EQ(status.code(), code) << status;
+    EXPECT_THAT(status.message(), HasSubstr(field));
+    EXPECT_EQ(Fingerprint(*engine_), before);
+    EXPECT_EQ(engine_->ListPrefixes().size(), 1u);
+  };
+  refused(absl::StatusCode::kInvalidArgument, "tokens",
+          engine_->PublishPrefix("", snapshot, {}).status());
+  refused(absl::StatusCode::kInvalidArgument, "tokens",
+          engine_->PublishPrefix("", snapshot, {4, 5, 6, 7, 8, 9, 10}).status());
+  refused(absl::StatusCode::kNotFound, "snapshot_id",
+          engine_->PublishPrefix("", "0123456789abcdef0123456789abcdef", {4}).status());
+  refused(absl::StatusCode::kInvalidArgument, "tokens",
+          engine_->LookupPrefix("", spec_, {}).status());
+  engine::CacheSpec broken = spec_;
+  broken.layers[1].num_kv_heads = 0;
+  refused(absl::StatusCode::kInvalidArgument, "spec.layers[1]",
+          engine_->LookupPrefix("", broken, {1, 2, 3}).status());
+
+  // Starting past 0, or more than one row: not a prefix.
+  auto cache = engine_->CreateCache(spec_);
+  ASSERT_TRUE(cache.ok());
+  const std::vector<uint64_t> hashes = PrefixHashes(tokens);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(
+        engine_->Update(cache->cache_id, layer, WorkerKv(hashes, layer, 0, 6).input()).ok());
+  }
+  auto tail = engine_->Snapshot(cache->cache_id, 2);
+  ASSERT_TRUE(tail.ok());
+  const EngineFingerprint with_tail = Fingerprint(*engine_);
+  auto status = engine_->PublishPrefix("", tail->snapshot_id, {6, 7}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_EQ(Fingerprint(*engine_), with_tail);
+
+  // A layout mismatch is a miss, never another layout's bytes.
+  engine::CacheSpec other = MakeSpec({StandardLayerSpec(kHeads, kDim)});
+  auto miss = engine_->LookupPrefix("", other, {1, 2, 3});
+  ASSERT_TRUE(miss.ok()) << miss.status();
+  EXPECT_FALSE(miss->handle.has_value());
+  EXPECT_EQ(miss->matched_tokens, 0u);
+  other = spec_;
+  other.model = "another-model";
+  EXPECT_FALSE(engine_->LookupPrefix("", other, {1, 2, 3})->handle.has_value());
+  // Nor another namespace's.
+  EXPECT_FALSE(engine_->LookupPrefix("tenant-b", spec_, {1, 2, 3})->handle.has_value());
+  EXPECT_EQ(engine_->ListPrefixes().size(), 1u);
+}
+
+TEST_P(PrefixSharingTest, BatchedSnapshotsAreNotPrefixes) {
+  engine::CacheSpec batched = Spec();
+  batched.batch_size = 2;
+  auto cache = engine_->CreateCache(batched);
+  ASSERT_TRUE(cache.ok());
+  std::mt19937_64 rng(3);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(
+        engine_->Update(cache->cache_id, layer, RandomKv(batched, layer, 3, rng).input()).ok());
+  }
+  auto snapshot = engine_->Snapshot(cache->cache_id, 0);
+  ASSERT_TRUE(snapshot.ok());
+  auto status = engine_->PublishPrefix("", snapshot->snapshot_id, {1, 2, 3}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(status.message(), HasSubstr("batch_size 2"));
+  EXPECT_TRUE(engine_->ListPrefixes().empty());
+}
+
+// A rotating window is the state at its snapshot's end: such a layout
+// publishes a snapshot where the prefix ends, and matches only whole entries.
+TEST_P(PrefixSharingTest, RotatingLayoutsMatchWholeEntriesOnly) {
+  StartEngine(MakeSpec({RotatingLayerSpec(kHeads, kDim, kDim, /*max_size=*/8, /*keep=*/0)}));
+  const Tokens tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const std::string snapshot = Prefill(tokens, /*chunk=*/1);  // decode steps: an 8-token window
+  auto cut = engine_->PublishPrefix("", snapshot, {1, 2, 3, 4, 5});
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kFailedPrecondition) << cut.status();
+  EXPECT_THAT(cut.status().message(), HasSubstr("where its prefix ends"));
+  ASSERT_TRUE(engine_->PublishPrefix("", snapshot, tokens).ok());
+  ASSERT_TRUE(engine_->ReleaseSnapshot(snapshot).ok());
+
+  Tokens longer = tokens;
+  longer.push_back(13);
+  auto whole = engine_->LookupPrefix("", spec_, longer);
+  ASSERT_TRUE(whole.ok() && whole->handle.has_value());
+  EXPECT_EQ(whole->matched_tokens, tokens.size());
+  auto cache = engine_->CreateCache(spec_);
+  ASSERT_TRUE(cache.ok());
+  ASSERT_TRUE(engine_->Restore(cache->cache_id, whole->handle->snapshot_id, tokens.size()).ok());
+  auto view = engine_->Freeze(cache->cache_id, "");
+  ASSERT_TRUE(view.ok());
+  auto fetched = FetchLayer(**view, 0, kEverything);
+  ASSERT_TRUE(fetched.ok());
+  // The window: the last 8 positions.
+  std::vector<RefToken> expected = ExpectedTokens(PrefixHashes(tokens), 0, tokens.size());
+  expected.erase(expected.begin(), expected.end() - 8);
+  EXPECT_TRUE(SameTokens(expected, *fetched));
+
+  const Tokens diverging = {1, 2, 3, 4, 5, 6, 99};
+  auto partial = engine_->LookupPrefix("", spec_, diverging);
+  ASSERT_TRUE(partial.ok());
+  EXPECT_FALSE(partial->handle.has_value()) << "a window cannot be cut back to 6 tokens";
+}
+
+// Entries and lookup handles are leased: lookups renew an entry; one nobody
+// looks up expires, and so does a handle nobody uses.
+TEST_P(PrefixSharingTest, EntriesAndHandlesExpireUnlessUsed) {
+  StartEngine(Spec(), &clock_);
+  const Tokens tokens = {1, 2, 3, 4, 5, 6};
+  const std::string snapshot = Prefill(tokens);
+  ASSERT_TRUE(engine_->PublishPrefix("", snapshot, tokens, absl::Seconds(60)).ok());
+  ASSERT_TRUE(engine_->ReleaseSnapshot(snapshot).ok());
+  for (int minute = 0; minute < 3; ++minute) {
+    clock_.Advance(absl::Seconds(45));
+    auto found = engine_->LookupPrefix("", spec_, tokens, absl::Seconds(10));
+    ASSERT_TRUE(found.ok() && found->handle.has_value()) << "renewed by the lookup before";
+  }
+  clock_.Advance(absl::Seconds(30));
+  EXPECT_EQ(engine_->ExpireLeases().second, 3u);  // the three handles, unused
+  EXPECT_EQ(engine_->ListPrefixes().size(), 1u);
+  clock_.Advance(absl::Seconds(31));
+  EXPECT_EQ(engine_->ExpireLeases().second, 1u);
+  EXPECT_TRUE(engine_->ListPrefixes().empty());
+  EXPECT_FALSE(engine_->LookupPrefix("", spec_, tokens)->handle.has_value());
+  EXPECT_EQ(pool_->stats().used_pages, 0u);
+}
+
+// Workers publishing and looking up the same prefixes at once: every restore
+// is byte-exact (the checks run in each thread).
+TEST_P(PrefixSharingTest, ConcurrentWorkersAgree) {
+  Tokens system(24);
+  for (uint32_t i = 0; i < system.size(); ++i) system[i] = 500 + i;
+  PrefillAndPublish(system, system.size());
+  std::vector<std::thread> workers;
+  for (int w = 0; w < 4; ++w) {
+    workers.emplace_back([this, w, &system] {
+      std::mt19937_64 rng(w);
+      for (int i = 0; i < 25; ++i) {
+        Tokens tokens = system;
+        for (uint64_t tail = 1 + rng() % 12; tail > 0; --tail) tokens.push_back(rng() % 3);
+        EXPECT_GE(LookupAndRestore(tokens, /*alone=*/false), system.size());
+        PrefillAndPublish(tokens, tokens.size());
+      }
+    });
+  }
+  for (std::thread& worker : workers) worker.join();
+  EXPECT_GE(engine_->Stats().prefixes.hits, 100u);
+}
+
+INSTANTIATE_TEST_SUITE_P(TransferPaths, PrefixSharingTest, ::testing::ValuesIn(kAllTransferPaths),
+                         [](const auto& info) { return TransferPathName(info.param); });
+
+}  // namespace
+}  // namespace kvcache::testing
