@@ -411,6 +411,40 @@ TEST_P(PrefixSharingTest, EntriesAndHandlesExpireUnlessUsed) {
   EXPECT_EQ(pool_->stats().used_pages, 0u);
 }
 
+// An entry is evicted like any snapshot: when the device is full, its pages
+// move to host memory; a lookup and restore brings them back, bytes intact.
+TEST_P(PrefixSharingTest, EntriesAreEvictedToHostMemoryAndComeBack) {
+  constexpr uint32_t kDevicePages = 32;
+  auto pool = gpu::PagePool::Create(device(), gpu::PoolOptions{.page_bytes = kPageBytes,
+                                                               .budget_bytes = kDevicePages * kPageBytes,
+                                                               .host_bytes = 64 * kPageBytes});
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  engine_.reset();
+  pool_ = *std::move(pool);
+  StartEngine(Spec());
+  Tokens prompt(40);  // 10 pages on each of 2 layers
+  for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 70 + i;
+  PrefillAndPublish(prompt, prompt.size());
+  // A live cache that needs 24 of the 32 pages: some of the entry's must go.
+  auto cache = engine_->CreateCache(spec_);
+  ASSERT_TRUE(cache.ok());
+  Tokens other(48);
+  for (uint32_t i = 0; i < other.size(); ++i) other[i] = 900 + i;
+  const std::vector<uint64_t> hashes = PrefixHashes(other);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    auto updated = engine_->Update(cache->cache_id, layer, WorkerKv(hashes, layer, 0, 48).input());
+    ASSERT_TRUE(updated.ok()) << updated.status();
+  }
+  ASSERT_EQ(engine_->ListPrefixes().size(), 1u);
+  EXPECT_GT(engine_->ListPrefixes()[0].snapshot.tiers.host, 0u);
+  EXPECT_GT(pool_->stats().host_pages, 0u);
+  ASSERT_TRUE(engine_->DeleteCache(cache->cache_id).ok());
+  EXPECT_EQ(LookupAndRestore(prompt, /*alone=*/false), prompt.size());
+  EXPECT_EQ(engine_->ListPrefixes()[0].snapshot.tiers.host, 0u) << "restored from the device";
+  ReleaseEverything(*engine_);
+  EXPECT_EQ(pool_->stats().host_pages, 0u);
+}
+
 // Workers publishing and looking up the same prefixes at once: every restore
 // is byte-exact (the checks run in each thread).
 TEST_P(PrefixSharingTest, ConcurrentWorkersAgree) {
