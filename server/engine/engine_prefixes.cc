@@ -69,6 +69,20 @@ absl::StatusOr<CacheSnapshotPtr> Tail(const CacheSnapshotPtr& snapshot, uint64_t
   return std::move(halves.second);
 }
 
+// A snapshot of its own for a second registry entry: the layers (and so the
+// pages) are shared, but eviction moves only snapshots that one registry
+// entry alone holds (tiering.cc), so two entries must not share the object.
+CacheSnapshotPtr OwnCopy(const CacheSnapshotPtr& snapshot) {
+  return std::make_shared<CacheSnapshot>(*snapshot);
+}
+
+// Whether entry `newer` may take the place of entry `older` in the index:
+// never a pinned one, nor one that would outlive it.
+bool MayReplace(const SnapshotInfo& newer, const SnapshotInfo& older) {
+  if (older.pinned) return false;
+  return newer.pinned || older.expires_at <= newer.expires_at;
+}
+
 }  // namespace
 
 absl::StatusOr<CacheSnapshotPtr> Engine::PrefixContent(const CacheSnapshotPtr& source,
@@ -126,18 +140,38 @@ absl::StatusOr<PublishedPrefix> Engine::PublishPrefix(const std::string& name_sp
         metadata_.Charge(SnapshotMetadataBytes(*content, pool_.page_bytes(), options_.page_tokens) +
                              PrefixEntryMetadataBytes(tokens.size()),
                          "a prefix entry"));
-    ASSIGN_OR_RETURN(SnapshotInfo entry,
-                     snapshots_.Add(std::move(content), std::move(charge), /*pinned=*/false, ttl));
-    // Another publish of the same tokens may have landed meanwhile: one stays.
+    ASSIGN_OR_RETURN(SnapshotInfo entry, snapshots_.Add(OwnCopy(content), std::move(charge),
+                                                        /*pinned=*/false, ttl));
+    // Another publish of the same tokens may have landed meanwhile: one stays,
+    // never a pinned or longer-lived one's place taken.
     if (std::optional<std::string> replaced =
             prefixes_.Publish(scope, any_length, tokens, entry.snapshot_id, source->spec.model)) {
+      const std::optional<SnapshotInfo> other = snapshots_.Peek(*replaced);
+      if (other.has_value() && !MayReplace(entry, *other)) {
+        prefixes_.Publish(scope, any_length, tokens, *replaced, source->spec.model);
+        (void)snapshots_.Release(entry.snapshot_id);
+        return PublishedPrefix{.entry = *other,
+                               .tokens = tokens.size(),
+                               .shared_tokens = tokens.size(),
+                               .already_published = true};
+      }
       (void)snapshots_.Release(*replaced);
     }
+    // Released or expired between Add and Publish: the registry told the
+    // index before the index had it.
+    if (!snapshots_.Peek(entry.snapshot_id).has_value()) {
+      prefixes_.Forget(entry.snapshot_id);
+      return absl::UnavailableError("snapshot_id: the new prefix entry was released at once");
+    }
     // An earlier entry whose tokens all lead this one's answers nothing this
-    // one does not (any_length: it restores at every shorter length too).
+    // one does not (any_length: it restores at every shorter length too),
+    // unless it is pinned or outlives this one.
     if (any_length && earlier.has_value() && earlier->entry_tokens == earlier->matched_tokens &&
         earlier->entry_tokens < tokens.size()) {
-      (void)snapshots_.Release(earlier->snapshot_id);
+      const std::optional<SnapshotInfo> extended = snapshots_.Peek(earlier->snapshot_id);
+      if (extended.has_value() && MayReplace(entry, *extended)) {
+        (void)snapshots_.Release(earlier->snapshot_id);
+      }
     }
     return PublishedPrefix{.entry = std::move(entry),
                            .tokens = tokens.size(),
@@ -166,10 +200,11 @@ absl::StatusOr<PrefixLookup> Engine::LookupPrefix(const std::string& name_space,
       prefixes_.Forget(found->snapshot_id);
       continue;
     }
-    ASSIGN_OR_RETURN(MetadataCharge charge,
-                     metadata_.Charge(HandleMetadataBytes(), "a prefix lookup's handle"));
+    // Charged as a snapshot: the handle keeps the entry's tables alive after
+    // the entry itself goes.
+    ASSIGN_OR_RETURN(MetadataCharge charge, ChargeSnapshot(**entry));
     ASSIGN_OR_RETURN(SnapshotInfo handle,
-                     snapshots_.Add(*std::move(entry), std::move(charge), /*pinned=*/false, ttl));
+                     snapshots_.Add(OwnCopy(*entry), std::move(charge), /*pinned=*/false, ttl));
     return PrefixLookup{.handle = std::move(handle),
                         .matched_tokens = found->matched_tokens,
                         .prefix_tokens = found->entry_tokens};

@@ -281,6 +281,22 @@ TEST_P(PrefixSharingTest, AnEntryThatIsExtendedGivesWayToTheLongerOne) {
   EXPECT_EQ(engine_->ListPrefixes()[0].hits, 1u);
 }
 
+// ...but never a pinned entry, nor one that outlives the longer one: a pinned
+// system prompt stays when a chat that extends it is published for a minute.
+TEST_P(PrefixSharingTest, APinnedOrLongerLivedEntryStaysWhenExtended) {
+  const Tokens turns = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const engine::PublishedPrefix system = PrefillAndPublish(turns, 5);
+  ASSERT_TRUE(engine_->SetPinned(system.entry.snapshot_id, true).ok());
+  const std::string chat_snapshot = Prefill(turns);
+  auto chat = engine_->PublishPrefix("", chat_snapshot, turns, absl::Seconds(60));
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  ASSERT_TRUE(engine_->ReleaseSnapshot(chat_snapshot).ok());
+  EXPECT_EQ(engine_->ListPrefixes().size(), 2u);
+  ASSERT_TRUE(engine_->ReleaseSnapshot(chat->entry.snapshot_id).ok());
+  EXPECT_EQ(LookupAndRestore({1, 2, 3, 4, 5, 6}), 5u) << "the pinned prompt went with the chat";
+  ASSERT_TRUE(engine_->SetPinned(system.entry.snapshot_id, false).ok());
+}
+
 TEST_P(PrefixSharingTest, BadInputIsRefusedAndChangesNothing) {
   const Tokens tokens = {4, 5, 6, 7, 8, 9};
   const std::string snapshot = Prefill(tokens);
@@ -425,6 +441,9 @@ TEST_P(PrefixSharingTest, EntriesAreEvictedToHostMemoryAndComeBack) {
   Tokens prompt(40);  // 10 pages on each of 2 layers
   for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 70 + i;
   PrefillAndPublish(prompt, prompt.size());
+  // A worker's handle from a lookup does not keep the entry on the device.
+  auto handle = engine_->LookupPrefix("", spec_, prompt);
+  ASSERT_TRUE(handle.ok() && handle->handle.has_value());
   // A live cache that needs 24 of the 32 pages: some of the entry's must go.
   auto cache = engine_->CreateCache(spec_);
   ASSERT_TRUE(cache.ok());
