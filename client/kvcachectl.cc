@@ -91,9 +91,10 @@ void PrintCache(const kvcache::v1::CacheInfo& c) {
 }
 
 std::string PrefixTotals(const kvcache::v1::Stats& stats) {
-  return absl::StrFormat("%d entries, %d distinct tokens; %d lookups, %d hits, %d tokens matched",
-                         stats.prefix_entries(), stats.prefix_tokens(), stats.prefix_lookups(),
-                         stats.prefix_hits(), stats.prefix_matched_tokens());
+  return absl::StrFormat(
+      "%d entries, %d distinct tokens; %d lookups, %d hits, %d tokens matched; %d dropped for room",
+      stats.prefix_entries(), stats.prefix_tokens(), stats.prefix_lookups(), stats.prefix_hits(),
+      stats.prefix_matched_tokens(), stats.prefix_entries_dropped());
 }
 
 int Stats(kvcache::Client& client) {

@@ -225,10 +225,13 @@ absl::StatusOr<uint64_t> Engine::Trim(const std::string& cache_id, uint64_t n, C
 
 absl::StatusOr<SnapshotInfo> Engine::Snapshot(const std::string& cache_id, uint64_t from_offset,
                                               bool pinned, absl::Duration ttl) {
-  ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
-  ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot(cache_id, from_offset));
-  ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeSnapshot(*snapshot));
-  return snapshots_.Add(std::move(snapshot), std::move(metadata), pinned, ttl);
+  // No pages are taken, but the metadata budget may need prefix entries gone.
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<SnapshotInfo> {
+    ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
+    ASSIGN_OR_RETURN(CacheSnapshotPtr snapshot, cache->Snapshot(cache_id, from_offset));
+    ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeSnapshot(*snapshot));
+    return snapshots_.Add(std::move(snapshot), std::move(metadata), pinned, ttl);
+  });
 }
 
 absl::StatusOr<CacheInfo> Engine::Restore(const std::string& cache_id,
@@ -448,6 +451,7 @@ EngineStats Engine::Stats() const {
                     .metadata_bytes = metadata_.used(),
                     .max_metadata_bytes = metadata_.max_bytes(),
                     .prefixes = prefixes_.Stats()};
+  stats.prefixes.dropped = prefixes_dropped_.load(std::memory_order_relaxed);
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();
   return stats;

@@ -115,6 +115,7 @@ struct PrefixEntry {
   std::string model;
   uint64_t tokens = 0;
   uint64_t hits = 0;
+  bool extended = false;  // a longer entry of its layout starts with its tokens
 };
 
 // A snapshot made from a prompt-cache file, and what the file said.
@@ -309,6 +310,13 @@ class Engine {
   // an earlier entry this one extends is dropped (this one answers all its
   // lookups). A layout with a rotating, chunked or recurrent layer publishes
   // only a snapshot that ends where the tokens do (FAILED_PRECONDITION).
+  //
+  // Entries are the server's cache, not a caller's state: when the device
+  // and every tier below it are full, or the metadata budget is, unpinned
+  // entries are dropped, least recently used first and those nobody extends
+  // before those they lead to, so that a call gets room instead of
+  // RESOURCE_EXHAUSTED. A handle from a lookup holds its own snapshot, so
+  // dropping its entry never takes what a worker restores from.
   absl::StatusOr<PublishedPrefix> PublishPrefix(const std::string& name_space,
                                                 const std::string& snapshot_id,
                                                 absl::Span<const uint32_t> tokens,
@@ -321,6 +329,11 @@ class Engine {
                                             absl::Span<const uint32_t> tokens,
                                             absl::Duration ttl = absl::ZeroDuration());
   std::vector<PrefixEntry> ListPrefixes() const;
+  // Drops unpinned prefix entries, the least recently used leaves of the
+  // index first, until their pages' bytes (in every tier) reach `bytes`, at
+  // least one entry; returns how many went. What Tiering calls before
+  // refusing a call.
+  uint64_t DropLeastRecentPrefixes(uint64_t bytes);
 
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
@@ -409,7 +422,9 @@ class Engine {
   // Takes registered snapshots for calls that read their pages (Acquire),
   // and makes room on the device (RetryAfterEviction) for every call that
   // allocates pages: none holds another lock when it does.
-  const Tiering tiering_{pool_, snapshots_};
+  const Tiering tiering_{pool_, snapshots_,
+                         [this](uint64_t bytes) { return DropLeastRecentPrefixes(bytes); }};
+  std::atomic<uint64_t> prefixes_dropped_{0};
   // Lock order: a cache's mutex, then this one (never the other way round).
   mutable absl::Mutex speculations_mutex_;
   absl::flat_hash_map<std::string, SpeculationOwner> speculations_

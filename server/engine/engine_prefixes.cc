@@ -4,8 +4,11 @@
 // published, so the publisher may release its snapshot at once and the entry
 // lives on under its own lease, tiers and metadata charge. A lookup hands out
 // a second handle on the same snapshot: page references, no copy.
+#include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
@@ -189,27 +192,31 @@ absl::StatusOr<PrefixLookup> Engine::LookupPrefix(const std::string& name_space,
   if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
   if (ttl == absl::ZeroDuration()) ttl = kLookupHandleTtl;
   const std::string scope = ScopeKey(name_space, NormalizeSpec(spec));
-  // An entry may be released between the index's answer and the registry's;
-  // the index forgets it then, and the next walk finds the next best.
-  constexpr int kAttempts = 4;
-  for (int attempt = 0; attempt < kAttempts; ++attempt) {
-    const std::optional<PrefixFound> found = prefixes_.Lookup(scope, tokens);
-    if (!found.has_value()) return PrefixLookup{};
-    absl::StatusOr<CacheSnapshotPtr> entry = snapshots_.Get(found->snapshot_id);
-    if (!entry.ok()) {
-      prefixes_.Forget(found->snapshot_id);
-      continue;
+  // The handle's charge may need older entries dropped first.
+  return tiering_.RetryAfterEviction([&]() -> absl::StatusOr<PrefixLookup> {
+    // An entry may be released between the index's answer and the
+    // registry's; the index forgets it then, and the next walk finds the
+    // next best.
+    constexpr int kAttempts = 4;
+    for (int attempt = 0; attempt < kAttempts; ++attempt) {
+      const std::optional<PrefixFound> found = prefixes_.Lookup(scope, tokens);
+      if (!found.has_value()) return PrefixLookup{};
+      absl::StatusOr<CacheSnapshotPtr> entry = snapshots_.Get(found->snapshot_id);
+      if (!entry.ok()) {
+        prefixes_.Forget(found->snapshot_id);
+        continue;
+      }
+      // Charged as a snapshot: the handle keeps the entry's tables alive
+      // after the entry itself goes.
+      ASSIGN_OR_RETURN(MetadataCharge charge, ChargeSnapshot(**entry));
+      ASSIGN_OR_RETURN(SnapshotInfo handle,
+                       snapshots_.Add(OwnCopy(*entry), std::move(charge), /*pinned=*/false, ttl));
+      return PrefixLookup{.handle = std::move(handle),
+                          .matched_tokens = found->matched_tokens,
+                          .prefix_tokens = found->entry_tokens};
     }
-    // Charged as a snapshot: the handle keeps the entry's tables alive after
-    // the entry itself goes.
-    ASSIGN_OR_RETURN(MetadataCharge charge, ChargeSnapshot(**entry));
-    ASSIGN_OR_RETURN(SnapshotInfo handle,
-                     snapshots_.Add(OwnCopy(*entry), std::move(charge), /*pinned=*/false, ttl));
-    return PrefixLookup{.handle = std::move(handle),
-                        .matched_tokens = found->matched_tokens,
-                        .prefix_tokens = found->entry_tokens};
-  }
-  return PrefixLookup{};
+    return PrefixLookup{};
+  });
 }
 
 std::vector<PrefixEntry> Engine::ListPrefixes() const {
@@ -220,9 +227,47 @@ std::vector<PrefixEntry> Engine::ListPrefixes() const {
     entries.push_back(PrefixEntry{.snapshot = *std::move(snapshot),
                                   .model = published.model,
                                   .tokens = published.tokens,
-                                  .hits = published.hits});
+                                  .hits = published.hits,
+                                  .extended = published.extended});
   }
   return entries;
+}
+
+uint64_t Engine::DropLeastRecentPrefixes(uint64_t bytes) {
+  // A scan over entries: this runs only when a call would otherwise be
+  // refused, never on a lookup.
+  struct Candidate {
+    bool extended;
+    uint64_t last_use;
+    uint64_t page_bytes;  // its pages, wherever they are
+    std::string snapshot_id;
+  };
+  std::vector<Candidate> candidates;
+  for (PrefixEntry& entry : ListPrefixes()) {
+    if (entry.snapshot.pinned) continue;
+    candidates.push_back(Candidate{
+        .extended = entry.extended,
+        .last_use = entry.snapshot.last_use,
+        .page_bytes =
+            entry.snapshot.tiers.device + entry.snapshot.tiers.host + entry.snapshot.tiers.disk,
+        .snapshot_id = std::move(entry.snapshot.snapshot_id)});
+  }
+  // Leaves first: dropping an entry that others extend frees little (they
+  // share its pages) and loses the shorter match.
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.extended, a.last_use) < std::tie(b.extended, b.last_use);
+  });
+  uint64_t dropped = 0;
+  uint64_t dropped_bytes = 0;
+  for (const Candidate& candidate : candidates) {
+    if (dropped > 0 && dropped_bytes >= bytes) break;
+    // Released meanwhile, or pinned since: not this one.
+    if (!snapshots_.ReleaseUnpinned(candidate.snapshot_id)) continue;
+    ++dropped;
+    dropped_bytes += candidate.page_bytes;
+  }
+  prefixes_dropped_.fetch_add(dropped, std::memory_order_relaxed);
+  return dropped;
 }
 
 }  // namespace kvcache::engine

@@ -70,10 +70,10 @@ absl::StatusOr<MetadataCharge> MetadataBudget::Charge(uint64_t bytes, const char
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
     if (max_bytes_ != 0 && used + bytes > max_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "metadata_bytes: %s needs %d bytes of host memory for its tables and %d of %d are in "
-          "use; release caches or snapshots, or raise --metadata_bytes",
-          what, bytes, used, max_bytes_));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("%s: %s needs %d bytes of host memory for its tables and %d of %d are in "
+                          "use; release caches or snapshots, or raise --metadata_bytes",
+                          kMetadataBudgetName, what, bytes, used, max_bytes_));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return MetadataCharge(this, bytes);

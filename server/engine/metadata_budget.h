@@ -20,6 +20,9 @@
 
 namespace kvcache::engine {
 
+// The flag, and the first word of every refusal of this budget.
+inline constexpr char kMetadataBudgetName[] = "metadata_bytes";
+
 class MetadataBudget;
 
 // Bytes taken from a MetadataBudget, returned when this is destroyed.

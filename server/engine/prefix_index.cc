@@ -168,7 +168,8 @@ std::vector<PrefixEntryInfo> PrefixIndex::List() const {
       infos.push_back({.snapshot_id = id,
                        .model = entry->model,
                        .tokens = entry->tokens.size(),
-                       .hits = entry->hits.load(std::memory_order_relaxed)});
+                       .hits = entry->hits.load(std::memory_order_relaxed),
+                       .extended = scopes_.at(entry->scope).tree.Extended(entry->tokens)});
     }
   }
   std::sort(infos.begin(), infos.end(), [](const PrefixEntryInfo& a, const PrefixEntryInfo& b) {

@@ -54,6 +54,8 @@ struct PrefixEntryInfo {
   std::string model;
   uint64_t tokens = 0;
   uint64_t hits = 0;  // lookups this entry answered
+  // Another entry of its scope extends it (it is not a leaf of the tree).
+  bool extended = false;
 };
 
 struct PrefixStats {
@@ -62,6 +64,8 @@ struct PrefixStats {
   uint64_t lookups = 0;
   uint64_t hits = 0;            // lookups that matched at least one token
   uint64_t matched_tokens = 0;  // summed over hits
+  // Entries the engine dropped to make room (Engine::DropLeastRecentPrefixes).
+  uint64_t dropped = 0;
 };
 
 class PrefixIndex {

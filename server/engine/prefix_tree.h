@@ -118,6 +118,23 @@ class PrefixTree {
     return true;
   }
 
+  // Whether some value is published for a strict extension of `tokens`
+  // (the node where they end has children: every node below is covered).
+  bool Extended(absl::Span<const uint32_t> tokens) const {
+    const Node* node = root_.get();
+    size_t at = 0;
+    while (at < tokens.size()) {
+      auto child = node->children.find(tokens[at]);
+      if (child == node->children.end()) return false;
+      node = child->second.get();
+      const size_t common = CommonLength(node->edge, tokens.subspan(at));
+      at += common;
+      // Ending inside an edge: the node below extends them.
+      if (common < node->edge.size()) return at == tokens.size();
+    }
+    return !node->children.empty();
+  }
+
   size_t values() const { return values_; }
   size_t nodes() const { return nodes_; }
   // Tokens stored on edges: the tree's memory is about 4 bytes each plus a

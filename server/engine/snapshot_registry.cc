@@ -45,7 +45,8 @@ SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
       .tiers = entry.snapshot->Tiers(),
       .pinned = entry.pinned,
       .ttl = entry.lease.ttl(),
-      .expires_at = entry.pinned ? absl::InfiniteFuture() : entry.lease.expires_at()};
+      .expires_at = entry.pinned ? absl::InfiniteFuture() : entry.lease.expires_at(),
+      .last_use = entry.last_use};
 }
 
 namespace {
@@ -153,6 +154,15 @@ absl::Status SnapshotRegistry::Release(const std::string& snapshot_id) {
   if (it == entries_.end()) return UnknownSnapshot(snapshot_id);  // expired: the reaper's
   Erase(it, dropped);
   return absl::OkStatus();
+}
+
+bool SnapshotRegistry::ReleaseUnpinned(const std::string& snapshot_id) {
+  Dropped dropped(options_);
+  absl::MutexLock lock(&mutex_);
+  auto it = FindLive(snapshot_id, clock_.Now());
+  if (it == entries_.end() || it->second.pinned) return false;
+  Erase(it, dropped);
+  return true;
 }
 
 absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(

@@ -33,6 +33,7 @@ struct SnapshotInfo {
   bool pinned = false;
   absl::Duration ttl;                              // zero: no lease
   absl::Time expires_at = absl::InfiniteFuture();  // never while pinned or without a lease
+  uint64_t last_use = 0;  // when a call last named it: a counter, higher is later
 };
 
 // A handle's lease as a renewal left it.
@@ -68,6 +69,8 @@ class SnapshotRegistry {
   // The snapshot, its lease renewed.
   absl::StatusOr<CacheSnapshotPtr> Get(const std::string& snapshot_id) const;
   absl::Status Release(const std::string& snapshot_id);
+  // Release, unless it is pinned (checked under the same lock); whether it went.
+  bool ReleaseUnpinned(const std::string& snapshot_id);
   // The live entry's info, its lease left as it is (listing is not use).
   std::optional<SnapshotInfo> Peek(const std::string& snapshot_id) const;
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no

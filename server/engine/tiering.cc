@@ -39,10 +39,11 @@ constexpr uint32_t kEvictionBatchDivisor = 32;
 
 }  // namespace
 
-Tiering::Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots)
+Tiering::Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached)
     : pool_(pool),
       snapshots_(snapshots),
-      enabled_(pool.stats().max_host_pages + pool.stats().max_disk_pages > 0) {}
+      enabled_(pool.stats().max_host_pages + pool.stats().max_disk_pages > 0),
+      drop_cached_(std::move(drop_cached)) {}
 
 absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id) const {
   CacheSnapshotPtr snapshot;
@@ -52,9 +53,28 @@ absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id
     if (Resident(*snapshot)) return snapshot;
   }
   // Held now: eviction passes over it while the lock is exchanged.
-  absl::MutexLock lock(&mutex_);
-  RETURN_IF_ERROR(PromoteLocked(*snapshot));
-  return snapshot;
+  for (int round = 0;; ++round) {
+    absl::Status promoted;
+    {
+      absl::MutexLock lock(&mutex_);
+      promoted = PromoteLocked(*snapshot);
+    }
+    if (promoted.ok()) return snapshot;
+    // Cached entries are dropped outside the lock: releasing takes others.
+    if (promoted.code() != absl::StatusCode::kResourceExhausted ||
+        round + 1 == kMaxEvictionRounds || !drop_cached_ ||
+        drop_cached_(snapshot->Tiers().host + snapshot->Tiers().disk) == 0) {
+      return promoted;
+    }
+  }
+}
+
+bool Tiering::Relievable(const absl::Status& status, uint64_t refused) const {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return false;
+  if (absl::StrContains(status.message(), gpu::kPoolExhausted)) {
+    return pool_.refused_allocations() != refused;  // this call's, not an old message
+  }
+  return absl::StartsWith(status.message(), kMetadataBudgetName);
 }
 
 bool Tiering::Resident(const CacheSnapshot& snapshot) const {

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -35,9 +36,15 @@
 
 namespace kvcache::engine {
 
+// What the engine keeps only as a cache of its own (published prefixes):
+// dropped, least recently used first, when nothing more can leave the device
+// or the metadata budget is full. Drops entries worth about `bytes` (at least
+// one) and returns how many went; 0 when none can.
+using DropCached = std::function<uint64_t(uint64_t bytes)>;
+
 class Tiering {
  public:
-  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots);
+  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached);
 
   // Whether the pool has a lower tier; without one nothing ever moves.
   bool enabled() const { return enabled_; }
@@ -47,7 +54,9 @@ class Tiering {
   absl::StatusOr<CacheSnapshotPtr> Acquire(const std::string& snapshot_id) const;
   // Runs `op`; when it fails because the pool had too few pages, evicts and
   // runs it again (a failed call changes nothing), until it succeeds, fails
-  // otherwise, or nothing more can leave the device.
+  // otherwise, or nothing more can leave the device. Then, and when the
+  // metadata budget refused it, drops cached entries (DropCached) and tries
+  // again while any go.
   template <typename Op>
   auto RetryAfterEviction(Op op) const -> decltype(op());
   // Evicts up to `pages` pages (at least a batch, to spread the cost of
@@ -64,6 +73,10 @@ class Tiering {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // All its pages on the device (remembered per eviction epoch).
   bool Resident(const CacheSnapshot& snapshot) const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  // Whether `status` is the refusal of a budget that dropping cached entries
+  // can relieve: the pool's (since `refused`, its count before the call) or
+  // the metadata budget's.
+  bool Relievable(const absl::Status& status, uint64_t refused) const;
   // The pool's refusal, as the caller sees it once eviction cannot help.
   static absl::Status NothingToEvict(const absl::Status& refused);
   static const absl::Status& StatusOf(const absl::Status& status) { return status; }
@@ -75,6 +88,7 @@ class Tiering {
   gpu::PagePool& pool_;
   const SnapshotRegistry& snapshots_;
   const bool enabled_;
+  const DropCached drop_cached_;
   mutable absl::Mutex mutex_;
 };
 
@@ -83,16 +97,21 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
   for (int round = 0;; ++round) {
     const uint64_t refused = pool_.refused_allocations();
     auto result = op();
-    if (result.ok() || !enabled()) return result;
+    if (result.ok()) return result;
     const absl::Status status = StatusOf(result);
-    if (status.code() != absl::StatusCode::kResourceExhausted ||
-        pool_.refused_allocations() == refused ||
-        !absl::StrContains(status.message(), gpu::kPoolExhausted)) {
-      return result;  // not the pool's refusal (another budget's, or no pool refusal since)
+    if (!Relievable(status, refused)) return result;
+    const bool pool_refused = absl::StrContains(status.message(), gpu::kPoolExhausted);
+    const uint32_t shortfall = pool_refused ? pool_.last_shortfall() : 0;
+    if (round + 1 == kMaxEvictionRounds) return pool_refused ? NothingToEvict(status) : result;
+    if (pool_refused && enabled()) {
+      absl::StatusOr<uint32_t> moved = Evict(shortfall);
+      if (!moved.ok()) return moved.status();
+      if (*moved > 0) continue;
     }
-    absl::StatusOr<uint32_t> moved = Evict(pool_.last_shortfall());
-    if (!moved.ok()) return moved.status();
-    if (*moved == 0 || round + 1 == kMaxEvictionRounds) return NothingToEvict(status);
+    // Nothing more can leave the device (or the budget is not the pool's):
+    // what the engine keeps only as a cache goes before a caller is refused.
+    if (drop_cached_ && drop_cached_(uint64_t{shortfall} * pool_.page_bytes()) > 0) continue;
+    return pool_refused && enabled() ? NothingToEvict(status) : result;
   }
 }
 

@@ -300,6 +300,7 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_prefix_lookups(stats.prefixes.lookups);
   response->set_prefix_hits(stats.prefixes.hits);
   response->set_prefix_matched_tokens(stats.prefixes.matched_tokens);
+  response->set_prefix_entries_dropped(stats.prefixes.dropped);
   return absl::OkStatus();
 }
 

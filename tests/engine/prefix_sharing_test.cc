@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
@@ -132,6 +133,34 @@ class PrefixSharingTest : public GpuTestBase {
     EXPECT_TRUE(published.ok()) << published.status();
     EXPECT_TRUE(engine_->ReleaseSnapshot(snapshot).ok());
     return published.ok() ? *published : engine::PublishedPrefix{};
+  }
+
+  // A pool of these options under a fresh engine.
+  void UsePool(gpu::PoolOptions options) {
+    engine_.reset();
+    auto pool = gpu::PagePool::Create(device(), options);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = *std::move(pool);
+    StartEngine(Spec());
+  }
+
+  // A fresh cache restored from `handle` holds exactly `tokens`' K/V.
+  void ExpectRestores(const std::string& handle, const Tokens& tokens) {
+    auto cache = engine_->CreateCache(spec_);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    auto restored = engine_->Restore(cache->cache_id, handle, tokens.size());
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    auto view = engine_->Freeze(cache->cache_id, "");
+    ASSERT_TRUE(view.ok()) << view.status();
+    const std::vector<uint64_t> hashes = PrefixHashes(tokens);
+    for (uint32_t layer = 0; layer < spec_.layers.size(); ++layer) {
+      auto fetched = FetchLayer(**view, layer, kEverything);
+      ASSERT_TRUE(fetched.ok()) << fetched.status();
+      EXPECT_TRUE(SameTokens(ExpectedTokens(hashes, layer, tokens.size()), *fetched))
+          << "layer " << layer;
+    }
+    view->reset();
+    EXPECT_TRUE(engine_->DeleteCache(cache->cache_id).ok());
   }
 
   // A worker that finds `query`'s prefix: a fresh cache restored from the
@@ -431,13 +460,9 @@ TEST_P(PrefixSharingTest, EntriesAndHandlesExpireUnlessUsed) {
 // move to host memory; a lookup and restore brings them back, bytes intact.
 TEST_P(PrefixSharingTest, EntriesAreEvictedToHostMemoryAndComeBack) {
   constexpr uint32_t kDevicePages = 32;
-  auto pool = gpu::PagePool::Create(device(), gpu::PoolOptions{.page_bytes = kPageBytes,
-                                                               .budget_bytes = kDevicePages * kPageBytes,
-                                                               .host_bytes = 64 * kPageBytes});
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  engine_.reset();
-  pool_ = *std::move(pool);
-  StartEngine(Spec());
+  UsePool(gpu::PoolOptions{.page_bytes = kPageBytes,
+                           .budget_bytes = kDevicePages * kPageBytes,
+                           .host_bytes = 64 * kPageBytes});
   Tokens prompt(40);  // 10 pages on each of 2 layers
   for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 70 + i;
   PrefillAndPublish(prompt, prompt.size());
@@ -462,6 +487,119 @@ TEST_P(PrefixSharingTest, EntriesAreEvictedToHostMemoryAndComeBack) {
   EXPECT_EQ(engine_->ListPrefixes()[0].snapshot.tiers.host, 0u) << "restored from the device";
   ReleaseEverything(*engine_);
   EXPECT_EQ(pool_->stats().host_pages, 0u);
+}
+
+// `length` consecutive token ids from `first` (16: 4 pages on each of 2 layers).
+Tokens Prompt(uint32_t first, uint32_t length = 16) {
+  Tokens tokens(length);
+  for (uint32_t i = 0; i < length; ++i) tokens[i] = first + i;
+  return tokens;
+}
+
+// A live cache holding the K/V of Prompt(first, tokens).
+absl::StatusOr<std::string> LiveCache(Engine& engine, const engine::CacheSpec& spec, uint32_t first,
+                                      uint64_t tokens) {
+  ASSIGN_OR_RETURN(engine::CacheInfo cache, engine.CreateCache(spec));
+  const std::vector<uint64_t> hashes = PrefixHashes(Prompt(first, tokens));
+  for (uint32_t layer = 0; layer < spec.layers.size(); ++layer) {
+    RETURN_IF_ERROR(
+        engine.Update(cache.cache_id, layer, WorkerKv(hashes, layer, 0, tokens).input()).status());
+  }
+  return cache.cache_id;
+}
+
+// Entries are the server's cache: a full device drops the least recently
+// used unpinned ones to serve a live cache, never a pinned one, and refuses
+// only when nothing else can go.
+TEST_P(PrefixSharingTest, AFullDeviceDropsTheLeastRecentlyUsedEntries) {
+  UsePool(gpu::PoolOptions{.page_bytes = kPageBytes, .budget_bytes = 32 * kPageBytes});
+  const Tokens a = Prompt(100), b = Prompt(200), c = Prompt(300), d = Prompt(400);
+  for (const Tokens* prompt : {&a, &b, &c}) PrefillAndPublish(*prompt, prompt->size());
+  const std::string pinned = PrefillAndPublish(d, d.size()).entry.snapshot_id;
+  ASSERT_EQ(pool_->stats().used_pages, 32u) << "four entries fill the device";
+  ASSERT_TRUE(engine_->SetPinned(pinned, true).ok());
+  EXPECT_EQ(LookupAndRestore(a), a.size());  // a is now the most recent; b the least
+
+  auto first = LiveCache(*engine_, spec_, 900, 16);  // 8 pages: b's entry goes
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 1u);
+  EXPECT_EQ(LookupAndRestore(b, /*alone=*/false), 0u) << "b was the least recently used";
+  auto second = LiveCache(*engine_, spec_, 950, 32);  // 16 pages: c, then a
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 3u);
+  ASSERT_EQ(engine_->ListPrefixes().size(), 1u);
+  EXPECT_EQ(engine_->ListPrefixes()[0].snapshot.snapshot_id, pinned);
+
+  // Only the pinned entry is left: refused, naming the pool, and it stays.
+  auto third = LiveCache(*engine_, spec_, 990, 4);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr(gpu::kPoolExhausted));
+  EXPECT_EQ(engine_->ListPrefixes().size(), 1u);
+  ASSERT_TRUE(engine_->SetPinned(pinned, false).ok());
+}
+
+// A worker's handle holds its own snapshot: the entry it came from may be
+// dropped, and the handle still restores every byte.
+TEST_P(PrefixSharingTest, AHandleOutlivesItsDroppedEntry) {
+  UsePool(gpu::PoolOptions{.page_bytes = kPageBytes, .budget_bytes = 32 * kPageBytes});
+  const Tokens a = Prompt(100);
+  PrefillAndPublish(a, a.size());
+  auto handle = engine_->LookupPrefix("", spec_, a);
+  ASSERT_TRUE(handle.ok() && handle->handle.has_value());
+  for (uint32_t first : {200, 300, 400}) {
+    const Tokens prompt = Prompt(first);
+    PrefillAndPublish(prompt, prompt.size());
+    EXPECT_EQ(LookupAndRestore(prompt), prompt.size());
+  }
+  // a's entry is the least recent, but its pages are the handle's too:
+  // dropping it frees nothing, so the next entry goes as well.
+  auto cache = LiveCache(*engine_, spec_, 900, 16);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 2u);
+  EXPECT_EQ(engine_->ListPrefixes().size(), 2u);
+  ASSERT_TRUE(engine_->DeleteCache(*cache).ok());
+  ExpectRestores(handle->handle->snapshot_id, a);
+}
+
+// With tiers, entries first move down; only when host memory (and disk) are
+// full too does the least recently used one go.
+TEST_P(PrefixSharingTest, EntriesAreDroppedOnlyWhenEveryTierIsFull) {
+  UsePool(gpu::PoolOptions{
+      .page_bytes = kPageBytes, .budget_bytes = 16 * kPageBytes, .host_bytes = 16 * kPageBytes});
+  std::vector<Tokens> prompts;
+  for (uint32_t first : {100, 200, 300, 400}) {
+    prompts.push_back(Prompt(first));
+    PrefillAndPublish(prompts.back(), prompts.back().size());
+  }
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 0u) << "32 pages fit device and host";
+  EXPECT_EQ(pool_->stats().host_pages, 16u);
+  auto cache = LiveCache(*engine_, spec_, 900, 16);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 1u);
+  ASSERT_TRUE(engine_->DeleteCache(*cache).ok());
+  EXPECT_EQ(LookupAndRestore(prompts[0], /*alone=*/false), 0u) << "the oldest went";
+  for (size_t i = 1; i < prompts.size(); ++i) {
+    EXPECT_EQ(LookupAndRestore(prompts[i], /*alone=*/false), prompts[i].size());
+  }
+}
+
+// A fleet that publishes for ever is never refused for the metadata budget:
+// the oldest entries make room, the newest answer.
+TEST_P(PrefixSharingTest, PublishingForEverStaysWithinTheMetadataBudget) {
+  const uint64_t base = engine_->Stats().metadata_bytes;
+  PrefillAndPublish(Prompt(10), 16);
+  const uint64_t per_entry = engine_->Stats().metadata_bytes - base;
+  ReleaseEverything(*engine_);
+  engine_.reset();
+  engine_ = std::make_unique<Engine>(
+      *pool_,
+      engine::EngineOptions{.page_tokens = kPageTokens, .metadata_bytes = base + 8 * per_entry});
+  for (uint32_t i = 0; i < 40; ++i) PrefillAndPublish(Prompt(1000 * (i + 1)), 16);
+  const engine::EngineStats stats = engine_->Stats();
+  EXPECT_LE(stats.metadata_bytes, stats.max_metadata_bytes);
+  EXPECT_GT(stats.prefixes.dropped, 0u);
+  EXPECT_EQ(stats.prefixes.entries + stats.prefixes.dropped, 40u);
+  EXPECT_EQ(LookupAndRestore(Prompt(40000), /*alone=*/false), 16u) << "the newest stays";
 }
 
 // Workers publishing and looking up the same prefixes at once: every restore

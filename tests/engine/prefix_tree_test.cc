@@ -3,6 +3,7 @@
 // a small alphabet, so that prefixes share, split and merge all the time.
 #include "engine/prefix_tree.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -170,8 +171,17 @@ TEST(PrefixTreeTest, RandomOperationsMatchTheReference) {
         ASSERT_FALSE(tree.Erase(tokens, entry->second + 100000));
         ASSERT_TRUE(tree.Erase(tokens, entry->second));
         reference.Erase(tokens);
-      } else {
+      } else if (op < 9) {
         ExpectLookupMatches(tree, reference, RandomTokens(random, 12));
+      } else {
+        // Extended: some published sequence is strictly longer and starts with these.
+        const Tokens tokens = RandomTokens(random, 10);
+        const bool extended = std::any_of(
+            reference.published().begin(), reference.published().end(), [&](const auto& entry) {
+              return entry.first.size() > tokens.size() &&
+                     std::equal(tokens.begin(), tokens.end(), entry.first.begin());
+            });
+        ASSERT_EQ(tree.Extended(tokens), extended) << "step " << step;
       }
       ASSERT_EQ(tree.values(), reference.published().size());
       ASSERT_EQ(tree.CheckInvariants(), "") << "step " << step;
