@@ -128,6 +128,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen: cannot listen on ", config.listen));
   }
+  // The standard health service answers for "" (the whole server) by
+  // default; orchestrators and grpc_health_probe ask by service name too.
+  server->server_->GetHealthCheckService()->SetServingStatus(
+      v1::KvCacheService::service_full_name(), true);
   LogInfo("listening on %s", server->address());
   if (server->data_lane_) {
     server->data_lane_->Serve(*server->handlers_);
@@ -151,6 +155,9 @@ std::string KvCacheServer::data_lane_address() const {
 }
 
 void KvCacheServer::Shutdown(absl::Duration grace) {
+  // NOT_SERVING to health checks and watchers first: a load balancer stops
+  // sending new work while the calls in flight drain.
+  server_->GetHealthCheckService()->SetServingStatus(false);
   const absl::Time deadline = absl::Now() + grace;
   server_->Shutdown(absl::ToChronoTime(deadline));
   if (data_lane_) data_lane_->Shutdown(std::max(deadline - absl::Now(), absl::ZeroDuration()));

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/batch_ops.h"
 #include "engine/engine_locked_cache.h"
@@ -384,7 +385,7 @@ absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> c
     const auto it = caches_.find(cache_ids[i]);
     if (it == caches_.end() || it->second->lease.ExpiredAt(now)) {
       return absl::NotFoundError(
-          absl::StrCat("cache_ids[", i, "]: no cache \"", cache_ids[i], "\""));
+          absl::StrCat("cache_ids[", i, "]: no cache ", Quoted(cache_ids[i])));
     }
   }
   RenewedLeases renewed;

@@ -3,6 +3,7 @@
 // handed to the caller as bytes.
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine/mlx_state.h"
@@ -97,7 +98,7 @@ absl::StatusOr<LoadedSnapshot> Engine::LoadSnapshot(const std::string& name, boo
       ImportSnapshot(decoded.file, decoded.checksum_verified, pinned, ttl);
   if (!loaded.ok()) {
     return absl::Status(loaded.status().code(),
-                        absl::StrCat("name \"", name, "\": ", loaded.status().message()));
+                        absl::StrCat("name ", Quoted(name), ": ", loaded.status().message()));
   }
   return loaded;
 }

@@ -16,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine/speculation.h"
@@ -23,7 +24,7 @@
 namespace kvcache::engine {
 
 inline absl::Status UnknownCache(const std::string& cache_id) {
-  return absl::NotFoundError(absl::StrCat("cache_id: no cache \"", cache_id, "\""));
+  return absl::NotFoundError(absl::StrCat("cache_id: no cache ", Quoted(cache_id)));
 }
 
 class ABSL_SCOPED_LOCKABLE Engine::LockedCache {
@@ -53,7 +54,7 @@ class ABSL_SCOPED_LOCKABLE Engine::LockedCache {
       if (!opened.empty() && opened.back().first == ids[i]) continue;
       absl::StatusOr<LockedCache> cache = Open(engine, ids[i]);
       if (!cache.ok()) {
-        return absl::NotFoundError(absl::StrCat(fields[i], ": no cache \"", ids[i], "\""));
+        return absl::NotFoundError(absl::StrCat(fields[i], ": no cache ", Quoted(ids[i])));
       }
       opened.emplace_back(ids[i], *std::move(cache));
     }

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
 #include "engine/engine_locked_cache.h"
@@ -14,7 +15,7 @@ namespace {
 
 absl::Status UnknownSpeculation(const std::string& speculation_id) {
   return absl::NotFoundError(
-      absl::StrCat("speculation_id: no open speculation \"", speculation_id, "\""));
+      absl::StrCat("speculation_id: no open speculation ", Quoted(speculation_id)));
 }
 
 }  // namespace

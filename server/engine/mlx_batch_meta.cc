@@ -2,6 +2,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 
 namespace kvcache::engine {
@@ -9,7 +10,7 @@ namespace {
 
 absl::Status Malformed(size_t index, absl::string_view text, absl::string_view want) {
   return absl::InvalidArgumentError(
-      absl::StrCat("meta_state[", index, "]: \"", text, "\" is not ", want));
+      absl::StrCat("meta_state[", index, "]: ", Quoted(text), " is not ", want));
 }
 
 // Unsigned decimal digits only (absl::SimpleAtoi would also take signs and
@@ -34,7 +35,7 @@ std::vector<std::string> BatchRotatingMetaState(const BatchRotatingMeta& meta) {
 absl::StatusOr<bool> ParsePythonBool(absl::string_view text) {
   if (text == "True") return true;
   if (text == "False") return false;
-  return absl::InvalidArgumentError(absl::StrCat("\"", text, "\" is not True or False"));
+  return absl::InvalidArgumentError(absl::StrCat(Quoted(text), " is not True or False"));
 }
 
 absl::StatusOr<BatchRotatingMeta> ParseBatchRotatingMetaState(

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/mlx_file_util.h"
 
@@ -42,11 +43,11 @@ std::optional<uint64_t> ParseDecimal(absl::string_view text) {
 }
 
 absl::Status BadTensor(const std::string& key, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tensor \"", key, "\": ", why));
+  return absl::InvalidArgumentError(absl::StrCat("tensor ", Quoted(key), ": ", why));
 }
 
 absl::Status BadMeta(const std::string& key, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("metadata \"", key, "\": ", why));
+  return absl::InvalidArgumentError(absl::StrCat("metadata ", Quoted(key), ": ", why));
 }
 
 absl::StatusOr<const FileTensor*> FileReader::Tensor(const std::string& key, size_t rank) {
@@ -81,7 +82,7 @@ absl::StatusOr<uint64_t> FileReader::MetaNumber(const std::string& key, uint64_t
   ASSIGN_OR_RETURN(const std::string text, Meta(key));
   const std::optional<uint64_t> value = ParseDecimal(text);
   if (!value.has_value()) {
-    return BadMeta(key, absl::StrCat("\"", text, "\" is not a non-negative decimal"));
+    return BadMeta(key, absl::StrCat(Quoted(text), " is not a non-negative decimal"));
   }
   if (*value > max) return BadMeta(key, absl::StrFormat("%d is above %d", *value, max));
   return *value;
@@ -93,8 +94,8 @@ absl::Status FileReader::NoMeta(uint32_t layer, const std::string& mlx_class) {
   if (it != file_.metadata.end()) {
     read_meta_.insert(key);
     if (!it->second.empty()) {
-      return BadMeta(
-          key, absl::StrCat(mlx_class, " has no meta_state, but it holds \"", it->second, "\""));
+      return BadMeta(key, absl::StrCat(mlx_class, " has no meta_state, but it holds ",
+                                       Quoted(it->second), ""));
     }
   }
   return absl::OkStatus();  // any "0.<layer>.*" is refused by CheckAllRead

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/mlx_batch_meta.h"
 #include "engine/mlx_file_util.h"
@@ -384,7 +385,7 @@ absl::StatusOr<ParsedLayer> ParseLayer(FileReader& reader, uint32_t layer,
     return absl::FailedPreconditionError(absl::StrFormat(
         "metadata \"%s\": loading a %s layer is not supported", Key(2, layer), name));
   } else {
-    return BadMeta(Key(2, layer), absl::StrCat("unknown cache class \"", name, "\""));
+    return BadMeta(Key(2, layer), absl::StrCat("unknown cache class ", Quoted(name), ""));
   }
   return out;
 }

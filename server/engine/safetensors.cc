@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/file_checksum.h"
 #include "engine/fresh_memory.h"
@@ -26,11 +27,11 @@ absl::Status CheckTensorForEncoding(const std::string& name, const FileTensor& t
   for (uint64_t extent : tensor.shape) {
     if (extent == 0 || __builtin_mul_overflow(bytes, extent, &bytes)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor \"", name, "\" shape has no elements or is too large"));
+          absl::StrCat("tensor ", Quoted(name), " shape has no elements or is too large"));
     }
   }
   if (bytes != tensor.data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\" data holds ",
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", Quoted(name), " data holds ",
                                                    tensor.data.size(), " bytes, its shape × ",
                                                    FileDTypeName(tensor.dtype), " needs ", bytes));
   }

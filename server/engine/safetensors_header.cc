@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -96,7 +97,7 @@ absl::StatusOr<Json> ParseWithoutDuplicates(absl::string_view text) {
   }
   if (!duplicate.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("safetensors header has the key \"", duplicate, "\" twice"));
+        absl::StrCat("safetensors header has the key ", Quoted(duplicate), " twice"));
   }
   return parsed;
 }
@@ -128,7 +129,7 @@ absl::StatusOr<uint64_t> ShapeBytes(const std::vector<uint64_t>& shape, FileDTyp
 }
 
 absl::StatusOr<TensorEntry> ParseTensorEntry(const std::string& name, const Json& value) {
-  const std::string what = absl::StrCat("tensor \"", name, "\"");
+  const std::string what = absl::StrCat("tensor ", Quoted(name), "");
   if (!value.is_object() || value.size() != 3 || !value.contains("dtype") ||
       !value.contains("shape") || !value.contains("data_offsets")) {
     return absl::InvalidArgumentError(
@@ -167,8 +168,8 @@ absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const Json& val
   std::map<std::string, std::string> metadata;
   for (const auto& [key, entry] : value.items()) {
     if (!entry.is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors __metadata__ \"", key, "\" is ",
-                                                     entry.dump(), ", not a string"));
+      return absl::InvalidArgumentError(absl::StrCat("safetensors __metadata__ ", Quoted(key),
+                                                     " is ", entry.dump(), ", not a string"));
     }
     metadata.emplace(key, entry.get<std::string>());
   }
@@ -251,7 +252,7 @@ absl::Status CheckDataLayout(const std::vector<TensorEntry>& tensors, uint64_t d
   for (const TensorEntry* entry : by_offset) {
     if (entry->begin != covered) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "safetensors tensor \"", entry->name, "\" data_offsets begin at ", entry->begin,
+          "safetensors tensor ", Quoted(entry->name), " data_offsets begin at ", entry->begin,
           entry->begin < covered ? ", overlapping" : ", leaving a gap after", " byte ", covered));
     }
     covered = entry->end;

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/client_text.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "engine/atomic_file.h"
@@ -49,7 +50,7 @@ absl::Status ValidateSavedFileName(absl::string_view name) {
     }
   }
   if (name.front() == '.') {
-    return absl::InvalidArgumentError(absl::StrCat("name \"", name, "\" starts with '.'"));
+    return absl::InvalidArgumentError(absl::StrCat("name ", Quoted(name), " starts with '.'"));
   }
   return absl::OkStatus();
 }
@@ -132,9 +133,8 @@ absl::StatusOr<SavedFileInfo> SavedFileStore::WriteBytes(absl::string_view name,
   RETURN_IF_ERROR(ValidateSavedFileName(name));
   absl::StatusOr<bool> verified = VerifySafetensors(bytes);
   if (!verified.ok()) {
-    return absl::Status(
-        verified.status().code(),
-        absl::StrCat("bytes for name \"", name, "\": ", verified.status().message()));
+    return absl::Status(verified.status().code(), absl::StrCat("bytes for name ", Quoted(name),
+                                                               ": ", verified.status().message()));
   }
   const iovec piece{const_cast<char*>(bytes.data()), bytes.size()};
   return Commit(name, {&piece, 1}, bytes.size());
@@ -152,8 +152,8 @@ absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) 
   const absl::string_view bytes = mapped->bytes();
   absl::StatusOr<DecodedSafetensors> decoded = DecodeSafetensorsInPlace(bytes, std::move(mapped));
   if (!decoded.ok()) {
-    return absl::Status(decoded.status().code(),
-                        absl::StrCat("saved file \"", name, "\": ", decoded.status().message()));
+    return absl::Status(decoded.status().code(), absl::StrCat("saved file ", Quoted(name), ": ",
+                                                              decoded.status().message()));
   }
   return decoded;
 }
@@ -163,7 +163,7 @@ absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) 
 template <typename Contents, typename Reader>
 absl::StatusOr<Contents> SavedFileStore::OpenExisting(absl::string_view name, Reader read) const {
   const absl::Status not_found =
-      absl::NotFoundError(absl::StrCat("no saved file named \"", name, "\""));
+      absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
   {
     absl::MutexLock lock(&mu_);
     if (!files_.contains(name)) return not_found;
@@ -197,7 +197,7 @@ absl::Status SavedFileStore::Delete(absl::string_view name) {
   {
     absl::MutexLock lock(&mu_);
     if (!files_.contains(name)) {
-      return absl::NotFoundError(absl::StrCat("no saved file named \"", name, "\""));
+      return absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
     }
   }
   const std::string path = PathOf(name);
@@ -264,7 +264,7 @@ absl::StatusOr<uint64_t> SavedFileStore::ReserveBytes(absl::string_view name, ui
   const uint64_t growth = size_bytes > old_bytes ? size_bytes - old_bytes : 0;
   if (!budget_.TryCharge(growth)) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("saving ", size_bytes, " bytes as \"", name, "\" would pass disk_bytes ",
+        absl::StrCat("saving ", size_bytes, " bytes as ", Quoted(name), " would pass disk_bytes ",
                      budget_.max_bytes(), " (", used_bytes_, " bytes in saved files, ",
                      reserved_bytes_, " being written, ",
                      budget_.used() - used_bytes_ - reserved_bytes_, " holding evicted pages)"));

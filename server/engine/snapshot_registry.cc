@@ -8,6 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 
 namespace kvcache::engine {
@@ -52,7 +53,7 @@ SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
 namespace {
 
 absl::Status UnknownSnapshot(const std::string& id, const std::string& field = "snapshot_id") {
-  return absl::NotFoundError(absl::StrCat(field, ": no snapshot \"", id, "\""));
+  return absl::NotFoundError(absl::StrCat(field, ": no snapshot ", Quoted(id)));
 }
 
 }  // namespace

@@ -73,6 +73,7 @@ absl::StatusOr<std::string> Handlers::ExportFile(const v1::ExportSnapshotRequest
   if (request.name().empty() == request.snapshot_id().empty()) {
     return absl::InvalidArgumentError("name, snapshot_id: exactly one must be set");
   }
+  RETURN_IF_ERROR(CheckIdLength("snapshot_id", request.snapshot_id()));
   if (!request.name().empty()) {
     if (!request.metadata().empty()) {
       return absl::InvalidArgumentError("metadata: only with snapshot_id (a saved file has its own)");

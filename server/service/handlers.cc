@@ -47,6 +47,7 @@ absl::Status Handlers::Update(const UpdateView& request, KnownSpec* known,
   // Not copied unless the speculation names it (no allocation per message).
   const std::string* cache_id = &request.cache_id;
   engine::SpeculationInfo speculation;
+  RETURN_IF_ERROR(CheckIdLength("speculation_id", request.speculation_id));
   if (!request.speculation_id.empty()) {
     // The speculation first: an unknown one, or one named with another
     // cache_id, is NOT_FOUND naming speculation_id, never a mismatch with
@@ -140,6 +141,9 @@ absl::StatusOr<FetchPlan> Handlers::PlanFetch(const v1::FetchRequest& request) {
       request.speculation_id().empty()) {
     return absl::InvalidArgumentError("cache_id: set cache_id, snapshot_id or speculation_id");
   }
+  RETURN_IF_ERROR(CheckIdLength("cache_id", request.cache_id()));
+  RETURN_IF_ERROR(CheckIdLength("snapshot_id", request.snapshot_id()));
+  RETURN_IF_ERROR(CheckIdLength("speculation_id", request.speculation_id()));
   const uint64_t end = request.has_end() ? request.end() : UINT64_MAX;
   if (end < request.start()) {
     return absl::InvalidArgumentError(
@@ -229,6 +233,7 @@ absl::Status Handlers::Snapshot(const v1::SnapshotRequest& request, v1::Snapshot
 
 absl::Status Handlers::Restore(const v1::RestoreRequest& request, v1::CacheInfo* response) {
   RETURN_IF_ERROR(RequireId("cache_id", request.cache_id()));
+  RETURN_IF_ERROR(CheckIdLength("snapshot_id", request.snapshot_id()));
   ASSIGN_OR_RETURN(engine::CacheInfo info,
                    engine_.Restore(request.cache_id(), request.snapshot_id(),
                                    request.target_offset()));
@@ -263,6 +268,7 @@ absl::Status Handlers::ReleaseSnapshot(const v1::ReleaseSnapshotRequest& request
 
 absl::Status Handlers::ListSnapshots(const v1::ListSnapshotsRequest& request,
                                      v1::ListSnapshotsResponse* response) {
+  RETURN_IF_ERROR(CheckIdLength("cache_id", request.cache_id()));
   for (const engine::SnapshotInfo& info : engine_.ListSnapshots(request.cache_id())) {
     ToProto(info, response->add_snapshots());
   }

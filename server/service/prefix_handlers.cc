@@ -23,6 +23,7 @@ absl::StatusOr<engine::CacheSpec> LookupLayout(const engine::Engine& engine,
     return absl::InvalidArgumentError("spec, cache_id: give exactly one (the layout to look in)");
   }
   if (request.has_spec()) return FromProto(request.spec());
+  RETURN_IF_ERROR(CheckIdLength("cache_id", request.cache_id()));
   return engine.GetSpec(request.cache_id());
 }
 

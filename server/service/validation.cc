@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
+#include "core/client_text.h"
 #include "core/status_macros.h"
 #include "core/tensor_size.h"
 #include "kvcache/v1/kvcache.pb.h"
@@ -72,6 +73,16 @@ const TensorView& OrAbsent(const std::optional<TensorView>& tensor) {
 
 absl::Status RequireId(absl::string_view field, const std::string& id) {
   if (id.empty()) return Invalid(field, "required");
+  return CheckIdLength(field, id);
+}
+
+absl::Status CheckIdLength(absl::string_view field, absl::string_view id) {
+  // Refused before any lookup, so that neither the answer nor its time
+  // depends on what a too-long id holds.
+  if (id.size() > kMaxIdBytes) {
+    return Invalid(field,
+                   absl::StrFormat("%d bytes; an id has at most %d", id.size(), kMaxIdBytes));
+  }
   return absl::OkStatus();
 }
 

@@ -13,7 +13,10 @@
 
 namespace kvcache::service {
 
+// An id the request must carry, at most kMaxIdBytes (core/client_text.h).
 absl::Status RequireId(absl::string_view field, const std::string& id);
+// An id the request may leave empty, at most kMaxIdBytes.
+absl::Status CheckIdLength(absl::string_view field, absl::string_view id);
 
 // `layer` is one of the spec's.
 absl::Status CheckLayerIndex(const engine::CacheSpec& spec, uint32_t layer);

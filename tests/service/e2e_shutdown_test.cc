@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "service_test_util.h"
 
@@ -167,6 +169,38 @@ TEST_P(E2eShutdownTest, StalledStreamsAreCancelledAfterTheGrace) {
   absl::StatusOr<engine::CacheInfo> info = server_->server().engine().GetCache(cache_id);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->layer_offsets, reference_.layer_offsets());
+}
+
+// The health service answers for the server ("") and for the service by its
+// name: SERVING while it runs; a watcher sees NOT_SERVING as soon as a
+// shutdown begins, while calls in flight still drain.
+TEST_P(E2eShutdownTest, HealthTurnsNotServingWhenShutdownBegins) {
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(server_->server().address(), grpc::InsecureChannelCredentials()));
+  for (const std::string service : {"", "kvcache.v1.KvCacheService"}) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << "\"" << service << "\": " << status.error_message();
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  grpc::ClientContext watching;
+  watching.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("kvcache.v1.KvCacheService");
+  auto watch = health->Watch(&watching, request);
+  grpc::health::v1::HealthCheckResponse seen;
+  ASSERT_TRUE(watch->Read(&seen));
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::thread stopper([&] { server_->Shutdown(absl::Seconds(2)); });
+  const bool told = watch->Read(&seen);
+  watching.TryCancel();
+  stopper.join();
+  ASSERT_TRUE(told) << "the watch ended without a word";
+  EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, E2eShutdownTest, ::testing::ValuesIn(kE2ePaths), PathTestName);

@@ -10,10 +10,12 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "core/client_text.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -145,6 +147,43 @@ TEST_P(E2eValidationTest, UnknownAndMissingIds) {
   ExpectRefused(Code::kNotFound, "snapshot_id", [&] { return c.ReleaseSnapshot(kUnknownId); });
   ExpectRefused(Code::kNotFound, "snapshot_id",
                 [&] { return c.FetchLayer("", kUnknownId, 0).status(); });
+}
+
+// An id past kMaxIdBytes is INVALID_ARGUMENT naming the field, over both the
+// unary and the streaming calls, and no status quotes more than a short
+// prefix of what a client sent: a 200 KB id copied into the status would
+// pass gRPC's metadata limit, and the client would see RESOURCE_EXHAUSTED.
+TEST_P(E2eValidationTest, LongIdsAreRefusedAndNeverEchoedWhole) {
+  Client& c = client();
+  const std::string huge(200 << 10, 'x');
+  const std::string over(kMaxIdBytes + 1, 'a');
+  const KvTensors kv = RandomKv(spec_, 0, 1, rng_);
+  const LayerUpdate update = MakeLayerUpdate(spec_, 0, kv);
+  for (const std::string* id : {&huge, &over}) {
+    const std::vector<std::pair<std::string, std::function<absl::Status()>>> calls = {
+        {"cache_id", [&] { return c.GetCache(*id).status(); }},
+        {"cache_id", [&] { return c.DeleteCache(*id); }},
+        {"cache_id",
+         [&] {
+           return c.Update(*id, {&update, 1}).status();
+         }},
+        {"snapshot_id", [&] { return c.ReleaseSnapshot(*id); }},
+        {"snapshot_id", [&] { return c.Restore(cache_id_, *id, 0).status(); }},
+        {"snapshot_id", [&] { return c.FetchLayer("", *id, 0).status(); }},
+        {"cache_id", [&] { return c.FetchLayer(*id, "", 0).status(); }},
+    };
+    for (const auto& [field, call] : calls) {
+      ExpectRefused(Code::kInvalidArgument, field, call);
+      const absl::Status status = call();
+      EXPECT_LT(status.message().size(), 200u) << status;
+    }
+  }
+  // An unknown id within the bound is NOT_FOUND, quoted whole.
+  const std::string longest(kMaxIdBytes, 'b');
+  const absl::Status unknown = c.GetCache(longest).status();
+  EXPECT_EQ(unknown.code(), Code::kNotFound) << unknown;
+  EXPECT_THAT(unknown.message(), HasSubstr(longest.substr(0, kMaxQuotedBytes)));
+  EXPECT_LT(unknown.message().size(), 200u) << unknown;
 }
 
 TEST_P(E2eValidationTest, FetchRefusesBadRequests) {
