@@ -60,12 +60,13 @@ absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id
       promoted = PromoteLocked(*snapshot);
     }
     if (promoted.ok()) return snapshot;
-    // Cached entries are dropped outside the lock: releasing takes others.
     if (promoted.code() != absl::StatusCode::kResourceExhausted ||
-        round + 1 == kMaxEvictionRounds || !drop_cached_ ||
-        drop_cached_(snapshot->Tiers().host + snapshot->Tiers().disk) == 0) {
+        round + 1 == kMaxEvictionRounds || !drop_cached_) {
       return promoted;
     }
+    // Cached entries are dropped outside the lock: releasing takes others.
+    const TierBytes below = snapshot->Tiers();  // one walk over its pages
+    if (drop_cached_(below.host + below.disk) == 0) return promoted;
   }
 }
 
