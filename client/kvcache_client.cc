@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "bearer_token.h"
 #include "fetch_transport.h"
 #include "fetch_view.h"
 #include "lane_client.h"
@@ -105,23 +106,29 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetServiceConfigJSON(kServiceConfig);
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel =
-      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!options.token.empty()) {
+    interceptors.push_back(internal::BearerTokenInterceptors(options.token));
+  }
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+      options.address, grpc::InsecureChannelCredentials(), args, std::move(interceptors));
   return std::unique_ptr<Client>(new Client(options, std::move(channel)));
 }
 
 Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
-    : options_(options), channel_(std::move(channel)),
+    : options_(options),
+      channel_(std::move(channel)),
       stub_(v1::KvCacheService::NewStub(channel_)),
       raw_update_("/kvcache.v1.KvCacheService/Update", grpc::internal::RpcMethod::BIDI_STREAMING,
                   channel_),
-      lanes_(std::make_unique<internal::LanePool>(
-          options.data_lane, options.address, options.deadline, options.max_message_bytes,
-          [this]() -> absl::StatusOr<std::string> {
-            absl::StatusOr<v1::Stats> stats = GetStats();
-            if (!stats.ok()) return stats.status();
-            return stats->data_lane_address();
-          })),
+      lanes_(std::make_unique<internal::LanePool>(options.data_lane, options.address,
+                                                  options.deadline, options.max_message_bytes,
+                                                  options.token,
+                                                  [this]() -> absl::StatusOr<std::string> {
+                                                    absl::StatusOr<v1::Stats> stats = GetStats();
+                                                    if (!stats.ok()) return stats.status();
+                                                    return stats->data_lane_address();
+                                                  })),
       grpc_fetch_(internal::GrpcFetchTransport(*stub_, options.deadline)),
       lane_fetch_(internal::LaneFetchTransport(*lanes_)) {}
 

@@ -36,6 +36,10 @@ struct ClientOptions {
   // work, kvcached --data_lane_listen) if it has one that answers, else gRPC.
   // host:port: that lane, with no fallback. Every other call is gRPC.
   std::string data_lane;
+  // A bearer token (kvcached --tokens_file): sent as `authorization: Bearer
+  // <token>` with every gRPC call and in each data-lane connection's AUTH
+  // frame. Empty: none (a server without tokens takes every call).
+  std::string token;
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):

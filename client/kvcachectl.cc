@@ -17,6 +17,7 @@
 //   kvcachectl download NAME FILE | delete-saved NAME
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -34,6 +35,9 @@
 #include "kvcache_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(std::string, token, "",
+          "bearer token (kvcached --tokens_file); default: the KVCACHE_TOKEN environment "
+          "variable, which, unlike a flag, other users cannot read in the process list");
 ABSL_FLAG(uint64_t, from, 0, "snapshot: first position to capture");
 ABSL_FLAG(bool, pinned, false, "snapshot: never evict it");
 ABSL_FLAG(int64_t, target, -1, "restore: the offset to bring every layer to");
@@ -359,7 +363,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
-  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server)});
+  std::string token = absl::GetFlag(FLAGS_token);
+  if (const char* from_env = std::getenv("KVCACHE_TOKEN"); token.empty() && from_env != nullptr) {
+    token = from_env;
+  }
+  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server), .token = token});
   const std::string command = args[0];
   if (command == "stats") return Stats(*client);
   if (command == "caches") return Caches(*client);

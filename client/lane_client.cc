@@ -331,14 +331,41 @@ class LaneFetchCalls final : public FetchTransport {
 }  // namespace
 
 LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
-                   uint64_t max_payload, std::function<absl::StatusOr<std::string>()> ask_server)
-    : setting_(std::move(setting)), grpc_address_(std::move(grpc_address)), timeout_(timeout),
-      max_payload_(max_payload), ask_server_(std::move(ask_server)) {}
+                   uint64_t max_payload, std::string token,
+                   std::function<absl::StatusOr<std::string>()> ask_server)
+    : setting_(std::move(setting)),
+      grpc_address_(std::move(grpc_address)),
+      timeout_(timeout),
+      max_payload_(max_payload),
+      token_(std::move(token)),
+      ask_server_(std::move(ask_server)) {}
+
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
+  absl::StatusOr<std::unique_ptr<LaneConnection>> connection = Connect(address);
+  if (!connection.ok() || token_.empty()) return connection;
+  if (absl::Status status = Authenticate(**connection); !status.ok()) return status;
+  return connection;
+}
+
+absl::Status LanePool::Authenticate(LaneConnection& connection) const {
+  v1::LaneAuth auth;
+  auth.set_token(token_);
+  connection.writer.AddMessage(v1::LANE_FRAME_AUTH, auth);
+  if (absl::Status sent = connection.writer.Send(); !sent.ok()) return sent;
+  absl::StatusOr<lane::Frame> frame = connection.reader.Next();
+  if (!frame.ok()) return frame.status();
+  v1::LaneStatus status;
+  if (frame->header.kind != v1::LANE_FRAME_STATUS ||
+      !status.ParseFromArray(frame->payload.data(), static_cast<int>(frame->payload.size()))) {
+    return absl::DataLossError("data lane: the server answered AUTH with other than a STATUS");
+  }
+  return lane::StatusFromLane(status);
+}
 
 // The fallback to KVLANE01 lasts until a connect fails: a server that went
 // away may come back of either version (and a current one that reset a
 // connection while it stopped is asked again).
-absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Connect(const std::string& address) {
   const auto connect = [&](absl::string_view preamble) {
     absl::StatusOr<int> fd = lane::Connect(address, timeout_, preamble);
     if (!fd.ok()) first_version_only_.store(false, std::memory_order_relaxed);

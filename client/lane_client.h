@@ -38,8 +38,10 @@ class LanePool {
   // `setting` is ClientOptions::data_lane: "" (off), "auto" (the address the
   // server gives in Stats, found by `ask_server`; gRPC where it has none or
   // it cannot be reached) or host:port.
+  // `token`: sent in each connection's AUTH frame where not empty.
   LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
-           uint64_t max_payload, std::function<absl::StatusOr<std::string>()> ask_server);
+           uint64_t max_payload, std::string token,
+           std::function<absl::StatusOr<std::string>()> ask_server);
 
   // Whether Update and Fetch go over the lane (resolves "auto" once).
   bool enabled();
@@ -49,13 +51,18 @@ class LanePool {
   void Give(std::unique_ptr<LaneConnection> connection);
 
  private:
-  // A new connection: KVLANE02, or KVLANE01 where the server does not speak it.
+  // A new connection, authenticated where there is a token.
   absl::StatusOr<std::unique_ptr<LaneConnection>> Open(const std::string& address);
+  // A new connection: KVLANE02, or KVLANE01 where the server does not speak it.
+  absl::StatusOr<std::unique_ptr<LaneConnection>> Connect(const std::string& address);
+  // Sends the AUTH frame and reads the server's STATUS.
+  absl::Status Authenticate(LaneConnection& connection) const;
 
   const std::string setting_;
   const std::string grpc_address_;
   const absl::Duration timeout_;
   const uint64_t max_payload_;
+  const std::string token_;
   std::function<absl::StatusOr<std::string>()> ask_server_;
   // The server closed a KVLANE02 connection unanswered (and no connect failed since).
   std::atomic<bool> first_version_only_{false};

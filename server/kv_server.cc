@@ -4,12 +4,14 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -18,6 +20,7 @@
 #include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
+#include "service/tenants.h"
 
 namespace kvcache {
 namespace {
@@ -53,7 +56,71 @@ absl::StatusOr<uint64_t> DefaultDiskTierBytes(const std::string& data_dir,
                             kUnboundedDiskTierShare * (pool.budget_bytes + pool.host_bytes));
 }
 
+// What one tenant's calls run on, in the order it must go: handlers, then
+// the reaper (which calls into the engine), then the engine, then its files.
+struct TenantRuntime {
+  std::unique_ptr<engine::SavedFileStore> saved_files;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<engine::LeaseReaper> lease_reaper;
+  std::unique_ptr<service::Handlers> handlers;
+  ~TenantRuntime() {
+    handlers.reset();
+    lease_reaper.reset();
+    engine.reset();
+  }
+};
+
 }  // namespace
+
+absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfig* tenant) {
+  auto runtime = std::make_shared<TenantRuntime>();
+  engine::EngineOptions options = engine_options_;
+  if (!data_dir_.empty()) {
+    std::string dir = data_dir_;
+    if (tenant != nullptr) {
+      dir = absl::StrCat(data_dir_, "/tenants");
+      if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+        return absl::InternalError(absl::StrCat("data_dir ", dir, ": mkdir: ", strerror(errno)));
+      }
+      absl::StrAppend(&dir, "/", tenant->name);
+    }
+    ASSIGN_OR_RETURN(runtime->saved_files, engine::SavedFileStore::Open(dir, *disk_budget_));
+    options.saved_files = runtime->saved_files.get();
+    LogInfo("data dir %s: %d saved files", dir, runtime->saved_files->List().size());
+  }
+  if (tenant != nullptr) {
+    // A tenant's quota where it has one, never above the server's own limit.
+    const auto tighter = [](uint64_t server, uint64_t quota) {
+      return server == 0 ? quota : quota == 0 ? server : std::min(server, quota);
+    };
+    options.max_pinned_bytes = tighter(options.max_pinned_bytes, tenant->quotas.max_pinned_bytes);
+    options.metadata_bytes = tighter(options.metadata_bytes, tenant->quotas.max_metadata_bytes);
+  }
+  runtime->engine = std::make_unique<engine::Engine>(*pool_, options);
+  runtime->lease_reaper =
+      std::make_unique<engine::LeaseReaper>(*runtime->engine, lease_check_interval_);
+  runtime->handlers = std::make_unique<service::Handlers>(*runtime->engine, service_options_);
+  service::TenantParts parts{.handlers = runtime->handlers.get(), .engine = runtime->engine.get()};
+  parts.owned = std::move(runtime);
+  return parts;
+}
+
+absl::Status KvCacheServer::StartTenants() {
+  if (tokens_file_.empty()) {
+    ASSIGN_OR_RETURN(service::TenantParts anonymous, MakeTenant(nullptr));
+    tenants_ = std::make_unique<service::Tenants>(std::move(anonymous));
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(tenants_,
+                   service::Tenants::Open(tokens_file_, [this](const TenantConfig& tenant) {
+                     return MakeTenant(&tenant);
+                   }));
+  return absl::OkStatus();
+}
+
+engine::Engine& KvCacheServer::engine() { return *tenants_->anonymous_engine(); }
+
+absl::Status KvCacheServer::ReloadTokens() { return tenants_->Reload(); }
 
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const ServerConfig& config) {
   auto server = std::unique_ptr<KvCacheServer>(new KvCacheServer);
@@ -63,14 +130,19 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   const gpu::DeviceDescription& device = server->device_->description();
   const char* path = server->device_->direct_host_access() ? "direct" : "staging";
   LogInfo("device: %s (%s), transfers: %s", device.name, device.type, path);
-  engine::EngineOptions engine_options = config.engine;
   gpu::PoolOptions pool_options = config.pool;
+  server->data_dir_ = config.data_dir;
+  server->tokens_file_ = config.tokens_file;
+  server->engine_options_ = config.engine;
+  server->lease_check_interval_ = config.lease_check_interval;
   if (!config.data_dir.empty()) {
     server->disk_budget_ = std::make_unique<DiskBudget>(config.disk_bytes);
-    ASSIGN_OR_RETURN(server->saved_files_,
-                     engine::SavedFileStore::Open(config.data_dir, *server->disk_budget_));
-    engine_options.saved_files = server->saved_files_.get();
-    LogInfo("data dir %s: %d saved files", config.data_dir, server->saved_files_->List().size());
+    std::error_code error;
+    std::filesystem::create_directories(config.data_dir, error);
+    if (error) {
+      return absl::InternalError(
+          absl::StrCat("data_dir ", config.data_dir, ": cannot create: ", error.message()));
+    }
     pool_options.disk_path = absl::StrCat(config.data_dir, "/", kDiskTierFile);
     pool_options.disk_bytes = config.disk_bytes;
     if (pool_options.disk_bytes == 0) {
@@ -92,9 +164,6 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
               ? absl::StrCat("native CPU kernels (",
                              std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
               : std::string("compute shaders"));
-  server->engine_ = std::make_unique<engine::Engine>(*server->pool_, engine_options);
-  server->lease_reaper_ =
-      std::make_unique<engine::LeaseReaper>(*server->engine_, config.lease_check_interval);
   if (config.engine.default_ttl > absl::ZeroDuration()) {
     LogInfo("leases: %s by default", absl::FormatDuration(config.engine.default_ttl));
   }
@@ -110,12 +179,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     server->data_lane_ = *std::move(lane);
     server->lane_host_ = lane_host.first;
   }
-  server->handlers_ = std::make_unique<service::Handlers>(
-      *server->engine_, service::ServiceOptions{.max_message_bytes = config.max_message_bytes,
-                                                .device_name = device.name,
-                                                .transfer_path = path,
-                                                .data_lane_address = server->data_lane_address()});
-  server->service_ = std::make_unique<service::KvCacheService>(*server->handlers_);
+  server->service_options_ = {.max_message_bytes = config.max_message_bytes,
+                              .device_name = device.name,
+                              .transfer_path = path,
+                              .data_lane_address = server->data_lane_address()};
+  RETURN_IF_ERROR(server->StartTenants());
+  server->service_ = std::make_unique<service::KvCacheService>(*server->tenants_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -134,7 +203,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
       v1::KvCacheService::service_full_name(), true);
   LogInfo("listening on %s", server->address());
   if (server->data_lane_) {
-    server->data_lane_->Serve(*server->handlers_);
+    server->data_lane_->Serve(*server->tenants_);
     LogInfo("data lane (Update and Fetch over plain TCP) on %s", server->data_lane_address());
   }
   return server;

@@ -9,10 +9,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/disk_budget.h"
+#include "core/tokens_file.h"
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
+#include "service/handlers.h"
 
 namespace grpc {
 class Server;
@@ -23,6 +25,8 @@ namespace service {
 class DataLane;
 class Handlers;
 class KvCacheService;
+class Tenants;
+struct TenantParts;
 }  // namespace service
 
 struct ServerConfig {
@@ -46,6 +50,11 @@ struct ServerConfig {
   // scratch file there, below host memory: pool.host_bytes) is on whenever
   // data_dir is set.
   uint64_t disk_bytes = 0;
+  // Bearer tokens and the tenants they name (core/tokens_file.h); empty: one
+  // anonymous tenant, and every call is admitted. Each tenant gets an engine
+  // of its own over the shared pool, and its saved files go to
+  // <data_dir>/tenants/<name>.
+  std::string tokens_file;
 };
 
 class KvCacheServer {
@@ -65,10 +74,18 @@ class KvCacheServer {
   void Wait();
 
   gpu::Device& device() { return *device_; }
-  engine::Engine& engine() { return *engine_; }
+  gpu::PagePool& pool() { return *pool_; }
+  // The anonymous tenant's engine (without a tokens file).
+  engine::Engine& engine();
+  // Re-reads the tokens file (SIGHUP); a file that does not parse changes nothing.
+  absl::Status ReloadTokens();
 
  private:
   KvCacheServer() = default;
+  // An engine, its lease reaper, saved files and handlers for a tenant
+  // (null: the anonymous one).
+  absl::StatusOr<service::TenantParts> MakeTenant(const TenantConfig* tenant);
+  absl::Status StartTenants();
 
   std::string host_;
   int port_ = 0;
@@ -76,11 +93,14 @@ class KvCacheServer {
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<DiskBudget> disk_budget_;  // null without a data dir
   std::unique_ptr<gpu::PagePool> pool_;
-  std::unique_ptr<engine::SavedFileStore> saved_files_;
-  std::unique_ptr<engine::Engine> engine_;
-  // Declared after the engine, so it stops before the engine goes.
-  std::unique_ptr<engine::LeaseReaper> lease_reaper_;
-  std::unique_ptr<service::Handlers> handlers_;
+  std::string data_dir_;
+  std::string tokens_file_;
+  engine::EngineOptions engine_options_;
+  service::ServiceOptions service_options_;
+  absl::Duration lease_check_interval_;
+  // Each tenant's engine and handlers; declared after the pool and before
+  // the gRPC server and the lane, which stop before it goes.
+  std::unique_ptr<service::Tenants> tenants_;
   std::unique_ptr<service::KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
   // Declared last: it stops, and its sessions end, before the handlers go.

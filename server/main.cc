@@ -58,6 +58,11 @@ ABSL_FLAG(uint64_t, metadata_bytes, 0,
           "0 = an eighth of --pool_bytes, at least 64 MiB");
 ABSL_FLAG(absl::Duration, lease_check_interval, absl::Milliseconds(250),
           "how often expired leases are looked for");
+ABSL_FLAG(std::string, tokens_file, "",
+          "bearer tokens and their tenants, one per line: tenant=NAME token=SECRET (or "
+          "sha256=HEX) [admin] [max_pinned_bytes=N] [max_metadata_bytes=N] "
+          "[max_requests_in_flight=N] [max_lane_connections=N]; re-read on SIGHUP. "
+          "Empty: one anonymous tenant, every call admitted");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 
@@ -90,6 +95,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
   config.engine.metadata_bytes = absl::GetFlag(FLAGS_metadata_bytes);
   config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
+  config.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");
   }
@@ -135,11 +141,13 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_list_devices)) return ListDevices();
   KeepMessageBuffersInHeap();
 
-  // Block the stop signals in every thread (gRPC's too); main waits for them.
+  // Block the stop signals (and SIGHUP, which reloads the tokens file) in
+  // every thread (gRPC's too); main waits for them.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   absl::StatusOr<kvcache::ServerConfig> config = ConfigFromFlags();
@@ -153,7 +161,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  while (sigwait(&stop_signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    // Connections and calls under way stay; the next call sees the new file.
+    if (absl::Status reloaded = (*server)->ReloadTokens(); !reloaded.ok()) {
+      kvcache::LogError("SIGHUP: tokens file kept as it was: %s", reloaded.ToString());
+    }
+  }
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);
   kvcache::LogInfo("%s: stopping (in-flight calls get %s)", strsignal(signal_number),
                    absl::FormatDuration(grace));

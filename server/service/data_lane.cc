@@ -45,11 +45,11 @@ DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes)
 
 DataLane::~DataLane() { Shutdown(absl::ZeroDuration()); }
 
-void DataLane::Serve(Handlers& handlers) {
-  acceptor_ = std::thread([this, &handlers] { AcceptLoop(handlers); });
+void DataLane::Serve(Tenants& tenants) {
+  acceptor_ = std::thread([this, &tenants] { AcceptLoop(tenants); });
 }
 
-void DataLane::AcceptLoop(Handlers& handlers) {
+void DataLane::AcceptLoop(Tenants& tenants) {
   while (true) {
     const int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
     if (fd >= 0) {
@@ -57,7 +57,7 @@ void DataLane::AcceptLoop(Handlers& handlers) {
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       // A client that vanished without closing its end frees its thread.
       setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-      Serve(handlers, lane::OwnedFd(fd));
+      Serve(tenants, lane::OwnedFd(fd));
       continue;
     }
     if (errno == EINTR || errno == ECONNABORTED) continue;
@@ -71,7 +71,7 @@ void DataLane::AcceptLoop(Handlers& handlers) {
   }
 }
 
-void DataLane::Serve(Handlers& handlers, lane::OwnedFd fd) {
+void DataLane::Serve(Tenants& tenants, lane::OwnedFd fd) {
   absl::MutexLock lock(&mutex_);
   if (stopping_) return;
   ReapFinished();
@@ -82,14 +82,15 @@ void DataLane::Serve(Handlers& handlers, lane::OwnedFd fd) {
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
   connection.session =
-      std::make_unique<LaneSession>(handlers, connection.fd.get(), max_message_bytes_);
+      std::make_unique<LaneSession>(tenants, connection.fd.get(), max_message_bytes_);
   connection.thread = std::thread([this, &connection] {
     const absl::Status status = connection.session->Run();
     // The client sees the end now; the descriptor closes when reaped.
     shutdown(connection.fd.get(), SHUT_RDWR);
     // A client that broke the protocol, or a Fetch that broke its announced
     // length, is worth a line; a client that left is not.
-    if (absl::IsInvalidArgument(status) || absl::IsAborted(status)) {
+    if (absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
+        absl::IsUnauthenticated(status)) {
       LogError("data lane: closed a connection: %s", status.message());
     }
     absl::MutexLock lock(&mutex_);

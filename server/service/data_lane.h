@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "lane/socket.h"
-#include "service/handlers.h"
+#include "service/tenants.h"
 
 namespace kvcache::service {
 
@@ -31,9 +31,9 @@ class DataLane {
   ~DataLane();  // Shutdown(no grace)
 
   int port() const { return port_; }
-  // Accepts connections and serves them with `handlers`, which must outlive
-  // this lane.
-  void Serve(Handlers& handlers);
+  // Accepts connections and serves each for the tenant it authenticates as;
+  // `tenants` must outlive this lane.
+  void Serve(Tenants& tenants);
   // Stops accepting. Connections between calls close at once; calls under
   // way may finish until `grace` has passed, then their connections are cut
   // (acknowledged updates stay applied).
@@ -53,8 +53,8 @@ class DataLane {
   };
 
   DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes);
-  void AcceptLoop(Handlers& handlers);
-  void Serve(Handlers& handlers, lane::OwnedFd fd);
+  void AcceptLoop(Tenants& tenants);
+  void Serve(Tenants& tenants, lane::OwnedFd fd);
   // Joins the connections whose sessions have ended.
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Shuts the reading side of idle connections (both sides of all, when

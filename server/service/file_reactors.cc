@@ -7,8 +7,9 @@
 
 namespace kvcache::service {
 
-ExportReactor::ExportReactor(Handlers& handlers, const v1::ExportSnapshotRequest& request) {
-  absl::StatusOr<std::string> file = handlers.ExportFile(request);
+ExportReactor::ExportReactor(Admitted admitted, const v1::ExportSnapshotRequest& request)
+    : admitted_(std::move(admitted)) {
+  absl::StatusOr<std::string> file = admitted_.handlers().ExportFile(request);
   if (!file.ok()) {
     Finish(ToGrpcStatus(file.status()));
     return;
@@ -36,9 +37,14 @@ void ExportReactor::OnWriteDone(bool ok) {
   WriteNext();
 }
 
-ImportReactor::ImportReactor(Handlers& handlers, grpc::CallbackServerContext* context,
-                             v1::LoadSnapshotResponse* response, uint64_t max_file_bytes)
-    : handlers_(handlers), context_(context), response_(response), max_file_bytes_(max_file_bytes) {
+// A file larger than the pool could never load, so no more is buffered.
+ImportReactor::ImportReactor(Admitted admitted, grpc::CallbackServerContext* context,
+                             v1::LoadSnapshotResponse* response)
+    : admitted_(std::move(admitted)),
+      handlers_(admitted_.handlers()),
+      context_(context),
+      response_(response),
+      max_file_bytes_(handlers_.MaxImportBytes()) {
   StartRead(&request_);
 }
 

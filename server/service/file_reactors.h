@@ -9,6 +9,7 @@
 
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 
 namespace kvcache::service {
 
@@ -17,7 +18,7 @@ inline constexpr size_t kFileChunkBytes = 1 << 20;
 
 class ExportReactor final : public grpc::ServerWriteReactor<v1::FileChunk> {
  public:
-  ExportReactor(Handlers& handlers, const v1::ExportSnapshotRequest& request);
+  ExportReactor(Admitted admitted, const v1::ExportSnapshotRequest& request);
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
 
@@ -25,6 +26,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::FileChunk> {
   // Writes the next chunk, or finishes when none is left.
   void WriteNext();
 
+  const Admitted admitted_;
   std::string file_;
   size_t sent_ = 0;
   v1::FileChunk chunk_;
@@ -32,17 +34,18 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::FileChunk> {
 
 class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSnapshotRequest> {
  public:
-  // `max_file_bytes`: the largest file taken; more is RESOURCE_EXHAUSTED.
-  ImportReactor(Handlers& handlers, grpc::CallbackServerContext* context,
-                v1::LoadSnapshotResponse* response, uint64_t max_file_bytes);
+  // Takes files up to Handlers::MaxImportBytes; more is RESOURCE_EXHAUSTED.
+  ImportReactor(Admitted admitted, grpc::CallbackServerContext* context,
+                v1::LoadSnapshotResponse* response);
   void OnReadDone(bool ok) override;
   void OnDone() override { delete this; }
 
  private:
+  const Admitted admitted_;
   Handlers& handlers_;
   grpc::CallbackServerContext* context_;
   v1::LoadSnapshotResponse* response_;
-  const uint64_t max_file_bytes_;
+  const uint64_t max_file_bytes_;  // Handlers::MaxImportBytes
   v1::ImportSnapshotRequest request_;
   v1::ImportSnapshotRequest options_;  // the first message, without its data
   bool first_ = true;

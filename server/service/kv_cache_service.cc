@@ -20,13 +20,33 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
   return reactor;
 }
 
+// A streaming call refused before it starts (no tenant, or past a quota).
+template <typename Reactor>
+class Refused final : public Reactor {
+ public:
+  explicit Refused(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
-#define KV_UNARY_RPC(Name, Request, Response)                                               \
-  grpc::ServerUnaryReactor* KvCacheService::Name(grpc::CallbackServerContext* context,     \
-                                                 const v1::Request* request,               \
-                                                 v1::Response* response) {                 \
-    return FinishUnary(context, handlers_.Name(*request, response), #Name);                \
+absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  const absl::string_view authorization =
+      found == metadata.end() ? absl::string_view()
+                              : absl::string_view(found->second.data(), found->second.size());
+  return tenants_.AdmitCall(authorization);
+}
+
+#define KV_UNARY_RPC(Name, Request, Response)                                                     \
+  grpc::ServerUnaryReactor* KvCacheService::Name(                                                 \
+      grpc::CallbackServerContext* context, const v1::Request* request, v1::Response* response) { \
+    absl::StatusOr<Admitted> call = Admit(*context);                                              \
+    if (!call.ok()) return FinishUnary(context, call.status(), #Name);                            \
+    const absl::Status status = call->handlers().Name(*request, response);                        \
+    if (status.ok()) Scope(*call, response);                                                      \
+    return FinishUnary(context, status, #Name);                                                   \
   }
 
 KV_FOR_EACH_UNARY_RPC(KV_UNARY_RPC)
@@ -35,23 +55,34 @@ KV_FOR_EACH_UNARY_RPC(KV_UNARY_RPC)
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Update(
     grpc::CallbackServerContext* context) {
-  return new UpdateReactor(handlers_);
+  absl::StatusOr<Admitted> call = Admit(*context);
+  if (!call.ok()) {
+    return new Refused<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>(call.status());
+  }
+  return new UpdateReactor(*std::move(call));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::Fetch(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new FetchReactor(handlers_, *request);
+  absl::StatusOr<Admitted> call = Admit(*context);
+  if (!call.ok()) return new Refused<grpc::ServerWriteReactor<grpc::ByteBuffer>>(call.status());
+  return new FetchReactor(*std::move(call), *request);
 }
 
 grpc::ServerWriteReactor<v1::FileChunk>* KvCacheService::ExportSnapshot(
     grpc::CallbackServerContext* context, const v1::ExportSnapshotRequest* request) {
-  return new ExportReactor(handlers_, *request);
+  absl::StatusOr<Admitted> call = Admit(*context);
+  if (!call.ok()) return new Refused<grpc::ServerWriteReactor<v1::FileChunk>>(call.status());
+  return new ExportReactor(*std::move(call), *request);
 }
 
-// A file larger than the pool could never load, so no more is buffered.
 grpc::ServerReadReactor<v1::ImportSnapshotRequest>* KvCacheService::ImportSnapshot(
     grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) {
-  return new ImportReactor(handlers_, context, response, handlers_.MaxImportBytes());
+  absl::StatusOr<Admitted> call = Admit(*context);
+  if (!call.ok()) {
+    return new Refused<grpc::ServerReadReactor<v1::ImportSnapshotRequest>>(call.status());
+  }
+  return new ImportReactor(*std::move(call), context, response);
 }
 
 }  // namespace kvcache::service

@@ -1,9 +1,11 @@
-// The gRPC face of kvcached: a thin callback service that hands each call to
-// Handlers and maps the returned absl::Status to a grpc::Status, code for code.
+// The gRPC face of kvcached: a thin callback service that admits each call
+// for its tenant (tenants.h), hands it to that tenant's Handlers and maps the
+// returned absl::Status to a grpc::Status, code for code.
 #pragma once
 
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 #include "service/unary_rpcs.h"
 
 namespace kvcache::service {
@@ -35,7 +37,7 @@ using KvCacheServiceBase =
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
-  explicit KvCacheService(Handlers& handlers) : handlers_(handlers) {}
+  explicit KvCacheService(Tenants& tenants) : tenants_(tenants) {}
 
 #define KV_DECLARE_UNARY_METHOD(Name, Request, Response)                                    \
   grpc::ServerUnaryReactor* Name(grpc::CallbackServerContext* context,                     \
@@ -53,7 +55,13 @@ class KvCacheService final : public KvCacheServiceBase {
       grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) override;
 
  private:
-  Handlers& handlers_;
+  absl::StatusOr<Admitted> Admit(const grpc::CallbackServerContext& context);
+  // What a response shows depends on who asked (GetStats); others as they are.
+  template <typename Response>
+  void Scope(const Admitted&, Response*) {}
+  void Scope(const Admitted& call, v1::Stats* stats) { tenants_.ScopeStats(call.tenant(), *stats); }
+
+  Tenants& tenants_;
 };
 
 }  // namespace kvcache::service

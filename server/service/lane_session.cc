@@ -18,10 +18,16 @@ constexpr int kMostUnsentAcks = 64;
 
 }  // namespace
 
-LaneSession::LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes)
-    : handlers_(handlers), reader_(fd, max_message_bytes), writer_(fd), update_(handlers) {}
+LaneSession::LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes)
+    : tenants_(tenants), reader_(fd, max_message_bytes), writer_(fd) {}
 
 absl::Status LaneSession::Run() {
+  const absl::Status status = Serve();
+  admitted_ = Admitted();  // the tenant's connection count drops as the client sees the end
+  return status;
+}
+
+absl::Status LaneSession::Serve() {
   ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));
   const auto opened_with = [&](const char (&preamble)[sizeof(lane::kMagic)]) {
     return std::memcmp(magic.data(), preamble, sizeof(preamble)) == 0;
@@ -82,6 +88,15 @@ absl::StatusOr<lane::Frame> LaneSession::NextFrame() {
 }
 
 absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
+  const bool first = !saw_frame_;
+  saw_frame_ = true;
+  if (frame.header.kind == v1::LANE_FRAME_AUTH) {
+    if (!first) {
+      return absl::InvalidArgumentError("data lane: AUTH after the connection's first frame");
+    }
+    return OnAuth(frame.payload);
+  }
+  if (!admitted_.ok()) RETURN_IF_ERROR(AdmitWithoutToken());
   switch (frame.header.kind) {
     case v1::LANE_FRAME_UPDATE:
       updating_ = true;
@@ -113,12 +128,34 @@ absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
   }
 }
 
+absl::Status LaneSession::OnAuth(absl::Span<const std::byte> payload) {
+  v1::LaneAuth auth;
+  if (!auth.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::InvalidArgumentError(
+        "LaneAuth: malformed (not the wire format of kvcache.v1.LaneAuth)");
+  }
+  ASSIGN_OR_RETURN(admitted_, tenants_.AdmitLane(auth.token()));
+  update_.emplace(admitted_.handlers());
+  QueueStatus(absl::OkStatus());
+  return writer_.Send();
+}
+
+absl::Status LaneSession::AdmitWithoutToken() {
+  if (tenants_.authenticates()) {
+    return absl::UnauthenticatedError(
+        "data lane: the server has tenants; the first frame must be AUTH with a bearer token");
+  }
+  ASSIGN_OR_RETURN(admitted_, tenants_.AdmitLane(""));
+  update_.emplace(admitted_.handlers());
+  return absl::OkStatus();
+}
+
 // A failed call's STATUS went out with its failure; its later frames are
 // skipped until UPDATE_END.
 void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
-  if (update_.failed()) return;
+  if (update_->failed()) return;
   const absl::Span<const std::byte> pieces[] = {payload};
-  const absl::StatusOr<EncodedAck> ack = update_.Apply(pieces);
+  const absl::StatusOr<EncodedAck> ack = update_->Apply(pieces);
   if (!ack.ok()) {
     QueueStatus(ack.status());
     return;
@@ -129,8 +166,8 @@ void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
 }
 
 void LaneSession::OnUpdateEnd() {
-  const bool answered = update_.failed();
-  const absl::Status status = update_.Finish();
+  const bool answered = update_->failed();
+  const absl::Status status = update_->Finish();
   if (!answered) QueueStatus(status);
   updating_ = false;
   SetInCall(false);
@@ -142,7 +179,7 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
     request = absl::InvalidArgumentError(
         "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)");
   }
-  FetchCall call(handlers_, request);
+  FetchCall call(admitted_.handlers(), request);
   bool announced = false;
   const absl::Status sent = SendChunks(call, announced);
   // The call's status comes after its pages are let go (FetchCall::Finish).

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -19,13 +20,15 @@
 #include "lane/frame_writer.h"
 #include "service/fetch_call.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 #include "service/update_call.h"
 
 namespace kvcache::service {
 
 class LaneSession {
  public:
-  LaneSession(Handlers& handlers, int fd, uint64_t max_message_bytes);
+  // Calls run for the tenant the connection authenticates as (tenants.h).
+  LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes);
 
   // Serves the connection until the client closes it, breaks the protocol,
   // or the socket is shut down; returns why it ended (OUT_OF_RANGE: the
@@ -35,11 +38,18 @@ class LaneSession {
   bool in_call() const { return in_call_.load(std::memory_order_acquire); }
 
  private:
+  // Run, until the connection's tenant is let go.
+  absl::Status Serve();
   // The next frame of the client's, once the acknowledgements queued are
   // sent where it has to wait for it.
   absl::StatusOr<lane::Frame> NextFrame();
   // One frame of the client's; an error ends the connection.
   absl::Status OnFrame(const lane::Frame& frame);
+  // An AUTH frame: the connection's tenant, answered by a STATUS.
+  absl::Status OnAuth(absl::Span<const std::byte> payload);
+  // The anonymous tenant's admission where the server has no tokens, else
+  // UNAUTHENTICATED: a call came before an AUTH frame.
+  absl::Status AdmitWithoutToken();
   void OnUpdate(absl::Span<const std::byte> payload);
   void OnUpdateEnd();
   absl::Status OnFetch(absl::Span<const std::byte> payload);
@@ -52,10 +62,12 @@ class LaneSession {
   void QueueStatus(const absl::Status& status);
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 
-  Handlers& handlers_;
+  Tenants& tenants_;
+  Admitted admitted_;  // the connection's tenant, once a frame came
+  bool saw_frame_ = false;
   lane::FrameReader reader_;
   lane::FrameWriter writer_;
-  UpdateCall update_;  // the Update call under way, or the next one
+  std::optional<UpdateCall> update_;  // the Update call under way, or the next one
   // Fetch chunks' frames, read from pages straight into it; reused.
   std::unique_ptr<std::byte[]> chunk_buffer_;
   size_t chunk_buffer_capacity_ = 0;

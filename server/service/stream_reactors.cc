@@ -20,7 +20,10 @@ absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& raw_r
 
 }  // namespace
 
-UpdateReactor::UpdateReactor(Handlers& handlers) : call_(handlers) { StartRead(&request_); }
+UpdateReactor::UpdateReactor(Admitted admitted)
+    : admitted_(std::move(admitted)), call_(admitted_.handlers()) {
+  StartRead(&request_);
+}
 
 absl::StatusOr<EncodedAck> UpdateReactor::Apply() {
   RETURN_IF_ERROR(received_.Receive(request_));
@@ -90,8 +93,8 @@ void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (next == Next::kFinish) Finish(*final_status_);
 }
 
-FetchReactor::FetchReactor(Handlers& handlers, const grpc::ByteBuffer& request)
-    : call_(handlers, ParseFetchRequest(request)) {
+FetchReactor::FetchReactor(Admitted admitted, const grpc::ByteBuffer& request)
+    : admitted_(std::move(admitted)), call_(admitted_.handlers(), ParseFetchRequest(request)) {
   WriteNext();
 }
 

@@ -12,6 +12,7 @@
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/fetch_call.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 #include "service/update_call.h"
 #include "service/wire_format.h"
 
@@ -25,7 +26,8 @@ namespace kvcache::service {
 // slices and the engine copies the tensors from them (wire_format.h).
 class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  explicit UpdateReactor(Handlers& handlers);
+  // Runs on the handlers of the tenant the call was admitted for.
+  explicit UpdateReactor(Admitted admitted);
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
@@ -39,6 +41,7 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Next PickNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void Start(Next next);
 
+  const Admitted admitted_;  // counted in the tenant's requests until the call ends
   // Touched only by the read path.
   UpdateCall call_;
   grpc::ByteBuffer request_;
@@ -59,7 +62,7 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 // zero-filled FetchResponse that protobuf then copies again.
 class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  FetchReactor(Handlers& handlers, const grpc::ByteBuffer& request);
+  FetchReactor(Admitted admitted, const grpc::ByteBuffer& request);
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
 
@@ -69,6 +72,7 @@ class FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   absl::Status EncodeNext();
   void FinishFetch(const absl::Status& transport);
 
+  const Admitted admitted_;
   FetchCall call_;
   grpc::ByteBuffer response_;
 };

@@ -32,6 +32,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.data_dir = setup.data_dir;
   config.disk_bytes = setup.disk_bytes;
   config.lease_check_interval = setup.lease_check_interval;
+  config.tokens_file = setup.tokens_file;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();
@@ -39,6 +40,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   }
   auto test_server = std::unique_ptr<TestServer>(new TestServer);
   test_server->server_ = *std::move(server);
+  test_server->token_ = setup.token;
   test_server->client_ =
       test_server->Connect(/*dedicated=*/false, setup.client_on_lane ? "auto" : "");
   const absl::Status ready = test_server->client_->WaitForReady(absl::Seconds(10));
@@ -58,7 +60,17 @@ std::unique_ptr<Client> TestServer::Connect(bool dedicated, const std::string& d
   return Client::Connect(ClientOptions{.address = server_->address(),
                                        .deadline = absl::Seconds(30),
                                        .dedicated_connection = dedicated,
-                                       .data_lane = data_lane});
+                                       .data_lane = data_lane,
+                                       .token = token_});
+}
+
+std::unique_ptr<Client> TestServer::ConnectAs(const std::string& token,
+                                              const std::string& data_lane) const {
+  return Client::Connect(ClientOptions{.address = server_->address(),
+                                       .deadline = absl::Seconds(30),
+                                       .dedicated_connection = true,
+                                       .data_lane = data_lane,
+                                       .token = token});
 }
 
 std::unique_ptr<Client> TestServer::ConnectTo(const std::string& address) const {
@@ -88,9 +100,11 @@ void TestServer::CleanUpAndCheck() {
     }
     absl::StatusOr<v1::Stats> stats = client_->GetStats();
     ASSERT_TRUE(stats.ok()) << stats.status();
-    EXPECT_EQ(stats->pages_used(), 0u) << "pages leaked";
-    EXPECT_EQ(stats->host_pages_used(), 0u) << "host-tier pages leaked";
-    EXPECT_EQ(stats->disk_pages_used(), 0u) << "disk-tier pages leaked";
+    // From the pool itself: a tenant's GetStats does not show the pool's use.
+    const gpu::PoolStats pool = server_->pool().stats();
+    EXPECT_EQ(pool.used_pages, 0u) << "pages leaked";
+    EXPECT_EQ(pool.host_pages, 0u) << "host-tier pages leaked";
+    EXPECT_EQ(pool.disk_pages, 0u) << "disk-tier pages leaked";
     EXPECT_EQ(stats->caches(), 0u);
     EXPECT_EQ(stats->snapshots(), 0u);
   }

@@ -47,6 +47,10 @@ struct ServerSetup {
   std::string data_dir;
   uint64_t disk_bytes = 0;
   absl::Duration lease_check_interval = absl::Milliseconds(250);
+  // The server's --tokens_file (empty: one anonymous tenant) and the bearer
+  // token of the clients Connect makes.
+  std::string tokens_file;
+  std::string token;
 };
 
 class TestServer {
@@ -62,6 +66,9 @@ class TestServer {
   // its own; `data_lane` is its ClientOptions::data_lane.
   std::unique_ptr<Client> Connect(bool dedicated = true, const std::string& data_lane = "") const;
   std::unique_ptr<Client> ConnectTo(const std::string& address) const;
+  // A client with a token of its own (over the lane: data_lane "auto").
+  std::unique_ptr<Client> ConnectAs(const std::string& token,
+                                    const std::string& data_lane = "") const;
 
   // KvCacheServer::Shutdown; afterwards CleanUpAndCheck works on the engine.
   void Shutdown(absl::Duration grace);
@@ -74,6 +81,7 @@ class TestServer {
 
   std::unique_ptr<KvCacheServer> server_;
   std::unique_ptr<Client> client_;
+  std::string token_;
   bool shut_down_ = false;
 };
 

@@ -1,0 +1,67 @@
+// The tokens file (kvcached --tokens_file): who may call, as which tenant,
+// within which quotas. One tenant per line, fields as key=value:
+//
+//   # comments and blank lines are skipped
+//   tenant=alice token=3f1c...   max_pinned_bytes=1073741824 max_requests_in_flight=64
+//   tenant=ops   sha256=9a0b...  admin
+//
+// `token=` holds the bearer token itself (at least kMinTokenBytes); `sha256=`
+// its SHA-256 in hex, so that the file need not hold the secret. Only the
+// digest is kept in memory, and tokens are compared digest to digest in
+// constant time (TokenDirectory), so neither a log nor a timing shows them.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvcache {
+
+inline constexpr size_t kMinTokenBytes = 16;
+inline constexpr size_t kMaxTenantNameBytes = 64;
+
+using TokenDigest = std::array<unsigned char, 32>;
+
+// SHA-256 of a bearer token.
+TokenDigest DigestToken(absl::string_view token);
+
+// What a tenant may hold; 0: no limit of its own (the server's flags still apply).
+struct TenantQuotas {
+  uint64_t max_pinned_bytes = 0;
+  uint64_t max_metadata_bytes = 0;
+  uint32_t max_requests_in_flight = 0;
+  uint32_t max_lane_connections = 0;
+};
+
+struct TenantConfig {
+  std::string name;  // 1-64 of [A-Za-z0-9_-]; names its files' directory too
+  TokenDigest token_digest{};
+  // Sees the server's totals in GetStats (others see their own share).
+  bool admin = false;
+  TenantQuotas quotas;
+};
+
+// Parses the file's text. A bad line is INVALID_ARGUMENT naming its number and
+// field; a token is never quoted back.
+absl::StatusOr<std::vector<TenantConfig>> ParseTokensFile(absl::string_view text);
+// Reads and parses `path`.
+absl::StatusOr<std::vector<TenantConfig>> ReadTokensFile(const std::string& path);
+
+// Finds the tenant of a bearer token: SHA-256 of the token against every
+// tenant's digest, each compared in full, so the time taken says nothing
+// about which tenant (if any) or how many bytes matched.
+class TokenDirectory {
+ public:
+  explicit TokenDirectory(const std::vector<TenantConfig>& tenants);
+  // The index in `tenants` of the token's tenant; -1 when none.
+  int Find(absl::string_view token) const;
+
+ private:
+  std::vector<TokenDigest> digests_;
+};
+
+}  // namespace kvcache

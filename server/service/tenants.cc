@@ -1,0 +1,209 @@
+#include "service/tenants.h"
+
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "core/log.h"
+
+namespace kvcache::service {
+namespace {
+
+constexpr absl::string_view kBearer = "Bearer ";
+
+// Adds what `engine` holds for its tenant to server-wide totals.
+void AddTenantCounts(const engine::EngineStats& stats, v1::Stats& totals) {
+  totals.set_caches(totals.caches() + stats.caches);
+  totals.set_snapshots(totals.snapshots() + stats.snapshots);
+  totals.set_caches_expired(totals.caches_expired() + stats.caches_expired);
+  totals.set_snapshots_expired(totals.snapshots_expired() + stats.snapshots_expired);
+  totals.set_pinned_bytes(totals.pinned_bytes() + stats.pinned_bytes);
+  totals.set_metadata_bytes(totals.metadata_bytes() + stats.metadata_bytes);
+  totals.set_prefix_entries(totals.prefix_entries() + stats.prefixes.entries);
+  totals.set_prefix_tokens(totals.prefix_tokens() + stats.prefixes.stored_tokens);
+  totals.set_prefix_lookups(totals.prefix_lookups() + stats.prefixes.lookups);
+  totals.set_prefix_hits(totals.prefix_hits() + stats.prefixes.hits);
+  totals.set_prefix_matched_tokens(totals.prefix_matched_tokens() + stats.prefixes.matched_tokens);
+  totals.set_prefix_entries_dropped(totals.prefix_entries_dropped() + stats.prefixes.dropped);
+}
+
+// The shared pool's use, which says how busy the other tenants are.
+void ClearServerWide(v1::Stats& stats) {
+  stats.set_pages_used(0);
+  stats.set_pool_bytes_used(0);
+  stats.set_evictions(0);
+  stats.set_host_pages_used(0);
+  stats.set_disk_pages_used(0);
+  stats.set_demotions(0);
+  stats.set_promotions_from_host(0);
+  stats.set_promotions_from_disk(0);
+}
+
+}  // namespace
+
+Admitted& Admitted::operator=(Admitted&& other) noexcept {
+  if (this != &other) {
+    Release();
+    tenant_ = std::exchange(other.tenant_, nullptr);
+    gauge_ = std::exchange(other.gauge_, nullptr);
+  }
+  return *this;
+}
+
+void Admitted::Release() {
+  if (gauge_ != nullptr) gauge_->fetch_sub(1, std::memory_order_relaxed);
+  gauge_ = nullptr;
+  tenant_ = nullptr;
+}
+
+Tenants::Tenants(TenantParts anonymous) {
+  auto tenant = std::make_unique<Tenant>();
+  tenant->parts = std::move(anonymous);
+  anonymous_ = tenant.get();
+  absl::MutexLock lock(&mutex_);
+  active_.push_back(anonymous_);
+  by_name_.emplace("", std::move(tenant));
+}
+
+absl::StatusOr<std::unique_ptr<Tenants>> Tenants::Open(const std::string& tokens_file,
+                                                       TenantFactory factory) {
+  auto tenants = std::unique_ptr<Tenants>(new Tenants);
+  tenants->path_ = tokens_file;
+  tenants->factory_ = std::move(factory);
+  absl::StatusOr<std::vector<TenantConfig>> configs = ReadTokensFile(tokens_file);
+  if (!configs.ok()) return configs.status();
+  absl::MutexLock lock(&tenants->mutex_);
+  if (absl::Status status = tenants->Apply(*std::move(configs)); !status.ok()) return status;
+  return tenants;
+}
+
+absl::Status Tenants::Reload() {
+  if (!authenticates()) return absl::OkStatus();
+  absl::StatusOr<std::vector<TenantConfig>> configs = ReadTokensFile(path_);
+  if (!configs.ok()) return configs.status();
+  absl::MutexLock lock(&mutex_);
+  return Apply(*std::move(configs));
+}
+
+// Tenants are made first and published together, so a failure to make one
+// leaves the previous file in force.
+absl::Status Tenants::Apply(std::vector<TenantConfig> configs) {
+  std::vector<std::unique_ptr<Tenant>> made;
+  for (const TenantConfig& config : configs) {
+    if (by_name_.contains(config.name)) continue;
+    absl::StatusOr<TenantParts> parts = factory_(config);
+    if (!parts.ok()) {
+      return absl::Status(parts.status().code(),
+                          absl::StrCat("tenant ", config.name, ": ", parts.status().message()));
+    }
+    auto tenant = std::make_unique<Tenant>();
+    tenant->name = config.name;
+    tenant->parts = *std::move(parts);
+    made.push_back(std::move(tenant));
+  }
+  for (std::unique_ptr<Tenant>& tenant : made) {
+    const std::string name = tenant->name;
+    by_name_.emplace(name, std::move(tenant));
+  }
+  active_.clear();
+  for (const TenantConfig& config : configs) {
+    Tenant& tenant = *by_name_.at(config.name);
+    tenant.admin.store(config.admin, std::memory_order_relaxed);
+    tenant.max_requests_in_flight.store(config.quotas.max_requests_in_flight,
+                                        std::memory_order_relaxed);
+    tenant.max_lane_connections.store(config.quotas.max_lane_connections,
+                                      std::memory_order_relaxed);
+    active_.push_back(&tenant);
+  }
+  tokens_ = std::make_unique<TokenDirectory>(configs);
+  LogInfo("tokens_file %s: %d tenants", path_, configs.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tenant*> Tenants::Authenticate(absl::string_view token) const {
+  if (!authenticates()) return anonymous_;
+  if (token.empty()) {
+    return absl::UnauthenticatedError("authorization: no bearer token (kvcached --tokens_file)");
+  }
+  absl::ReaderMutexLock lock(&mutex_);
+  const int index = tokens_->Find(token);
+  if (index < 0) return absl::UnauthenticatedError("authorization: unknown bearer token");
+  return active_[index];
+}
+
+absl::StatusOr<Admitted> Tenants::Admit(Tenant* tenant, std::atomic<uint32_t> Tenant::*gauge,
+                                        std::atomic<uint32_t> Tenant::*limit,
+                                        const char* limit_name) {
+  const uint32_t most = (tenant->*limit).load(std::memory_order_relaxed);
+  const uint32_t before = (tenant->*gauge).fetch_add(1, std::memory_order_relaxed);
+  Admitted admitted(tenant, &(tenant->*gauge));
+  if (most != 0 && before >= most) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(limit_name, ": tenant ", tenant->name, " has ", most, " already (its quota)"));
+  }
+  return admitted;
+}
+
+absl::StatusOr<Admitted> Tenants::AdmitCall(absl::string_view authorization) {
+  absl::string_view token;
+  if (authenticates() && !authorization.empty()) {
+    if (!absl::StartsWithIgnoreCase(authorization, kBearer)) {
+      return absl::UnauthenticatedError("authorization: not \"Bearer <token>\"");
+    }
+    token = absl::StripLeadingAsciiWhitespace(authorization.substr(kBearer.size()));
+  }
+  absl::StatusOr<Tenant*> tenant = Authenticate(token);
+  if (!tenant.ok()) return tenant.status();
+  return Admit(*tenant, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
+               "max_requests_in_flight");
+}
+
+absl::StatusOr<Admitted> Tenants::AdmitLane(absl::string_view token) {
+  absl::StatusOr<Tenant*> tenant = Authenticate(token);
+  if (!tenant.ok()) return tenant.status();
+  return Admit(*tenant, &Tenant::lane_connections, &Tenant::max_lane_connections,
+               "max_lane_connections");
+}
+
+void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
+  stats.set_tenant(tenant.name);
+  if (!authenticates()) {
+    stats.set_server_wide(true);
+    return;
+  }
+  if (!tenant.admin.load(std::memory_order_relaxed)) {
+    ClearServerWide(stats);
+    return;
+  }
+  const uint64_t max_pinned = stats.max_pinned_bytes();
+  const uint64_t max_metadata = stats.max_metadata_bytes();
+  v1::Stats totals = stats;
+  totals.clear_caches();
+  totals.clear_snapshots();
+  totals.clear_caches_expired();
+  totals.clear_snapshots_expired();
+  totals.clear_pinned_bytes();
+  totals.clear_metadata_bytes();
+  totals.clear_prefix_entries();
+  totals.clear_prefix_tokens();
+  totals.clear_prefix_lookups();
+  totals.clear_prefix_hits();
+  totals.clear_prefix_matched_tokens();
+  totals.clear_prefix_entries_dropped();
+  for (engine::Engine* engine : Engines()) AddTenantCounts(engine->Stats(), totals);
+  totals.set_max_pinned_bytes(max_pinned);
+  totals.set_max_metadata_bytes(max_metadata);
+  totals.set_server_wide(true);
+  stats = std::move(totals);
+}
+
+std::vector<engine::Engine*> Tenants::Engines() const {
+  absl::ReaderMutexLock lock(&mutex_);
+  std::vector<engine::Engine*> engines;
+  engines.reserve(by_name_.size());
+  for (const auto& [name, tenant] : by_name_) engines.push_back(tenant->parts.engine);
+  return engines;
+}
+
+}  // namespace kvcache::service

@@ -1,0 +1,128 @@
+// Who is calling: every gRPC call and every data-lane connection is admitted
+// for one tenant before it reaches Handlers, and each tenant has an engine of
+// its own (its own ids, snapshots, prefix index and saved files) over the one
+// shared page pool. Another tenant's id is then unknown by construction: the
+// same lookup in a map that never held it, with the same NOT_FOUND and the
+// same timing as any id nobody holds, and a prefix lookup never walks another
+// tenant's index.
+//
+// Without a tokens file there is one anonymous tenant and every call is
+// admitted, token or not (as before tenants existed). With one, a call needs
+// `authorization: Bearer <token>` (the lane: an AUTH frame first) naming a
+// tenant of the file; others are UNAUTHENTICATED. Reload (on SIGHUP) re-reads
+// the file: new tokens and quotas apply to the next call; a tenant left out
+// can no longer call, but keeps what it holds (leases still run) and gets it
+// back if it returns; calls and connections under way are not dropped.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/tokens_file.h"
+#include "engine/engine.h"
+#include "kvcache/v1/kvcache.pb.h"
+#include "service/handlers.h"
+
+namespace kvcache::service {
+
+// What a tenant's calls run on; made by the server (kv_server.cc), which
+// knows how to build an engine.
+struct TenantParts {
+  std::shared_ptr<void> owned;  // keeps the two below alive
+  Handlers* handlers = nullptr;
+  engine::Engine* engine = nullptr;
+};
+using TenantFactory = std::function<absl::StatusOr<TenantParts>(const TenantConfig& config)>;
+
+struct Tenant {
+  std::string name;  // "" for the anonymous tenant
+  TenantParts parts;
+  // From the tokens file; changed by a reload.
+  std::atomic<bool> admin{false};
+  std::atomic<uint32_t> max_requests_in_flight{0};  // 0: no limit
+  std::atomic<uint32_t> max_lane_connections{0};
+  // Gauges of what is admitted now.
+  std::atomic<uint32_t> requests_in_flight{0};
+  std::atomic<uint32_t> lane_connections{0};
+};
+
+// A call or lane connection admitted for a tenant; it counts against the
+// tenant's limit until this goes.
+class Admitted {
+ public:
+  Admitted() = default;
+  Admitted(Tenant* tenant, std::atomic<uint32_t>* gauge) : tenant_(tenant), gauge_(gauge) {}
+  Admitted(Admitted&& other) noexcept { *this = std::move(other); }
+  Admitted& operator=(Admitted&& other) noexcept;
+  ~Admitted() { Release(); }
+
+  bool ok() const { return tenant_ != nullptr; }
+  Tenant& tenant() const { return *tenant_; }
+  Handlers& handlers() const { return *tenant_->parts.handlers; }
+
+ private:
+  void Release();
+  Tenant* tenant_ = nullptr;
+  std::atomic<uint32_t>* gauge_ = nullptr;
+};
+
+class Tenants {
+ public:
+  // One anonymous tenant, whose calls run on `anonymous`.
+  explicit Tenants(TenantParts anonymous);
+  // The tenants of a tokens file, each made by `factory`.
+  static absl::StatusOr<std::unique_ptr<Tenants>> Open(const std::string& tokens_file,
+                                                       TenantFactory factory);
+
+  // Whether calls need a token (a tokens file is in use).
+  bool authenticates() const { return !path_.empty(); }
+  // Re-reads the tokens file. A file that does not parse changes nothing
+  // (INVALID_ARGUMENT naming the line).
+  absl::Status Reload();
+
+  // A gRPC call, given its `authorization` metadata ("" when absent):
+  // UNAUTHENTICATED without a known token, RESOURCE_EXHAUSTED naming
+  // max_requests_in_flight past the tenant's limit.
+  absl::StatusOr<Admitted> AdmitCall(absl::string_view authorization);
+  // A data-lane connection, given its AUTH frame's token (RESOURCE_EXHAUSTED
+  // naming max_lane_connections past the tenant's limit).
+  absl::StatusOr<Admitted> AdmitLane(absl::string_view token);
+
+  // GetStats as `tenant` may see it: its own caches, snapshots and prefixes;
+  // the pool's use by everyone (pages used, tiers, evictions) only when it is
+  // the only tenant or an admin, who sees every tenant's counts summed.
+  void ScopeStats(const Tenant& tenant, v1::Stats& stats) const;
+  // Every tenant's engine, for server-wide work (eviction across tenants).
+  std::vector<engine::Engine*> Engines() const;
+  // The anonymous tenant's engine; null where there are tenants.
+  engine::Engine* anonymous_engine() const {
+    return anonymous_ ? anonymous_->parts.engine : nullptr;
+  }
+
+ private:
+  Tenants() = default;
+  absl::StatusOr<Tenant*> Authenticate(absl::string_view token) const;
+  absl::StatusOr<Admitted> Admit(Tenant* tenant, std::atomic<uint32_t> Tenant::*gauge,
+                                 std::atomic<uint32_t> Tenant::*limit, const char* limit_name);
+  absl::Status Apply(std::vector<TenantConfig> configs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+
+  std::string path_;  // empty: the anonymous tenant only
+  TenantFactory factory_;
+  mutable absl::Mutex mutex_;
+  // Every tenant ever named, never erased: a call under way keeps its Tenant.
+  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> by_name_ ABSL_GUARDED_BY(mutex_);
+  // Those the tokens file names now, in its order, and their tokens.
+  std::vector<Tenant*> active_ ABSL_GUARDED_BY(mutex_);
+  std::unique_ptr<TokenDirectory> tokens_ ABSL_GUARDED_BY(mutex_);
+  Tenant* anonymous_ = nullptr;
+};
+
+}  // namespace kvcache::service

@@ -1,0 +1,436 @@
+// Tenants over the wire (service/tenants.h): a server with a tokens file
+// refuses every RPC and the data lane without a known token; each tenant sees
+// only its own caches, snapshots, saved files and prefixes, and another
+// tenant's id is answered exactly as an unknown id is; quotas refuse past
+// their limit; a reload changes tokens without losing what a tenant holds.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/synchronization/notification.h"
+#include "e2e_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lane/frame.h"
+#include "lane/frame_reader.h"
+#include "lane/frame_writer.h"
+#include "lane/socket.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using Code = absl::StatusCode;
+
+constexpr char kAlice[] = "alice-token-0123456789abcdef";
+constexpr char kBob[] = "bob-token-0123456789abcdef";
+constexpr char kOps[] = "ops-token-0123456789abcdef";
+
+class E2eTenantsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("kvcached-tenants-" + std::to_string(std::random_device()()));
+    std::filesystem::create_directories(dir_);
+    WriteTokens(absl::StrCat("# a comment\n", "tenant=alice token=", kAlice,
+                             " max_requests_in_flight=2 max_lane_connections=2\n",
+                             "tenant=bob token=", kBob, "\n", "tenant=ops token=", kOps,
+                             " admin\n"));
+    server_ = TestServer::Start(
+        {.data_dir = (dir_ / "data").string(), .tokens_file = tokens_file(), .token = kAlice});
+    ASSERT_NE(server_, nullptr);
+    alice_ = server_->ConnectAs(kAlice);
+    bob_ = server_->ConnectAs(kBob);
+  }
+
+  void TearDown() override {
+    alice_.reset();
+    bob_.reset();
+    if (server_ != nullptr) {
+      for (const char* token : {kBob, kOps}) ReleaseAll(*server_->ConnectAs(token));
+      server_->CleanUpAndCheck();  // alice's, then the pool's pages
+    }
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::string tokens_file() const { return (dir_ / "tokens").string(); }
+  void WriteTokens(const std::string& text) { std::ofstream(tokens_file()) << text; }
+
+  static void ReleaseAll(Client& client) {
+    absl::StatusOr<std::vector<v1::SnapshotInfo>> snapshots = client.ListSnapshots();
+    ASSERT_TRUE(snapshots.ok()) << snapshots.status();
+    for (const v1::SnapshotInfo& info : *snapshots) {
+      EXPECT_TRUE(client.ReleaseSnapshot(info.snapshot_id()).ok());
+    }
+    absl::StatusOr<std::vector<v1::CacheInfo>> caches = client.ListCaches();
+    ASSERT_TRUE(caches.ok()) << caches.status();
+    for (const v1::CacheInfo& info : *caches) EXPECT_TRUE(client.DeleteCache(info.cache_id()).ok());
+  }
+
+  // A cache of `client`'s with `tokens` tokens in every layer, and a snapshot of it.
+  std::pair<std::string, std::string> CacheWithSnapshot(Client& client, uint64_t tokens) {
+    absl::StatusOr<v1::CacheInfo> cache = client.CreateCache(ToWireSpec(spec_));
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return {};
+    RefCache reference(spec_);
+    EXPECT_TRUE(StepBoth(client, cache->cache_id(), reference, tokens, rng_).ok());
+    absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
+    EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+    return {cache->cache_id(), snapshot.ok() ? snapshot->snapshot_id() : ""};
+  }
+
+  std::filesystem::path dir_;
+  const engine::CacheSpec spec_ = MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(2, 8)});
+  std::mt19937_64 rng_{11};
+  std::unique_ptr<TestServer> server_;
+  std::unique_ptr<Client> alice_;
+  std::unique_ptr<Client> bob_;
+};
+
+// Every RPC of the proto, called with an empty message through a generic stub.
+std::vector<std::pair<std::string, grpc::StatusCode>> CallEveryRpc(
+    const std::string& address, const std::string& authorization) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::KvCacheService::service_full_name());
+  std::vector<std::pair<std::string, grpc::StatusCode>> codes;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string method =
+        absl::StrCat("/", service->full_name(), "/", service->method(i)->name());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+    grpc::Slice no_bytes("");
+    grpc::ByteBuffer empty_request(&no_bytes, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, method, grpc::StubOptions(), &empty_request, &response,
+                   [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    codes.emplace_back(method, status.error_code());
+  }
+  return codes;
+}
+
+TEST_F(E2eTenantsTest, EveryRpcRefusesCallsWithoutAKnownToken) {
+  const std::string address = server_->server().address();
+  for (const std::string& authorization :
+       {std::string(), std::string("Bearer wrong-token-0123456789"), std::string(kAlice),
+        absl::StrCat("Basic ", kAlice)}) {
+    SCOPED_TRACE(authorization);
+    for (const auto& [method, code] : CallEveryRpc(address, authorization)) {
+      EXPECT_EQ(code, grpc::StatusCode::UNAUTHENTICATED) << method;
+    }
+  }
+  // The same calls with a token reach the handlers (a real answer, mostly a
+  // validation error for an empty request).
+  for (const auto& [method, code] : CallEveryRpc(address, absl::StrCat("Bearer ", kBob))) {
+    EXPECT_NE(code, grpc::StatusCode::UNAUTHENTICATED) << method;
+    EXPECT_NE(code, grpc::StatusCode::UNIMPLEMENTED) << method;
+  }
+  // And the client library's own calls.
+  auto anonymous = server_->ConnectAs("");
+  const absl::Status refused = anonymous->ListCaches().status();
+  EXPECT_EQ(refused.code(), Code::kUnauthenticated) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("bearer token"));
+  EXPECT_EQ(anonymous->CreateCache(ToWireSpec(spec_)).status().code(), Code::kUnauthenticated);
+  EXPECT_EQ(anonymous->FetchLayer(std::string(32, 'a'), "", 0).status().code(),
+            Code::kUnauthenticated);
+}
+
+// Bob names alice's ids on every call that takes one: each answer is the one
+// an id nobody holds gets (same code, same message once the id is swapped),
+// and alice's state is unchanged.
+TEST_F(E2eTenantsTest, AnotherTenantsIdsAreUnknownOnEveryCall) {
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 20);
+  const EngineFingerprint before = WireFingerprint(*alice_);
+  const std::string unknown_cache(cache.size(), 'c'), unknown_snapshot(snapshot.size(), 'd');
+  const KvTensors kv = RandomKv(spec_, 0, 1, rng_);
+  const LayerUpdate update = MakeLayerUpdate(spec_, 0, kv);
+  const auto [bobs_cache, bobs_snapshot] = CacheWithSnapshot(*bob_, 4);
+  using Call = std::function<absl::Status(const std::string& cache, const std::string& snap)>;
+  const std::vector<std::pair<std::string, Call>> calls = {
+      {"GetCache", [&](auto& c, auto&) { return bob_->GetCache(c).status(); }},
+      {"DeleteCache", [&](auto& c, auto&) { return bob_->DeleteCache(c); }},
+      {"Update",
+       [&](auto& c, auto&) {
+         return bob_->Update(c, {&update, 1}).status();
+       }},
+      {"Fetch", [&](auto& c, auto&) { return bob_->FetchLayer(c, "", 0).status(); }},
+      {"Fetch snapshot", [&](auto&, auto& s) { return bob_->FetchLayer("", s, 0).status(); }},
+      {"Trim", [&](auto& c, auto&) { return bob_->Trim(c, 1).status(); }},
+      {"Snapshot", [&](auto& c, auto&) { return bob_->Snapshot(c, 0).status(); }},
+      {"Restore into", [&](auto& c, auto& s) { return bob_->Restore(c, s, 0).status(); }},
+      {"Restore from", [&](auto&, auto& s) { return bob_->Restore(bobs_cache, s, 0).status(); }},
+      {"MergeSnapshots parent",
+       [&](auto&, auto& s) { return bob_->MergeSnapshots(s, bobs_snapshot).status(); }},
+      {"MergeSnapshots child",
+       [&](auto&, auto& s) { return bob_->MergeSnapshots(bobs_snapshot, s).status(); }},
+      {"SplitSnapshot", [&](auto&, auto& s) { return bob_->SplitSnapshot(s, 2).status(); }},
+      {"ReleaseSnapshot", [&](auto&, auto& s) { return bob_->ReleaseSnapshot(s); }},
+      {"ExtractRow", [&](auto& c, auto&) { return bob_->ExtractRow(c, 0).status(); }},
+      {"FilterRows", [&](auto& c, auto&) { return bob_->FilterRows(c, {0}).status(); }},
+      {"MergeCaches",
+       [&](auto& c, auto&) {
+         const std::string ids[] = {c};
+         return bob_->MergeCaches(ids).status();
+       }},
+      {"ExtendCache", [&](auto& c, auto&) { return bob_->ExtendCache(bobs_cache, c).status(); }},
+      {"BeginSpeculation",
+       [&](auto& c, auto&) { return bob_->BeginSpeculation(c, false).status(); }},
+      {"RenewLease cache",
+       [&](auto& c, auto&) {
+         const std::string ids[] = {c};
+         return bob_->RenewLease(ids, {}).status();
+       }},
+      {"RenewLease snapshot",
+       [&](auto&, auto& s) {
+         const std::string ids[] = {s};
+         return bob_->RenewLease({}, ids).status();
+       }},
+      {"SetPinned", [&](auto&, auto& s) { return bob_->SetPinned(s, true).status(); }},
+      {"SaveSnapshot", [&](auto&, auto& s) { return bob_->SaveSnapshot(s, "stolen").status(); }},
+      {"ExportSnapshot",
+       [&](auto&, auto& s) {
+         v1::ExportSnapshotRequest request;
+         request.set_snapshot_id(s);
+         return bob_->ExportSnapshot(request).status();
+       }},
+      {"PublishPrefix",
+       [&](auto&, auto& s) {
+         const uint32_t tokens[] = {1, 2, 3};
+         return bob_->PublishPrefix(s, tokens).status();
+       }},
+      {"LookupPrefixCache",
+       [&](auto& c, auto&) {
+         const uint32_t tokens[] = {1, 2, 3};
+         return bob_->LookupPrefixCache(c, tokens).status();
+       }},
+  };
+  for (const auto& [name, call] : calls) {
+    SCOPED_TRACE(name);
+    const absl::Status theirs = call(cache, snapshot);
+    const absl::Status nobodys = call(unknown_cache, unknown_snapshot);
+    EXPECT_EQ(theirs.code(), Code::kNotFound) << theirs;
+    EXPECT_EQ(theirs.code(), nobodys.code());
+    const std::string swapped = absl::StrReplaceAll(
+        theirs.message(), {{cache, unknown_cache}, {snapshot, unknown_snapshot}});
+    EXPECT_EQ(swapped, nobodys.message());
+  }
+  // A list by alice's cache id is as empty as one by an id nobody holds.
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = bob_->ListSnapshots(cache);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
+  EXPECT_TRUE(WireFingerprint(*alice_) == before) << "bob's calls changed alice's state";
+  ReleaseAll(*bob_);
+}
+
+TEST_F(E2eTenantsTest, ListsAndPrefixesShowOnlyTheCallersOwn) {
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 32);
+  const uint32_t tokens[] = {5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                             21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36};
+  ASSERT_TRUE(alice_->PublishPrefix(snapshot, tokens).ok());
+  ASSERT_TRUE(alice_->SaveSnapshot(snapshot, "alices").ok());
+
+  const auto empty = [](const auto& listed) { return listed.ok() && listed->empty(); };
+  EXPECT_TRUE(empty(bob_->ListCaches()));
+  EXPECT_TRUE(empty(bob_->ListSnapshots()));
+  EXPECT_TRUE(empty(bob_->ListPrefixes()));
+  EXPECT_TRUE(empty(bob_->ListSaved()));
+  EXPECT_EQ(bob_->LoadSnapshot("alices").status().code(), Code::kNotFound);
+  EXPECT_EQ(bob_->DeleteSaved("alices").code(), Code::kNotFound);
+  // The same tokens in the same layout: a miss for bob, a hit for alice.
+  absl::StatusOr<v1::LookupPrefixResponse> bobs = bob_->LookupPrefix(ToWireSpec(spec_), tokens);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_EQ(bobs->matched_tokens(), 0u);
+  absl::StatusOr<v1::LookupPrefixResponse> alices = alice_->LookupPrefix(ToWireSpec(spec_), tokens);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  EXPECT_EQ(alices->matched_tokens(), 32u);
+  // Bob's file of the same name is his own.
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 8);
+  ASSERT_TRUE(bob_->SaveSnapshot(bob_snapshot, "alices").ok());
+  absl::StatusOr<v1::LoadSnapshotResponse> loaded = alice_->LoadSnapshot("alices");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->snapshot().to_offset(), 32u) << "alice loaded bob's file";
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "data" / "tenants" / "alice" / "alices.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "data" / "tenants" / "bob" / "alices.safetensors"));
+
+  const absl::StatusOr<std::vector<v1::CacheInfo>> mine = alice_->ListCaches();
+  ASSERT_TRUE(mine.ok());
+  ASSERT_EQ(mine->size(), 1u);
+  EXPECT_EQ((*mine)[0].cache_id(), cache);
+  ASSERT_TRUE(alice_->DeleteSaved("alices").ok());
+  ASSERT_TRUE(bob_->DeleteSaved("alices").ok());
+  ReleaseAll(*bob_);
+}
+
+TEST_F(E2eTenantsTest, StatsAreTheTenantsOwnAndTotalsOnlyForAdmins) {
+  CacheWithSnapshot(*alice_, 16);
+  CacheWithSnapshot(*alice_, 16);
+  CacheWithSnapshot(*bob_, 16);
+  absl::StatusOr<v1::Stats> alice = alice_->GetStats();
+  ASSERT_TRUE(alice.ok()) << alice.status();
+  EXPECT_EQ(alice->tenant(), "alice");
+  EXPECT_FALSE(alice->server_wide());
+  EXPECT_EQ(alice->caches(), 2u);
+  EXPECT_EQ(alice->snapshots(), 2u);
+  EXPECT_EQ(alice->pages_used(), 0u) << "the shared pool's use is the server's, not alice's";
+  EXPECT_GT(alice->pages_total(), 0u);
+  absl::StatusOr<v1::Stats> totals = server_->ConnectAs(kOps)->GetStats();
+  ASSERT_TRUE(totals.ok()) << totals.status();
+  EXPECT_EQ(totals->tenant(), "ops");
+  EXPECT_TRUE(totals->server_wide());
+  EXPECT_EQ(totals->caches(), 3u);
+  EXPECT_EQ(totals->snapshots(), 3u);
+  EXPECT_EQ(totals->pages_used(), server_->server().pool().stats().used_pages);
+  EXPECT_GT(totals->pages_used(), 0u);
+  ReleaseAll(*bob_);
+}
+
+// Alice may have 2 requests in flight: two open Update streams hold both, a
+// third call is RESOURCE_EXHAUSTED naming the quota, and once one stream
+// ends she may call again. Bob is not affected.
+TEST_F(E2eTenantsTest, RequestsInFlightStopAtTheTenantsQuota) {
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 4);
+  const KvTensors kv = RandomKv(spec_, 0, 1, rng_);
+  auto first = alice_->OpenUpdate(cache);
+  auto second = alice_->OpenUpdate(cache);
+  // A stream is admitted when its first message reaches the server.
+  LayerUpdate update = MakeLayerUpdate(spec_, 0, kv);
+  ASSERT_TRUE(first->Write(update));
+  ASSERT_TRUE(second->Write(update));
+  absl::Status refused;
+  for (int attempt = 0; attempt < 100; ++attempt) {  // until both streams are admitted
+    refused = alice_->GetCache(cache).status();
+    if (!refused.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(refused.code(), Code::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_requests_in_flight"));
+  EXPECT_TRUE(bob_->ListCaches().ok());
+  (void)first->Finish();
+  (void)second->Finish();
+  absl::Status again;
+  for (int attempt = 0; attempt < 100; ++attempt) {  // the server sees the ends shortly
+    again = alice_->GetCache(cache).status();
+    if (again.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(again.ok()) << again;
+}
+
+// The data lane authenticates each connection: a token's client works over
+// it and sees only its tenant's caches; a connection without an AUTH frame,
+// or with a wrong token, is answered UNAUTHENTICATED and closed.
+TEST_F(E2eTenantsTest, TheDataLaneAuthenticatesEachConnection) {
+  auto alice_lane = server_->ConnectAs(kAlice, "auto");
+  ASSERT_TRUE(alice_lane->uses_data_lane());
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_lane, 24);
+  absl::StatusOr<LayerHistory> own = alice_lane->FetchLayer(cache, "", 1);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->tokens, 24u);
+  auto bob_lane = server_->ConnectAs(kBob, server_->server().data_lane_address());
+  const absl::Status theirs = bob_lane->FetchLayer(cache, "", 1).status();
+  EXPECT_EQ(theirs.code(), Code::kNotFound) << theirs;
+
+  const std::string lane_address = server_->server().data_lane_address();
+  for (const std::string& token : {std::string("wrong-token-0123456789"), std::string()}) {
+    auto stranger = server_->ConnectAs(token, lane_address);
+    const absl::Status refused = stranger->FetchLayer(cache, "", 1).status();
+    EXPECT_EQ(refused.code(), Code::kUnauthenticated) << refused;
+  }
+  // A raw connection whose first frame is a FETCH.
+  absl::StatusOr<int> fd =
+      lane::Connect(lane_address, absl::Seconds(5), {lane::kMagic, sizeof(lane::kMagic)});
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  lane::OwnedFd owned(*fd);
+  lane::FrameReader reader(*fd, 1 << 20);
+  lane::FrameWriter writer(*fd);
+  ASSERT_TRUE(reader.ReadRaw(sizeof(lane::kMagic)).ok());
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache);
+  writer.AddMessage(v1::LANE_FRAME_FETCH, fetch);
+  ASSERT_TRUE(writer.Send().ok());
+  absl::StatusOr<lane::Frame> answer = reader.Next();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  ASSERT_EQ(answer->header.kind, v1::LANE_FRAME_STATUS);
+  v1::LaneStatus status;
+  ASSERT_TRUE(status.ParseFromArray(answer->payload.data(), answer->payload.size()));
+  EXPECT_EQ(status.code(), static_cast<int>(Code::kUnauthenticated)) << status.message();
+  EXPECT_FALSE(reader.Next().ok()) << "the connection stays open";
+}
+
+TEST_F(E2eTenantsTest, LaneConnectionsStopAtTheTenantsQuota) {
+  const std::string lane_address = server_->server().data_lane_address();
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 8);
+  // Each client holds its lane connection between calls.
+  auto first = server_->ConnectAs(kAlice, lane_address);
+  auto second = server_->ConnectAs(kAlice, lane_address);
+  auto third = server_->ConnectAs(kAlice, lane_address);
+  ASSERT_TRUE(first->FetchLayer(cache, "", 0).ok());
+  ASSERT_TRUE(second->FetchLayer(cache, "", 0).ok());
+  const absl::Status refused = third->FetchLayer(cache, "", 0).status();
+  EXPECT_EQ(refused.code(), Code::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_lane_connections"));
+  first.reset();  // closes its connection
+  absl::Status again;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    again = third->FetchLayer(cache, "", 0).status();
+    if (again.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(again.ok()) << again;
+}
+
+// A reload rotates alice's token: the old one is refused from the next call,
+// the new one finds everything alice held; a tenant left out of the file
+// cannot call until it is named again, and keeps its caches meanwhile; a
+// file that does not parse changes nothing.
+TEST_F(E2eTenantsTest, ReloadRotatesTokensAndKeepsWhatTenantsHold) {
+  const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 12);
+  const auto [bobs_cache, bobs_snapshot] = CacheWithSnapshot(*bob_, 4);
+  const std::string rotated = "alice-rotated-0123456789abcdef";
+  WriteTokens(
+      absl::StrCat("tenant=alice token=", rotated, "\ntenant=ops token=", kOps, " admin\n"));
+  ASSERT_TRUE(server_->server().ReloadTokens().ok());
+  EXPECT_EQ(alice_->GetCache(cache).status().code(), Code::kUnauthenticated);
+  EXPECT_EQ(bob_->GetCache(bobs_cache).status().code(), Code::kUnauthenticated);
+  auto renewed = server_->ConnectAs(rotated);
+  EXPECT_TRUE(renewed->GetCache(cache).ok());
+  absl::StatusOr<LayerHistory> history = renewed->FetchLayer("", snapshot, 0);
+  ASSERT_TRUE(history.ok()) << history.status();
+  EXPECT_EQ(history->tokens, 12u);
+
+  WriteTokens("tenant=alice token=tiny\n");
+  const absl::Status bad = server_->server().ReloadTokens();
+  EXPECT_EQ(bad.code(), Code::kInvalidArgument) << bad;
+  EXPECT_THAT(bad.message(), HasSubstr("line 1"));
+  EXPECT_THAT(bad.message(), ::testing::Not(HasSubstr("tiny")));
+  EXPECT_TRUE(renewed->GetCache(cache).ok()) << "a bad file changed the tokens in force";
+
+  WriteTokens(absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob,
+                           "\ntenant=ops token=", kOps, " admin\n"));
+  ASSERT_TRUE(server_->server().ReloadTokens().ok());
+  EXPECT_TRUE(bob_->GetCache(bobs_cache).ok()) << "bob's cache did not outlive his absence";
+  EXPECT_TRUE(alice_->GetCache(cache).ok());
+  ReleaseAll(*bob_);
+}
+
+}  // namespace
+}  // namespace kvcache::testing
