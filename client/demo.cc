@@ -3,6 +3,7 @@
 // sliding-window), snapshots, branches, rewinds, restores, fetches everything
 // back and checks every byte against the toy model.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -16,10 +17,28 @@ ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, data_lane, "auto",
           "where Update and Fetch go: auto (the server's data lane, else gRPC), empty (gRPC) or "
           "host:port");
+ABSL_FLAG(std::string, token, "",
+          "bearer token of the demo's tenant (kvcached --tokens_file); default: "
+          "$KVCACHE_TOKEN");
+ABSL_FLAG(std::string, other_token, "",
+          "a second tenant's token: the demo then shows that tenant sees none of its caches; "
+          "default: $KVCACHE_OTHER_TOKEN");
 
 namespace {
 
 using kvcache::v1::CacheSpec;
+
+// A flag, or where it is empty the environment variable (tokens stay out of
+// the process list).
+std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* variable) {
+  std::string value = absl::GetFlag(flag);
+  if (const char* from_env = std::getenv(variable); value.empty() && from_env != nullptr) {
+    value = from_env;
+  }
+  return value;
+}
+
+std::string DemoToken() { return FlagOrEnv(FLAGS_token, "KVCACHE_TOKEN"); }
 
 constexpr uint32_t kLayers = 4;      // layers 0-2 standard, layer 3 a 128-token window
 constexpr uint32_t kHeads = 4;
@@ -254,8 +273,10 @@ absl::Status ShowPrefixSharing(const std::string& address, const std::string& da
   constexpr uint32_t kSystem = 512, kQuestion = 32;
   int64_t restore_pages = 0;
   for (uint32_t worker_index = 1; worker_index <= 2; ++worker_index) {
-    auto worker = kvcache::Client::Connect(
-        {.address = address, .dedicated_connection = true, .data_lane = data_lane});
+    auto worker = kvcache::Client::Connect({.address = address,
+                                            .dedicated_connection = true,
+                                            .data_lane = data_lane,
+                                            .token = DemoToken()});
     const std::vector<uint32_t> tokens = Request(kSystem, kQuestion, worker_index);
     absl::PrintF("worker %d: a request of %d tokens (%d of system prompt, %d of its own)\n",
                  worker_index, tokens.size(), kSystem, kQuestion);
@@ -273,7 +294,8 @@ absl::Status ShowPrefixSharing(const std::string& address, const std::string& da
           worker_index, *cached, restore_pages, tokens.size() - *cached, tokens.size());
     }
   }
-  auto entries = kvcache::Client::Connect({.address = address})->ListPrefixes();
+  auto entries =
+      kvcache::Client::Connect({.address = address, .token = DemoToken()})->ListPrefixes();
   if (!entries.ok()) return entries.status();
   for (const auto& entry : *entries) {
     absl::PrintF("  prefix entry %s: %d tokens, %d KiB, %d hit(s)\n",
@@ -339,10 +361,38 @@ absl::Status ShowTiers(kvcache::Client& client) {
   return client.DeleteCache(cache->cache_id());
 }
 
+// What a second tenant sees of the demo's cache: nothing. Its lists are
+// empty and the demo's id is NOT_FOUND, as an id nobody holds would be; a
+// call without a token is UNAUTHENTICATED.
+absl::Status ShowTenants(const std::string& cache_id) {
+  const std::string other_token = FlagOrEnv(FLAGS_other_token, "KVCACHE_OTHER_TOKEN");
+  if (other_token.empty()) return absl::OkStatus();
+  const std::string address = absl::GetFlag(FLAGS_server);
+  auto other = kvcache::Client::Connect({.address = address, .token = other_token});
+  auto stats = other->GetStats();
+  if (!stats.ok()) return stats.status();
+  auto caches = other->ListCaches();
+  if (!caches.ok()) return caches.status();
+  const absl::Status theirs = other->GetCache(cache_id).status();
+  absl::PrintF("tenant %s (another token) lists %d caches; GetCache of the demo's cache: %s\n",
+               stats->tenant(), caches->size(), theirs.ToString());
+  if (!absl::IsNotFound(theirs) || !caches->empty()) {
+    return absl::InternalError("another tenant reached the demo's cache");
+  }
+  const absl::Status anonymous =
+      kvcache::Client::Connect({.address = address})->ListCaches().status();
+  absl::PrintF("a call without a token: %s\n", anonymous.ToString());
+  if (!absl::IsUnauthenticated(anonymous)) {
+    return absl::InternalError("a call without a token was not refused");
+  }
+  return absl::OkStatus();
+}
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto client = kvcache::Client::Connect(
-      {.address = absl::GetFlag(FLAGS_server), .data_lane = absl::GetFlag(FLAGS_data_lane)});
+  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server),
+                                          .data_lane = absl::GetFlag(FLAGS_data_lane),
+                                          .token = DemoToken()});
   if (Check(client->WaitForReady(absl::Seconds(30)), "connect")) return 1;
   absl::PrintF("connected to %s; Update and Fetch go over %s\n", absl::GetFlag(FLAGS_server),
                client->uses_data_lane() ? "the data lane (plain TCP)" : "gRPC");
@@ -380,6 +430,7 @@ int main(int argc, char** argv) {
   }
 
   if (Check(ShowTiers(*client), "tiers")) return 1;
+  if (Check(ShowTenants(id), "tenants")) return 1;
   if (Check(ShowPrefixSharing(absl::GetFlag(FLAGS_server), absl::GetFlag(FLAGS_data_lane)),
             "prefix sharing")) {
     return 1;

@@ -108,6 +108,11 @@ int Stats(kvcache::Client& client) {
               stats->transfer_path().c_str());
   std::printf("data lane     %s\n",
               stats->data_lane_address().empty() ? "off" : stats->data_lane_address().c_str());
+  if (!stats->tenant().empty()) {
+    std::printf("tenant        %s (%s)\n", stats->tenant().c_str(),
+                stats->server_wide() ? "admin: the whole server's counts"
+                                     : "its own counts; the shared pool's use is for admins");
+  }
   std::printf("pool          %s used of %s (%llu of %llu pages of %s)\n",
               Bytes(stats->pool_bytes_used()).c_str(), Bytes(stats->pool_bytes_total()).c_str(),
               (unsigned long long)stats->pages_used(), (unsigned long long)stats->pages_total(),

@@ -95,6 +95,8 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     };
     options.max_pinned_bytes = tighter(options.max_pinned_bytes, tenant->quotas.max_pinned_bytes);
     options.metadata_bytes = tighter(options.metadata_bytes, tenant->quotas.max_metadata_bytes);
+    // The pool is shared, so one tenant's idle snapshots make room for another's work.
+    options.evict_elsewhere = [this](uint32_t pages) { return EvictAnyTenant(pages); };
   }
   runtime->engine = std::make_unique<engine::Engine>(*pool_, options);
   runtime->lease_reaper =
@@ -116,6 +118,16 @@ absl::Status KvCacheServer::StartTenants() {
                      return MakeTenant(&tenant);
                    }));
   return absl::OkStatus();
+}
+
+uint32_t KvCacheServer::EvictAnyTenant(uint32_t pages) {
+  uint32_t moved = 0;
+  for (engine::Engine* engine : tenants_->Engines()) {
+    if (moved >= pages) break;
+    absl::StatusOr<uint32_t> evicted = engine->EvictIdlePages(pages - moved);
+    if (evicted.ok()) moved += *evicted;
+  }
+  return moved;
 }
 
 engine::Engine& KvCacheServer::engine() { return *tenants_->anonymous_engine(); }

@@ -86,6 +86,8 @@ class KvCacheServer {
   // (null: the anonymous one).
   absl::StatusOr<service::TenantParts> MakeTenant(const TenantConfig* tenant);
   absl::Status StartTenants();
+  // Evicts idle snapshots of any tenant (tiering.h, EvictElsewhere).
+  uint32_t EvictAnyTenant(uint32_t pages);
 
   std::string host_;
   int port_ = 0;

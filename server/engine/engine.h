@@ -54,6 +54,9 @@ struct EngineOptions {
   SavedFileStore* saved_files = nullptr;
   // Where leases read the time (tests pass a manual clock); null: the system's.
   const LeaseClock* clock = nullptr;
+  // Other engines over the same pool (the server's other tenants), asked to
+  // evict when this one has nothing left to move (tiering.h); null: none.
+  EvictElsewhere evict_elsewhere;
 };
 
 struct CacheInfo {
@@ -335,6 +338,10 @@ class Engine {
   // refusing a call.
   uint64_t DropLeastRecentPrefixes(uint64_t bytes);
 
+  // Moves about `pages` pages of idle snapshots to a lower tier (at least a
+  // batch), least recently used first; how many moved. For other engines
+  // over the same pool (EngineOptions::evict_elsewhere).
+  absl::StatusOr<uint32_t> EvictIdlePages(uint32_t pages) { return tiering_.Evict(pages); }
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }
@@ -423,7 +430,8 @@ class Engine {
   // and makes room on the device (RetryAfterEviction) for every call that
   // allocates pages: none holds another lock when it does.
   const Tiering tiering_{pool_, snapshots_,
-                         [this](uint64_t bytes) { return DropLeastRecentPrefixes(bytes); }};
+                         [this](uint64_t bytes) { return DropLeastRecentPrefixes(bytes); },
+                         options_.evict_elsewhere};
   std::atomic<uint64_t> prefixes_dropped_{0};
   // Lock order: a cache's mutex, then this one (never the other way round).
   mutable absl::Mutex speculations_mutex_;

@@ -39,11 +39,13 @@ constexpr uint32_t kEvictionBatchDivisor = 32;
 
 }  // namespace
 
-Tiering::Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached)
+Tiering::Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached,
+                 EvictElsewhere evict_elsewhere)
     : pool_(pool),
       snapshots_(snapshots),
       enabled_(pool.stats().max_host_pages + pool.stats().max_disk_pages > 0),
-      drop_cached_(std::move(drop_cached)) {}
+      drop_cached_(std::move(drop_cached)),
+      evict_elsewhere_(std::move(evict_elsewhere)) {}
 
 absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id) const {
   CacheSnapshotPtr snapshot;
@@ -61,12 +63,17 @@ absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id
     }
     if (promoted.ok()) return snapshot;
     if (promoted.code() != absl::StatusCode::kResourceExhausted ||
-        round + 1 == kMaxEvictionRounds || !drop_cached_) {
+        round + 1 == kMaxEvictionRounds) {
       return promoted;
     }
-    // Cached entries are dropped outside the lock: releasing takes others.
+    // Others' snapshots move and cached entries are dropped outside the
+    // lock: both take other locks.
     const TierBytes below = snapshot->Tiers();  // one walk over its pages
-    if (drop_cached_(below.host + below.disk) == 0) return promoted;
+    const uint64_t below_bytes = below.host + below.disk;
+    const auto pages = static_cast<uint32_t>(
+        std::max<uint64_t>(1, (below_bytes + pool_.page_bytes() - 1) / pool_.page_bytes()));
+    if (evict_elsewhere_ && evict_elsewhere_(pages) > 0) continue;
+    if (!drop_cached_ || drop_cached_(below_bytes) == 0) return promoted;
   }
 }
 

@@ -22,6 +22,7 @@
 // while choosing. Caches' own Update and Fetch never take mutex_.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -42,9 +43,16 @@ namespace kvcache::engine {
 // one) and returns how many went; 0 when none can.
 using DropCached = std::function<uint64_t(uint64_t bytes)>;
 
+// Where several engines share one pool (one per tenant): evicts about
+// `pages` pages of the others' idle snapshots once this engine has none left
+// to move, and returns how many moved. Called without any lock of the
+// caller's held, so two engines that ask each other at once cannot deadlock.
+using EvictElsewhere = std::function<uint32_t(uint32_t pages)>;
+
 class Tiering {
  public:
-  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached);
+  Tiering(gpu::PagePool& pool, const SnapshotRegistry& snapshots, DropCached drop_cached,
+          EvictElsewhere evict_elsewhere = nullptr);
 
   // Whether the pool has a lower tier; without one nothing ever moves.
   bool enabled() const { return enabled_; }
@@ -89,6 +97,7 @@ class Tiering {
   const SnapshotRegistry& snapshots_;
   const bool enabled_;
   const DropCached drop_cached_;
+  const EvictElsewhere evict_elsewhere_;
   mutable absl::Mutex mutex_;
 };
 
@@ -107,6 +116,9 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
       absl::StatusOr<uint32_t> moved = Evict(shortfall);
       if (!moved.ok()) return moved.status();
       if (*moved > 0) continue;
+      // Other tenants' idle snapshots move to a lower tier before anything
+      // of this engine's is dropped: nothing is lost by that.
+      if (evict_elsewhere_ && evict_elsewhere_(std::max(shortfall, 1u)) > 0) continue;
     }
     // Nothing more can leave the device (or the budget is not the pool's):
     // what the engine keeps only as a cache goes before a caller is refused.

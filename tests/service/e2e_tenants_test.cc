@@ -6,6 +6,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -84,7 +85,11 @@ class E2eTenantsTest : public ::testing::Test {
     EXPECT_TRUE(cache.ok()) << cache.status();
     if (!cache.ok()) return {};
     RefCache reference(spec_);
-    EXPECT_TRUE(StepBoth(client, cache->cache_id(), reference, tokens, rng_).ok());
+    for (uint64_t done = 0; done < tokens; done += 256) {  // the test server's max_update_tokens
+      const absl::Status stepped = StepBoth(client, cache->cache_id(), reference,
+                                            std::min<uint64_t>(256, tokens - done), rng_);
+      EXPECT_TRUE(stepped.ok()) << stepped;
+    }
     absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
     EXPECT_TRUE(snapshot.ok()) << snapshot.status();
     return {cache->cache_id(), snapshot.ok() ? snapshot->snapshot_id() : ""};
@@ -396,6 +401,43 @@ TEST_F(E2eTenantsTest, LaneConnectionsStopAtTheTenantsQuota) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_TRUE(again.ok()) << again;
+}
+
+// The pool is shared: once alice's idle snapshots fill the device, bob's
+// work moves them to host memory (alice loses nothing: her bytes come back
+// when she reads them), instead of bob being refused.
+TEST_F(E2eTenantsTest, OneTenantsIdleSnapshotsMakeRoomForAnothers) {
+  server_.reset();
+  server_ = TestServer::Start({.budget_bytes = 1 << 20,  // 128 pages of 8 KiB, 16 tokens each
+                               .host_bytes = 4 << 20,
+                               .tokens_file = tokens_file(),
+                               .token = kAlice});
+  ASSERT_NE(server_, nullptr);
+  alice_ = server_->ConnectAs(kAlice);
+  bob_ = server_->ConnectAs(kBob);
+  std::vector<std::pair<std::string, LayerHistory>> alices;  // snapshot, layer 1 as written
+  for (int i = 0; i < 2; ++i) {  // 2 x 2 layers x 32 pages: the whole device
+    const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 512);
+    absl::StatusOr<LayerHistory> written = alice_->FetchLayer("", snapshot, 1);
+    ASSERT_TRUE(written.ok()) << written.status();
+    alices.emplace_back(snapshot, *std::move(written));
+    ASSERT_TRUE(alice_->DeleteCache(cache).ok());
+  }
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 256);
+  ASSERT_FALSE(bob_cache.empty());
+  absl::StatusOr<v1::Stats> totals = server_->ConnectAs(kOps)->GetStats();
+  ASSERT_TRUE(totals.ok());
+  EXPECT_GT(totals->evictions(), 0u);
+  EXPECT_GT(totals->host_pages_used(), 0u);
+  ASSERT_TRUE(bob_->ReleaseSnapshot(bob_snapshot).ok());
+  ASSERT_TRUE(bob_->DeleteCache(bob_cache).ok());
+  for (const auto& [snapshot, written] : alices) {
+    absl::StatusOr<LayerHistory> read = alice_->FetchLayer("", snapshot, 1);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(read->tokens, 512u);
+    EXPECT_TRUE(read->keys == written.keys && read->values == written.values)
+        << "alice's bytes changed on their way through host memory";
+  }
 }
 
 // A reload rotates alice's token: the old one is refused from the next call,
