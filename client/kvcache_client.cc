@@ -110,8 +110,17 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   if (!options.token.empty()) {
     interceptors.push_back(internal::BearerTokenInterceptors(options.token));
   }
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    credentials = grpc::SslCredentials({.pem_root_certs = options.tls_root_certs_pem,
+                                        .pem_private_key = options.tls_client_key_pem,
+                                        .pem_cert_chain = options.tls_client_cert_pem});
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
   auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
-      options.address, grpc::InsecureChannelCredentials(), args, std::move(interceptors));
+      options.address, credentials, args, std::move(interceptors));
   return std::unique_ptr<Client>(new Client(options, std::move(channel)));
 }
 

@@ -40,6 +40,16 @@ struct ClientOptions {
   // <token>` with every gRPC call and in each data-lane connection's AUTH
   // frame. Empty: none (a server without tokens takes every call).
   std::string token;
+  // TLS to the gRPC port (kvcached --tls_cert), with grpc++'s own
+  // credentials. The PEM texts, not paths: an empty root bundle trusts the
+  // system's CAs; a client certificate and key are for mutual TLS
+  // (kvcached --tls_client_ca). tls_server_name overrides the name checked
+  // against the server's certificate (default: the address's host).
+  bool tls = false;
+  std::string tls_root_certs_pem;
+  std::string tls_client_cert_pem;
+  std::string tls_client_key_pem;
+  std::string tls_server_name;
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):

@@ -29,12 +29,18 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kvcache_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(bool, tls, false, "TLS to kvcached (kvcached --tls_cert), trusting the system's CAs");
+ABSL_FLAG(std::string, tls_ca, "", "TLS, trusting this PEM CA bundle (implies --tls)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "", "the name to check the server's certificate against");
 ABSL_FLAG(std::string, token, "",
           "bearer token (kvcached --tokens_file); default: the KVCACHE_TOKEN environment "
           "variable, which, unlike a flag, other users cannot read in the process list");
@@ -56,6 +62,33 @@ std::string Bytes(uint64_t bytes) {
   if (bytes >= (1ull << 20)) return absl::StrFormat("%.2f MiB", bytes / double(1ull << 20));
   if (bytes >= (1ull << 10)) return absl::StrFormat("%.1f KiB", bytes / 1024.0);
   return absl::StrFormat("%d B", bytes);
+}
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  return text.str();
+}
+
+// --tls and the PEM files it reads.
+absl::StatusOr<kvcache::ClientOptions> TlsOptions() {
+  kvcache::ClientOptions options;
+  options.tls = absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty();
+  if (!options.tls) return options;
+  absl::StatusOr<std::string> ca = ReadPem(absl::GetFlag(FLAGS_tls_ca), "tls_ca");
+  absl::StatusOr<std::string> cert = ReadPem(absl::GetFlag(FLAGS_tls_cert), "tls_cert");
+  absl::StatusOr<std::string> key = ReadPem(absl::GetFlag(FLAGS_tls_key), "tls_key");
+  for (const auto* read : {&ca, &cert, &key}) {
+    if (!read->ok()) return read->status();
+  }
+  options.tls_root_certs_pem = *ca;
+  options.tls_client_cert_pem = *cert;
+  options.tls_client_key_pem = *key;
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  return options;
 }
 
 int Fail(const absl::Status& status) {
@@ -372,7 +405,11 @@ int main(int argc, char** argv) {
   if (const char* from_env = std::getenv("KVCACHE_TOKEN"); token.empty() && from_env != nullptr) {
     token = from_env;
   }
-  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server), .token = token});
+  absl::StatusOr<kvcache::ClientOptions> options = TlsOptions();
+  if (!options.ok()) return Fail(options.status());
+  options->address = absl::GetFlag(FLAGS_server);
+  options->token = token;
+  auto client = kvcache::Client::Connect(*options);
   const std::string command = args[0];
   if (command == "stats") return Stats(*client);
   if (command == "caches") return Caches(*client);

@@ -70,6 +70,31 @@ struct TenantRuntime {
   }
 };
 
+// Whether the plaintext data lane listens: not where it would carry what TLS
+// protects on the gRPC port, nor beyond loopback, unless allowed explicitly.
+absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
+  if (config.data_lane_listen.empty()) return false;
+  ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
+  const bool loopback = IsLoopbackHost(lane_host.first);
+  if (config.allow_plaintext_lane) {
+    if (config.tls.enabled() || !loopback) {
+      LogWarning("data lane on %s carries K/V and tokens in plaintext (--allow_plaintext_lane)",
+                 config.data_lane_listen);
+    }
+    return true;
+  }
+  if (config.tls.enabled()) {
+    LogInfo("data lane off: it has no TLS and gRPC runs TLS (--allow_plaintext_lane keeps it on)");
+    return false;
+  }
+  if (!loopback) {
+    return absl::InvalidArgumentError(absl::StrCat("data_lane_listen: \"", lane_host.first,
+                                                   "\" is not a loopback address and the lane is "
+                                                   "plaintext; --allow_plaintext_lane allows it"));
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfig* tenant) {
@@ -180,7 +205,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     LogInfo("leases: %s by default", absl::FormatDuration(config.engine.default_ttl));
   }
   // The lane listens first, so GetStats can name its port.
-  if (!config.data_lane_listen.empty()) {
+  ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
+  if (lane_on) {
     ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
     absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
         service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes);
@@ -200,8 +226,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   GrpcServerCredentials(config.tls));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(config.listen, credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -213,7 +241,10 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   // default; orchestrators and grpc_health_probe ask by service name too.
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::KvCacheService::service_full_name(), true);
-  LogInfo("listening on %s", server->address());
+  LogInfo("listening on %s (%s)", server->address(),
+          !config.tls.enabled()               ? "plaintext"
+          : config.tls.client_ca_file.empty() ? "TLS"
+                                              : "mutual TLS: clients present certificates");
   if (server->data_lane_) {
     server->data_lane_->Serve(*server->tenants_);
     LogInfo("data lane (Update and Fetch over plain TCP) on %s", server->data_lane_address());

@@ -15,6 +15,7 @@
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
 #include "service/handlers.h"
+#include "transport_security.h"
 
 namespace grpc {
 class Server;
@@ -55,6 +56,11 @@ struct ServerConfig {
   // of its own over the shared pool, and its saved files go to
   // <data_dir>/tenants/<name>.
   std::string tokens_file;
+  // TLS on the gRPC port (transport_security.h); off without a cert.
+  TlsConfig tls;
+  // The data lane is plaintext: with TLS on it is off unless this is set,
+  // and on a non-loopback address it refuses to start unless this is set.
+  bool allow_plaintext_lane = false;
 };
 
 class KvCacheServer {

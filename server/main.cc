@@ -63,6 +63,12 @@ ABSL_FLAG(std::string, tokens_file, "",
           "sha256=HEX) [admin] [max_pinned_bytes=N] [max_metadata_bytes=N] "
           "[max_requests_in_flight=N] [max_lane_connections=N]; re-read on SIGHUP. "
           "Empty: one anonymous tenant, every call admitted");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: gRPC runs TLS (empty: plaintext)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: mutual TLS, clients must present a certificate it signed");
+ABSL_FLAG(bool, allow_plaintext_lane, false,
+          "keep the data lane (plaintext TCP) on with TLS, or on a non-loopback address");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 
@@ -96,6 +102,10 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.engine.metadata_bytes = absl::GetFlag(FLAGS_metadata_bytes);
   config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
   config.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  config.tls = {.cert_file = absl::GetFlag(FLAGS_tls_cert),
+                .key_file = absl::GetFlag(FLAGS_tls_key),
+                .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca)};
+  config.allow_plaintext_lane = absl::GetFlag(FLAGS_allow_plaintext_lane);
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");
   }

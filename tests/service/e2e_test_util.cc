@@ -33,6 +33,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.disk_bytes = setup.disk_bytes;
   config.lease_check_interval = setup.lease_check_interval;
   config.tokens_file = setup.tokens_file;
+  config.tls = setup.tls;
+  config.allow_plaintext_lane = setup.allow_plaintext_lane;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();
@@ -41,6 +43,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   auto test_server = std::unique_ptr<TestServer>(new TestServer);
   test_server->server_ = *std::move(server);
   test_server->token_ = setup.token;
+  test_server->client_tls_ = setup.client_tls;
   test_server->client_ =
       test_server->Connect(/*dedicated=*/false, setup.client_on_lane ? "auto" : "");
   const absl::Status ready = test_server->client_->WaitForReady(absl::Seconds(10));
@@ -57,11 +60,13 @@ TestServer::~TestServer() {
 }
 
 std::unique_ptr<Client> TestServer::Connect(bool dedicated, const std::string& data_lane) const {
-  return Client::Connect(ClientOptions{.address = server_->address(),
-                                       .deadline = absl::Seconds(30),
-                                       .dedicated_connection = dedicated,
-                                       .data_lane = data_lane,
-                                       .token = token_});
+  ClientOptions options = client_tls_;
+  options.address = server_->address();
+  options.deadline = absl::Seconds(30);
+  options.dedicated_connection = dedicated;
+  options.data_lane = data_lane;
+  options.token = token_;
+  return Client::Connect(options);
 }
 
 std::unique_ptr<Client> TestServer::ConnectAs(const std::string& token,

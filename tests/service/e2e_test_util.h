@@ -51,6 +51,11 @@ struct ServerSetup {
   // token of the clients Connect makes.
   std::string tokens_file;
   std::string token;
+  // The server's TLS (--tls_cert ...) and --allow_plaintext_lane, and the
+  // TLS fields (tls, tls_*) of the clients Connect makes.
+  TlsConfig tls;
+  bool allow_plaintext_lane = false;
+  ClientOptions client_tls;
 };
 
 class TestServer {
@@ -82,6 +87,7 @@ class TestServer {
   std::unique_ptr<KvCacheServer> server_;
   std::unique_ptr<Client> client_;
   std::string token_;
+  ClientOptions client_tls_;
   bool shut_down_ = false;
 };
 

@@ -1,0 +1,68 @@
+#include "transport_security.h"
+
+#include <arpa/inet.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcache {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  if (!in || text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read a PEM file at \"", path, "\""));
+  }
+  return text.str();
+}
+
+bool IsLoopback(const std::string& host) {
+  if (host == "localhost") return true;
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  std::string bare = host;
+  if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
+    bare = bare.substr(1, bare.size() - 2);
+  }
+  in6_addr v6;
+  return inet_pton(AF_INET6, bare.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
+    const TlsConfig& tls) {
+  if (!tls.enabled()) {
+    if (!tls.key_file.empty() || !tls.client_ca_file.empty()) {
+      return absl::InvalidArgumentError("tls_cert: needed by tls_key and tls_client_ca");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (tls.key_file.empty()) return absl::InvalidArgumentError("tls_key: needed with tls_cert");
+  grpc::SslServerCredentialsOptions options;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "tls_key");
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *std::move(cert);
+  pair.private_key = *std::move(key);
+  options.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!tls.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(tls.client_ca_file, "tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+bool IsLoopbackHost(const std::string& host) { return IsLoopback(host); }
+
+}  // namespace kvcache
