@@ -103,49 +103,23 @@ class E2eTenantsTest : public ::testing::Test {
   std::unique_ptr<Client> bob_;
 };
 
-// Every RPC of the proto, called with an empty message through a generic stub.
-std::vector<std::pair<std::string, grpc::StatusCode>> CallEveryRpc(
-    const std::string& address, const std::string& authorization) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-  grpc::GenericStub stub(channel);
-  const google::protobuf::ServiceDescriptor* service =
-      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
-          v1::KvCacheService::service_full_name());
-  std::vector<std::pair<std::string, grpc::StatusCode>> codes;
-  for (int i = 0; i < service->method_count(); ++i) {
-    const std::string method =
-        absl::StrCat("/", service->full_name(), "/", service->method(i)->name());
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    if (!authorization.empty()) context.AddMetadata("authorization", authorization);
-    grpc::Slice no_bytes("");
-    grpc::ByteBuffer empty_request(&no_bytes, 1), response;
-    absl::Notification done;
-    grpc::Status status;
-    stub.UnaryCall(&context, method, grpc::StubOptions(), &empty_request, &response,
-                   [&](grpc::Status s) {
-                     status = std::move(s);
-                     done.Notify();
-                   });
-    done.WaitForNotification();
-    codes.emplace_back(method, status.error_code());
-  }
-  return codes;
-}
-
 TEST_F(E2eTenantsTest, EveryRpcRefusesCallsWithoutAKnownToken) {
   const std::string address = server_->server().address();
   for (const std::string& authorization :
        {std::string(), std::string("Bearer wrong-token-0123456789"), std::string(kAlice),
         absl::StrCat("Basic ", kAlice)}) {
     SCOPED_TRACE(authorization);
-    for (const auto& [method, code] : CallEveryRpc(address, authorization)) {
-      EXPECT_EQ(code, grpc::StatusCode::UNAUTHENTICATED) << method;
+    for (const std::string& method : EveryRpcMethod()) {
+      EXPECT_EQ(CallWithEmptyMessage(address, method, authorization),
+                grpc::StatusCode::UNAUTHENTICATED)
+          << method;
     }
   }
   // The same calls with a token reach the handlers (a real answer, mostly a
   // validation error for an empty request).
-  for (const auto& [method, code] : CallEveryRpc(address, absl::StrCat("Bearer ", kBob))) {
+  for (const std::string& method : EveryRpcMethod()) {
+    const grpc::StatusCode code =
+        CallWithEmptyMessage(address, method, absl::StrCat("Bearer ", kBob));
     EXPECT_NE(code, grpc::StatusCode::UNAUTHENTICATED) << method;
     EXPECT_NE(code, grpc::StatusCode::UNIMPLEMENTED) << method;
   }

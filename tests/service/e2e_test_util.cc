@@ -1,10 +1,16 @@
 #include "e2e_test_util.h"
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <variant>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "chunked_recurrent_test_util.h"
 #include "reference_quantized.h"
 #include "reference_recurrent.h"
@@ -140,6 +146,36 @@ void E2eTest::ExpectRefused(absl::StatusCode code, const std::string& field,
   const EngineFingerprint after = WireFingerprint(client());
   EXPECT_TRUE(after == before) << "a refused call changed state:\nbefore: " << Describe(before)
                                << "\nafter: " << Describe(after);
+}
+
+std::vector<std::string> EveryRpcMethod() {
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::KvCacheService::service_full_name());
+  std::vector<std::string> methods;
+  for (int i = 0; i < service->method_count(); ++i) {
+    methods.push_back(absl::StrCat("/", service->full_name(), "/", service->method(i)->name()));
+  }
+  return methods;
+}
+
+grpc::StatusCode CallWithEmptyMessage(const std::string& address, const std::string& method,
+                                      const std::string& authorization) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  if (!authorization.empty()) context.AddMetadata("authorization", authorization);
+  grpc::Slice no_bytes("");
+  grpc::ByteBuffer empty_request(&no_bytes, 1), response;  // an empty message
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &empty_request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  return status.error_code();
 }
 
 std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info) {

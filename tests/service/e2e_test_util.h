@@ -5,6 +5,8 @@
 // quantized layers' packed forms, recurrent states.
 #pragma once
 
+#include <grpcpp/support/status.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -108,6 +110,14 @@ class E2eTest : public ::testing::TestWithParam<TransferPath> {
 // The transfer paths the end-to-end suites run on (the engine suites cover all).
 inline constexpr TransferPath kE2ePaths[] = {TransferPath::kDirect, TransferPath::kStagingRegions};
 std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info);
+
+// "/kvcache.v1.KvCacheService/<name>" of every RPC of the proto.
+std::vector<std::string> EveryRpcMethod();
+// The status code of `method` called on `address` with an empty message
+// through a generic stub (any RPC, streaming ones too), with `authorization`
+// metadata where it is not empty.
+grpc::StatusCode CallWithEmptyMessage(const std::string& address, const std::string& method,
+                                      const std::string& authorization = "");
 
 // One layer's update as the client sends it.
 LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv);
