@@ -355,6 +355,44 @@ TEST_F(E2eTenantsTest, TheDataLaneAuthenticatesEachConnection) {
   EXPECT_FALSE(reader.Next().ok()) << "the connection stays open";
 }
 
+// An AUTH frame that is not a LaneAuth, or one after the connection's
+// first frame, is INVALID_ARGUMENT naming it, and the connection closes.
+TEST_F(E2eTenantsTest, MalformedOrLateLaneAuthIsRefused) {
+  const std::string lane_address = server_->server().data_lane_address();
+  // The STATUS answering `frames` (kind, payload) on a fresh connection.
+  const auto answer = [&](const std::vector<std::pair<int, std::string>>& frames) {
+    v1::LaneStatus status;
+    absl::StatusOr<int> fd =
+        lane::Connect(lane_address, absl::Seconds(5), {lane::kMagic, sizeof(lane::kMagic)});
+    if (!fd.ok()) return status;
+    lane::OwnedFd owned(*fd);
+    lane::FrameReader reader(*fd, 1 << 20);
+    lane::FrameWriter writer(*fd);
+    if (!reader.ReadRaw(sizeof(lane::kMagic)).ok()) return status;
+    for (const auto& [kind, payload] : frames) {
+      writer.AddHeader(static_cast<v1::LaneFrameKind>(kind), static_cast<uint32_t>(payload.size()));
+      writer.AddCopy({reinterpret_cast<const std::byte*>(payload.data()), payload.size()});
+      if (!writer.Send().ok()) return status;
+    }
+    while (true) {  // the last STATUS before the server closes
+      absl::StatusOr<lane::Frame> frame = reader.Next();
+      if (!frame.ok()) return status;
+      if (frame->header.kind == v1::LANE_FRAME_STATUS) {
+        status.ParseFromArray(frame->payload.data(), frame->payload.size());
+      }
+    }
+  };
+  const v1::LaneStatus garbage = answer({{v1::LANE_FRAME_AUTH, "\xff\xff\xff"}});
+  EXPECT_EQ(garbage.code(), static_cast<int>(Code::kInvalidArgument)) << garbage.message();
+  EXPECT_THAT(garbage.message(), HasSubstr("LaneAuth"));
+  v1::LaneAuth auth;
+  auth.set_token(kAlice);
+  const v1::LaneStatus twice = answer({{v1::LANE_FRAME_AUTH, auth.SerializeAsString()},
+                                       {v1::LANE_FRAME_AUTH, auth.SerializeAsString()}});
+  EXPECT_EQ(twice.code(), static_cast<int>(Code::kInvalidArgument)) << twice.message();
+  EXPECT_THAT(twice.message(), HasSubstr("AUTH after"));
+}
+
 TEST_F(E2eTenantsTest, LaneConnectionsStopAtTheTenantsQuota) {
   const std::string lane_address = server_->server().data_lane_address();
   const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 8);
