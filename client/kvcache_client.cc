@@ -9,6 +9,7 @@
 #include "bearer_token.h"
 #include "fetch_transport.h"
 #include "fetch_view.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "lane_client.h"
 #include "update_encoding.h"
 #include "update_transport.h"
@@ -241,6 +242,18 @@ absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::s
 
 absl::StatusOr<v1::Stats> Client::GetStats() {
   return Unary<v1::Stats>(*this, KV_UNARY(GetStats, v1::GetStatsRequest()));
+}
+
+absl::StatusOr<bool> Client::Serving(const std::string& service) {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  const auto stub = grpc::health::v1::Health::NewStub(channel_);
+  auto response = Unary<grpc::health::v1::HealthCheckResponse>(
+      *this, [&](grpc::ClientContext* context, auto* response) {
+        return stub->Check(context, request, response);
+      });
+  if (!response.ok()) return response.status();
+  return response->status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
 absl::StatusOr<v1::RenewLeaseResponse> Client::RenewLease(

@@ -152,6 +152,10 @@ class Client {
   absl::Status ReleaseSnapshot(const std::string& snapshot_id);
   absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "");
   absl::StatusOr<v1::Stats> GetStats();
+  // The standard gRPC health check (grpc.health.v1) of `service`: true when
+  // it is SERVING, false when NOT_SERVING (kvcached draining); "" asks about
+  // the server as a whole. An unknown service is NOT_FOUND.
+  absl::StatusOr<bool> Serving(const std::string& service = "kvcache.v1.KvCacheService");
   // Renews the leases of these caches and snapshots (all, or none when an id
   // is unknown); every other call that names a handle renews it too.
   absl::StatusOr<v1::RenewLeaseResponse> RenewLease(absl::Span<const std::string> cache_ids,

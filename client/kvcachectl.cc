@@ -9,6 +9,10 @@
 //   kvcachectl pin SNAPSHOT_ID | unpin SNAPSHOT_ID
 //   kvcachectl renew ID...                                   (caches or snapshots)
 //   kvcachectl prefixes                                      (published prefixes)
+//   kvcachectl describe ID                                   (a cache or snapshot, every field)
+// Operators:
+//   kvcachectl health [SERVICE]        (grpc.health.v1; exit 0 only when SERVING)
+//   kvcachectl metrics [FILTER...] --metrics=HOST:PORT         (kvcached --metrics_listen)
 // Prompt-cache files (mlx-lm save_prompt_cache layout):
 //   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
 //   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
@@ -28,11 +32,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "http_get.h"
 #include "kvcache_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
@@ -51,6 +57,8 @@ ABSL_FLAG(uint32_t, ttl, 0,
           "snapshot, load, load-saved: the lease in seconds (0: the server's default)");
 ABSL_FLAG(std::vector<std::string>, metadata, {},
           "save, store: user metadata as key=value,... (mlx-lm writes \"model\")");
+ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
+          "metrics: kvcached's Prometheus endpoint (kvcached --metrics_listen)");
 ABSL_FLAG(std::string, name, "", "load: also keep the file in the server's data dir as NAME");
 
 namespace {
@@ -384,6 +392,51 @@ int DeleteSaved(kvcache::Client& client, const Args& args) {
   return 0;
 }
 
+// Exit 0 only when SERVING, so that it serves as a container's health check.
+int Health(kvcache::Client& client, const Args& args) {
+  if (args.size() > 2) return Fail(absl::InvalidArgumentError("usage: health [SERVICE]"));
+  const std::string service = args.size() == 2 ? args[1] : "kvcache.v1.KvCacheService";
+  absl::StatusOr<bool> serving = client.Serving(service);
+  if (!serving.ok()) return Fail(serving.status());
+  std::printf("%s: %s\n", service.empty() ? "(server)" : service.c_str(),
+              *serving ? "SERVING" : "NOT_SERVING");
+  return *serving ? 0 : 1;
+}
+
+// The endpoint's text, or its lines that contain any FILTER (a metric's name).
+int Metrics(const Args& args) {
+  absl::StatusOr<std::string> text = kvcache::HttpGet(absl::GetFlag(FLAGS_metrics), "/metrics");
+  if (!text.ok()) return Fail(text.status());
+  const std::vector<absl::string_view> filters(args.begin() + 1, args.end());
+  for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+    const bool wanted =
+        filters.empty() || std::any_of(filters.begin(), filters.end(), [&](absl::string_view f) {
+          return absl::StrContains(line, f);
+        });
+    if (wanted) std::printf("%.*s\n", static_cast<int>(line.size()), line.data());
+  }
+  return 0;
+}
+
+// Every field of a cache, or of a snapshot, by its id.
+int Describe(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: describe ID"));
+  absl::StatusOr<kvcache::v1::CacheInfo> cache = client.GetCache(args[1]);
+  if (cache.ok()) {
+    std::printf("cache %s\n%s", args[1], cache->Utf8DebugString().c_str());
+    return 0;
+  }
+  if (!absl::IsNotFound(cache.status())) return Fail(cache.status());
+  auto snapshots = client.ListSnapshots();
+  if (!snapshots.ok()) return Fail(snapshots.status());
+  for (const kvcache::v1::SnapshotInfo& snapshot : *snapshots) {
+    if (snapshot.snapshot_id() != args[1]) continue;
+    std::printf("snapshot %s\n%s", args[1], snapshot.Utf8DebugString().c_str());
+    return 0;
+  }
+  return Fail(absl::NotFoundError(absl::StrCat("no cache or snapshot ", args[1])));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -394,7 +447,8 @@ int main(int argc, char** argv) {
       "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
       "FILE "
       "[--name=NAME] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
-      "delete-saved NAME");
+      "delete-saved NAME | describe ID | health [SERVICE] | metrics [FILTER] "
+      "[--metrics=HOST:PORT]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());
   if (args.empty()) {
@@ -409,9 +463,12 @@ int main(int argc, char** argv) {
   if (!options.ok()) return Fail(options.status());
   options->address = absl::GetFlag(FLAGS_server);
   options->token = token;
-  auto client = kvcache::Client::Connect(*options);
   const std::string command = args[0];
+  if (command == "metrics") return Metrics(args);
+  auto client = kvcache::Client::Connect(*options);
   if (command == "stats") return Stats(*client);
+  if (command == "health") return Health(*client, args);
+  if (command == "describe") return Describe(*client, args);
   if (command == "caches") return Caches(*client);
   if (command == "snapshots") return Snapshots(*client, args);
   if (command == "snapshot") return Snapshot(*client, args);

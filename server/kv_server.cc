@@ -20,6 +20,7 @@
 #include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
+#include "service/state_metrics.h"
 #include "service/tenants.h"
 
 namespace kvcache {
@@ -230,6 +231,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                    GrpcServerCredentials(config.tls));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, credentials, &server->port_);
+  RETURN_IF_ERROR(server->StartMetrics(config.metrics_listen, builder));
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -250,6 +252,26 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     LogInfo("data lane (Update and Fetch over plain TCP) on %s", server->data_lane_address());
   }
   return server;
+}
+
+// RPC metrics are taken whether or not anyone scrapes them (an interceptor
+// per call costs little next to a call), so that --metrics_listen changes
+// nothing but the endpoint.
+absl::Status KvCacheServer::StartMetrics(const std::string& listen, grpc::ServerBuilder& builder) {
+  metrics_registry_ = std::make_shared<prometheus::Registry>();
+  rpc_metrics_ = std::make_unique<service::RpcMetrics>(
+      *metrics_registry_,
+      std::vector<std::string>{"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+                               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"});
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+  factories.push_back(rpc_metrics_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(factories));
+  if (listen.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(metrics_, MetricsExporter::Start(
+                                 listen, {metrics_registry_,
+                                          std::make_shared<service::StateMetrics>(*tenants_)}));
+  LogInfo("metrics (Prometheus) on http://%s/metrics", metrics_->address());
+  return absl::OkStatus();
 }
 
 // Cancels whatever is still in flight at once: an open stream would otherwise

@@ -14,11 +14,15 @@
 #include "engine/lease_reaper.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
+#include "metrics_exporter.h"
+#include "prometheus/registry.h"
 #include "service/handlers.h"
+#include "service/rpc_metrics.h"
 #include "transport_security.h"
 
 namespace grpc {
 class Server;
+class ServerBuilder;
 }
 
 namespace kvcache {
@@ -61,6 +65,9 @@ struct ServerConfig {
   // The data lane is plaintext: with TLS on it is off unless this is set,
   // and on a non-loopback address it refuses to start unless this is set.
   bool allow_plaintext_lane = false;
+  // host:port of the Prometheus endpoint (metrics_exporter.h; port 0 picks
+  // a free one); empty: none.
+  std::string metrics_listen;
 };
 
 class KvCacheServer {
@@ -72,6 +79,8 @@ class KvCacheServer {
   std::string address() const;
   // The data lane's host:port; empty when it is off.
   std::string data_lane_address() const;
+  // The Prometheus endpoint's host:port; empty when it is off.
+  std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
   // Null when the lane is off.
   service::DataLane* data_lane() { return data_lane_.get(); }
   // Stops accepting calls, lets in-flight ones finish until `grace` has passed,
@@ -91,6 +100,8 @@ class KvCacheServer {
   // An engine, its lease reaper, saved files and handlers for a tenant
   // (null: the anonymous one).
   absl::StatusOr<service::TenantParts> MakeTenant(const TenantConfig* tenant);
+  // The RPC interceptor on `builder`, and the endpoint when `listen` is set.
+  absl::Status StartMetrics(const std::string& listen, grpc::ServerBuilder& builder);
   absl::Status StartTenants();
   // Evicts idle snapshots of any tenant (tiering.h, EvictElsewhere).
   uint32_t EvictAnyTenant(uint32_t pages);
@@ -106,9 +117,15 @@ class KvCacheServer {
   engine::EngineOptions engine_options_;
   service::ServiceOptions service_options_;
   absl::Duration lease_check_interval_;
+  // RPC counts and latencies; the gRPC server's interceptor refers to them,
+  // so they are declared before it.
+  std::shared_ptr<prometheus::Registry> metrics_registry_;
+  std::unique_ptr<service::RpcMetrics> rpc_metrics_;
   // Each tenant's engine and handlers; declared after the pool and before
   // the gRPC server and the lane, which stop before it goes.
   std::unique_ptr<service::Tenants> tenants_;
+  // Refers to tenants_; goes first so no scrape reads them while they go.
+  std::unique_ptr<MetricsExporter> metrics_;
   std::unique_ptr<service::KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
   // Declared last: it stops, and its sessions end, before the handlers go.

@@ -69,6 +69,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: mutual TLS, clients must present a certificate it signed");
 ABSL_FLAG(bool, allow_plaintext_lane, false,
           "keep the data lane (plaintext TCP) on with TLS, or on a non-loopback address");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port of a Prometheus endpoint (GET /metrics); empty: none. It shows tenant "
+          "names and counts, never tokens, ids or data");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 
@@ -86,6 +89,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   kvcache::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
   config.data_lane_listen = absl::GetFlag(FLAGS_data_lane_listen);
+  config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.device.selector = absl::GetFlag(FLAGS_device);
   config.device.force_staging = absl::GetFlag(FLAGS_force_staging);
   config.device.enable_validation = absl::GetFlag(FLAGS_validation);

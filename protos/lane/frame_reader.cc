@@ -104,6 +104,7 @@ void FrameReader::Regrow(size_t capacity) {
 
 void FrameReader::Received(size_t bytes) {
   end_ += bytes;
+  bytes_received_ += bytes;
   promised_ -= std::min<uint64_t>(promised_, bytes);
 }
 

@@ -37,6 +37,8 @@ class FrameReader {
   // that breaks the promise must close the connection. 0 withdraws it. The
   // last frame's payload may move: read it before.
   void Expect(uint64_t bytes);
+  // Bytes read from the socket since the reader was made.
+  uint64_t bytes_received() const { return bytes_received_; }
 
  private:
   // Makes `bytes` bytes past start_ available, reading as needed.
@@ -63,6 +65,7 @@ class FrameReader {
   size_t end_ = 0;    // one past the last received byte
   size_t consumed_ = 0;  // bytes of the last returned frame, dropped on the next read
   size_t low_water_ = 1;
+  uint64_t bytes_received_ = 0;
   uint64_t promised_ = 0;  // bytes the peer promised that are not received yet
 };
 

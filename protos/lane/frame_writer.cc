@@ -67,6 +67,7 @@ absl::Status FrameWriter::Send() {
       if (errno == EINTR) continue;
       return SocketError("send");
     }
+    bytes_sent_ += static_cast<uint64_t>(sent);
     // Skip what went out; the first part left may have gone partly.
     size_t left = static_cast<size_t>(sent);
     while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;

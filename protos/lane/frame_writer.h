@@ -31,6 +31,8 @@ class FrameWriter {
   bool empty() const { return parts_.empty(); }
   // Writes everything queued, then forgets it.
   absl::Status Send();
+  // Bytes the socket took since the writer was made.
+  uint64_t bytes_sent() const { return bytes_sent_; }
 
  private:
   struct Part {
@@ -44,6 +46,7 @@ class FrameWriter {
   std::string owned_;
   std::vector<Part> parts_;
   std::vector<iovec> iov_;  // Send's, kept to spare an allocation per send
+  uint64_t bytes_sent_ = 0;
 };
 
 }  // namespace kvcache::lane

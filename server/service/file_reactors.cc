@@ -26,6 +26,7 @@ void ExportReactor::WriteNext() {
   const size_t size = std::min(kFileChunkBytes, file_.size() - sent_);
   chunk_.set_data(file_.data() + sent_, size);
   sent_ += size;
+  admitted_.CountSent(Transport::kGrpc, size);
   StartWrite(&chunk_);
 }
 
@@ -71,6 +72,7 @@ void ImportReactor::OnReadDone(bool ok) {
     return;
   }
   file_.append(request_.data());
+  admitted_.CountReceived(Transport::kGrpc, request_.data().size());
   StartRead(&request_);
 }
 

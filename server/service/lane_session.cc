@@ -23,6 +23,7 @@ LaneSession::LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes)
 
 absl::Status LaneSession::Run() {
   const absl::Status status = Serve();
+  ReportBytes();
   admitted_ = Admitted();  // the tenant's connection count drops as the client sees the end
   return status;
 }
@@ -58,12 +59,21 @@ absl::Status LaneSession::Serve() {
       (void)writer_.Send();
       return status;
     }
+    ReportBytes();
     if (broke_announcement_) {
       // The client waits for the announced bytes; only the connection's end wakes it.
       return absl::AbortedError(
           "data lane: a Fetch failed after announcing its length; closed its connection");
     }
   }
+}
+
+void LaneSession::ReportBytes() {
+  if (!admitted_.ok()) return;  // no tenant yet: the preamble and a refused AUTH count nowhere
+  admitted_.CountReceived(Transport::kLane, reader_.bytes_received() - reported_received_);
+  admitted_.CountSent(Transport::kLane, writer_.bytes_sent() - reported_sent_);
+  reported_received_ = reader_.bytes_received();
+  reported_sent_ = writer_.bytes_sent();
 }
 
 // What is applied is acknowledged before the session waits for more, but

@@ -60,10 +60,14 @@ class LaneSession {
   // A chunk of keys and values sent from the pages it lies in.
   void QueueMappedChunk(const FetchChunkFraming& framing, const engine::KvMappedPieces& pieces);
   void QueueStatus(const absl::Status& status);
+  // Adds the bytes moved since the last report to the tenant's counts.
+  void ReportBytes();
   void SetInCall(bool in_call) { in_call_.store(in_call, std::memory_order_release); }
 
   Tenants& tenants_;
   Admitted admitted_;  // the connection's tenant, once a frame came
+  uint64_t reported_received_ = 0;  // of reader_.bytes_received()
+  uint64_t reported_sent_ = 0;      // of writer_.bytes_sent()
   bool saw_frame_ = false;
   lane::FrameReader reader_;
   lane::FrameWriter writer_;

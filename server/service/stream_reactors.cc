@@ -26,6 +26,7 @@ UpdateReactor::UpdateReactor(Admitted admitted)
 }
 
 absl::StatusOr<EncodedAck> UpdateReactor::Apply() {
+  admitted_.CountReceived(Transport::kGrpc, request_.Length());
   RETURN_IF_ERROR(received_.Receive(request_));
   absl::StatusOr<EncodedAck> ack = call_.Apply(received_.pieces());
   received_.Clear();  // the engine has copied the tensors; free the slices
@@ -108,6 +109,7 @@ void FetchReactor::WriteNext() {
     FinishFetch(filled);
     return;
   }
+  admitted_.CountSent(Transport::kGrpc, response_.Length());
   StartWrite(&response_);
 }
 

@@ -121,6 +121,10 @@ absl::Status Tenants::Apply(std::vector<TenantConfig> configs) {
   return absl::OkStatus();
 }
 
+const char* TransportName(Transport transport) {
+  return transport == Transport::kGrpc ? "grpc" : "lane";
+}
+
 absl::StatusOr<Tenant*> Tenants::Authenticate(absl::string_view token) const {
   if (!authenticates()) return anonymous_;
   if (token.empty()) {
@@ -155,15 +159,20 @@ absl::StatusOr<Admitted> Tenants::AdmitCall(absl::string_view authorization) {
   }
   absl::StatusOr<Tenant*> tenant = Authenticate(token);
   if (!tenant.ok()) return tenant.status();
-  return Admit(*tenant, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
-               "max_requests_in_flight");
+  absl::StatusOr<Admitted> admitted =
+      Admit(*tenant, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
+            "max_requests_in_flight");
+  if (admitted.ok()) (*tenant)->calls_admitted.fetch_add(1, std::memory_order_relaxed);
+  return admitted;
 }
 
 absl::StatusOr<Admitted> Tenants::AdmitLane(absl::string_view token) {
   absl::StatusOr<Tenant*> tenant = Authenticate(token);
   if (!tenant.ok()) return tenant.status();
-  return Admit(*tenant, &Tenant::lane_connections, &Tenant::max_lane_connections,
-               "max_lane_connections");
+  absl::StatusOr<Admitted> admitted = Admit(*tenant, &Tenant::lane_connections,
+                                            &Tenant::max_lane_connections, "max_lane_connections");
+  if (admitted.ok()) (*tenant)->lane_connections_admitted.fetch_add(1, std::memory_order_relaxed);
+  return admitted;
 }
 
 void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
@@ -196,6 +205,14 @@ void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
   totals.set_max_metadata_bytes(max_metadata);
   totals.set_server_wide(true);
   stats = std::move(totals);
+}
+
+std::vector<const Tenant*> Tenants::All() const {
+  absl::ReaderMutexLock lock(&mutex_);
+  std::vector<const Tenant*> all;
+  all.reserve(by_name_.size());
+  for (const auto& [name, tenant] : by_name_) all.push_back(tenant.get());
+  return all;
 }
 
 std::vector<engine::Engine*> Tenants::Engines() const {

@@ -15,6 +15,7 @@
 // back if it returns; calls and connections under way are not dropped.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -42,6 +43,16 @@ struct TenantParts {
 };
 using TenantFactory = std::function<absl::StatusOr<TenantParts>(const TenantConfig& config)>;
 
+// The two ways K/V bytes reach the server, counted apart for metrics.
+enum class Transport { kGrpc = 0, kLane = 1 };
+constexpr std::array<Transport, 2> kTransports = {Transport::kGrpc, Transport::kLane};
+const char* TransportName(Transport transport);
+
+struct TransportBytes {
+  std::atomic<uint64_t> received{0};
+  std::atomic<uint64_t> sent{0};
+};
+
 struct Tenant {
   std::string name;  // "" for the anonymous tenant
   TenantParts parts;
@@ -52,6 +63,12 @@ struct Tenant {
   // Gauges of what is admitted now.
   std::atomic<uint32_t> requests_in_flight{0};
   std::atomic<uint32_t> lane_connections{0};
+  // Totals since start, for metrics.
+  std::atomic<uint64_t> calls_admitted{0};
+  std::atomic<uint64_t> lane_connections_admitted{0};
+  std::array<TransportBytes, kTransports.size()> bytes;
+
+  TransportBytes& bytes_on(Transport transport) { return bytes[static_cast<size_t>(transport)]; }
 };
 
 // A call or lane connection admitted for a tenant; it counts against the
@@ -67,6 +84,13 @@ class Admitted {
   bool ok() const { return tenant_ != nullptr; }
   Tenant& tenant() const { return *tenant_; }
   Handlers& handlers() const { return *tenant_->parts.handlers; }
+  // Request and response bytes of the call or connection, for metrics.
+  void CountReceived(Transport transport, uint64_t bytes) const {
+    tenant_->bytes_on(transport).received.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  void CountSent(Transport transport, uint64_t bytes) const {
+    tenant_->bytes_on(transport).sent.fetch_add(bytes, std::memory_order_relaxed);
+  }
 
  private:
   void Release();
@@ -102,6 +126,9 @@ class Tenants {
   void ScopeStats(const Tenant& tenant, v1::Stats& stats) const;
   // Every tenant's engine, for server-wide work (eviction across tenants).
   std::vector<engine::Engine*> Engines() const;
+  // Every tenant ever named (for metrics), in no set order. Tenants are never
+  // erased, so the pointers stay valid.
+  std::vector<const Tenant*> All() const;
   // The anonymous tenant's engine; null where there are tenants.
   engine::Engine* anonymous_engine() const {
     return anonymous_ ? anonymous_->parts.engine : nullptr;

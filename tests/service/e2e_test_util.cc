@@ -41,6 +41,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.tokens_file = setup.tokens_file;
   config.tls = setup.tls;
   config.allow_plaintext_lane = setup.allow_plaintext_lane;
+  config.metrics_listen = setup.metrics_listen;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

@@ -58,6 +58,8 @@ struct ServerSetup {
   TlsConfig tls;
   bool allow_plaintext_lane = false;
   ClientOptions client_tls;
+  // The server's --metrics_listen (empty: no endpoint).
+  std::string metrics_listen;
 };
 
 class TestServer {

@@ -1,0 +1,228 @@
+// Operability over the wire: the Prometheus endpoint (--metrics_listen)
+// counts every gRPC call by method and status code with its latency, the
+// bytes of each transport per tenant, and what the pool and each tenant hold;
+// the standard health service answers for the cache service by name; and a
+// metrics address that cannot be used stops the server from starting.
+#include <sys/socket.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "e2e_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "http_get.h"
+#include "lane/socket.h"
+#include "service_test_util.h"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kAlice[] = "alice-token-0123456789abcdef";
+constexpr char kBob[] = "bob-token-0123456789abcdef";
+
+// The value of `series` (name and labels as exposed: sorted by name, a
+// histogram bucket's "le" last)
+// in Prometheus text, or -1 when it is absent.
+double Sample(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::ConsumePrefix(&line, series) || !absl::ConsumePrefix(&line, " ")) continue;
+    double value = 0;
+    return absl::SimpleAtod(line, &value) ? value : -2;
+  }
+  return -1;
+}
+
+class E2eMetricsTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (server_ != nullptr) server_->CleanUpAndCheck();
+    server_.reset();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  void Start(ServerSetup setup) {
+    setup.metrics_listen = "127.0.0.1:0";
+    server_ = TestServer::Start(setup);
+    ASSERT_NE(server_, nullptr);
+    ASSERT_THAT(server_->server().metrics_address(), HasSubstr("127.0.0.1:"));
+  }
+
+  std::string Scrape() {
+    absl::StatusOr<std::string> text = HttpGet(server_->server().metrics_address(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.value_or("");
+  }
+
+  // One step of `tokens` tokens into a new two-layer cache, and its fetch.
+  std::string StepAndFetch(Client& client, uint64_t tokens) {
+    const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(2, 8)});
+    absl::StatusOr<v1::CacheInfo> cache = client.CreateCache(ToWireSpec(spec));
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return "";
+    RefCache reference(spec);
+    std::mt19937_64 rng(5);
+    EXPECT_TRUE(StepBoth(client, cache->cache_id(), reference, tokens, rng).ok());
+    EXPECT_TRUE(CacheMatchesReference(client, cache->cache_id(), reference));
+    return cache->cache_id();
+  }
+
+  std::unique_ptr<TestServer> server_;
+  std::filesystem::path dir_;
+};
+
+TEST_F(E2eMetricsTest, CountsEveryCallByMethodAndCodeWithItsLatency) {
+  Start({});
+  ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(server_->client().GetCache("no-such-cache").status().code(),
+              absl::StatusCode::kNotFound);
+  }
+  // A method the server does not have is counted under "unknown", so that a
+  // client cannot add series.
+  EXPECT_EQ(CallWithEmptyMessage(server_->server().address(), "/kvcache.v1.KvCacheService/Nope"),
+            grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(CallWithEmptyMessage(server_->server().address(), "/made.Up/Method"),
+            grpc::StatusCode::UNIMPLEMENTED);
+
+  const std::string text = Scrape();
+  EXPECT_EQ(Sample(text, R"(kvcached_rpc_handled_total{code="OK",method="CreateCache"})"), 1);
+  EXPECT_EQ(Sample(text, R"(kvcached_rpc_handled_total{code="NOT_FOUND",method="GetCache"})"), 3);
+  EXPECT_EQ(Sample(text, R"(kvcached_rpc_handled_total{code="OK",method="GetCache"})"), -1);
+  EXPECT_EQ(
+      Sample(text, R"(kvcached_rpc_duration_seconds_count{code="NOT_FOUND",method="GetCache"})"),
+      3);
+  EXPECT_EQ(
+      Sample(
+          text,
+          R"(kvcached_rpc_duration_seconds_bucket{code="NOT_FOUND",method="GetCache",le="+Inf"})"),
+      3);
+  const double seconds =
+      Sample(text, R"(kvcached_rpc_duration_seconds_sum{code="NOT_FOUND",method="GetCache"})");
+  EXPECT_GT(seconds, 0);
+  EXPECT_LT(seconds, 30);
+  const double unknown =
+      Sample(text, R"(kvcached_rpc_handled_total{code="UNIMPLEMENTED",method="unknown"})");
+  EXPECT_EQ(unknown, 2);
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("Nope")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("made.Up")));
+}
+
+TEST_F(E2eMetricsTest, BytesOfEachTransportAndWhatThePoolHolds) {
+  Start({});
+  const std::string over_grpc = StepAndFetch(server_->client(), 40);
+  std::unique_ptr<Client> lane_client = server_->Connect(/*dedicated=*/true, "auto");
+  const std::string over_lane = StepAndFetch(*lane_client, 40);
+  ASSERT_TRUE(lane_client->uses_data_lane());
+
+  const std::string text = Scrape();
+  // 40 tokens of K and V, 2 layers of 2 heads of 8 float16 each way.
+  constexpr double kPayload = 2 * 40 * 2 * 8 * 2 * 2;
+  for (const char* transport : {"grpc", "lane"}) {
+    const std::string labels = absl::StrCat(R"({tenant="anonymous",transport=")", transport, "\"}");
+    const double received = Sample(text, "kvcached_received_bytes_total" + labels);
+    const double sent = Sample(text, "kvcached_sent_bytes_total" + labels);
+    EXPECT_GE(received, kPayload) << transport;
+    EXPECT_LT(received, 4 * kPayload) << transport;
+    EXPECT_GE(sent, kPayload) << transport;
+    EXPECT_LT(sent, 4 * kPayload) << transport;
+  }
+  EXPECT_EQ(Sample(text, R"(kvcached_caches{tenant="anonymous"})"), 2);
+  EXPECT_EQ(Sample(text, R"(kvcached_lane_connections_total{tenant="anonymous"})"), 1);
+  EXPECT_EQ(Sample(text, R"(kvcached_lane_connections{tenant="anonymous"})"), 1);
+  const gpu::PoolStats pool = server_->server().pool().stats();
+  EXPECT_EQ(Sample(text, R"(kvcached_tier_pages{tier="device"})"), pool.used_pages);
+  EXPECT_GT(pool.used_pages, 0u);
+  EXPECT_EQ(Sample(text, R"(kvcached_tier_bytes_capacity{tier="device"})"),
+            double(pool.max_pages) * pool.page_bytes);
+
+  lane_client.reset();  // its connection closes: the gauge goes back to 0
+  server_->client().DeleteCache(over_lane).IgnoreError();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string after = Scrape();
+  while (Sample(after, R"(kvcached_lane_connections{tenant="anonymous"})") != 0 &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    after = Scrape();
+  }
+  EXPECT_EQ(Sample(after, R"(kvcached_lane_connections{tenant="anonymous"})"), 0);
+  EXPECT_EQ(Sample(after, R"(kvcached_caches{tenant="anonymous"})"), 1);
+}
+
+TEST_F(E2eMetricsTest, EachTenantHasItsOwnSeries) {
+  dir_ = std::filesystem::path(::testing::TempDir()) /
+         ("kvcached-metrics-" + std::to_string(std::random_device()()));
+  std::filesystem::create_directories(dir_);
+  const std::string tokens = (dir_ / "tokens").string();
+  std::ofstream(tokens) << "tenant=alice token=" << kAlice << "\ntenant=bob token=" << kBob << "\n";
+  Start({.tokens_file = tokens, .token = kAlice});
+  std::unique_ptr<Client> bob = server_->ConnectAs(kBob);
+  ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
+  ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
+  absl::StatusOr<v1::CacheInfo> bobs = bob->CreateCache(ProtoSpec(1, 2, 8));
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_EQ(
+      CallWithEmptyMessage(server_->server().address(), "/kvcache.v1.KvCacheService/GetStats"),
+      grpc::StatusCode::UNAUTHENTICATED);
+
+  const std::string text = Scrape();
+  EXPECT_EQ(Sample(text, R"(kvcached_caches{tenant="alice"})"), 2);
+  EXPECT_EQ(Sample(text, R"(kvcached_caches{tenant="bob"})"), 1);
+  EXPECT_EQ(Sample(text, R"(kvcached_calls_admitted_total{tenant="bob"})"), 1);
+  EXPECT_EQ(Sample(text, R"(kvcached_rpc_handled_total{code="UNAUTHENTICATED",method="GetStats"})"),
+            1);
+  EXPECT_EQ(Sample(text, R"(kvcached_caches{tenant="anonymous"})"), -1);
+  EXPECT_THAT(text, ::testing::Not(HasSubstr(kAlice)));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr(bobs->cache_id())));
+  EXPECT_TRUE(bob->DeleteCache(bobs->cache_id()).ok());
+}
+
+TEST_F(E2eMetricsTest, HealthAnswersForTheCacheServiceByName) {
+  Start({});
+  for (const char* service : {"kvcache.v1.KvCacheService", ""}) {
+    absl::StatusOr<bool> serving = server_->client().Serving(service);
+    ASSERT_TRUE(serving.ok()) << serving.status();
+    EXPECT_TRUE(*serving) << service;
+  }
+  EXPECT_EQ(server_->client().Serving("no.Such").status().code(), absl::StatusCode::kNotFound);
+  const std::string text = Scrape();
+  EXPECT_EQ(
+      Sample(text, R"(kvcached_rpc_handled_total{code="OK",method="grpc.health.v1.Health/Check"})"),
+      2);
+  EXPECT_EQ(
+      Sample(
+          text,
+          R"(kvcached_rpc_handled_total{code="NOT_FOUND",method="grpc.health.v1.Health/Check"})"),
+      1);
+  // Only /metrics answers.
+  EXPECT_EQ(HttpGet(server_->server().metrics_address(), "/other").status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(E2eMetricsTest, AMetricsAddressThatCannotBeUsedStopsTheStart) {
+  int port = 0;
+  absl::StatusOr<int> taken = lane::Listen("127.0.0.1:0", port);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  lane::OwnedFd holder(*taken);
+  ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.pool.budget_bytes = 8 << 20;
+  config.metrics_listen = absl::StrCat("127.0.0.1:", port);
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+  EXPECT_THAT(server.status().message(), HasSubstr("metrics_listen"));
+  config.metrics_listen = "no-port";
+  server = KvCacheServer::Start(config);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_THAT(server.status().message(), HasSubstr("metrics_listen"));
+}
+
+}  // namespace
+}  // namespace kvcache::testing
