@@ -231,7 +231,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                    GrpcServerCredentials(config.tls));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, credentials, &server->port_);
-  RETURN_IF_ERROR(server->StartMetrics(config.metrics_listen, builder));
+  RETURN_IF_ERROR(server->ObserveCalls(config.metrics_listen, config.access_log, builder));
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -254,17 +254,21 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   return server;
 }
 
-// RPC metrics are taken whether or not anyone scrapes them (an interceptor
-// per call costs little next to a call), so that --metrics_listen changes
-// nothing but the endpoint.
-absl::Status KvCacheServer::StartMetrics(const std::string& listen, grpc::ServerBuilder& builder) {
+// Every call is observed (request ids, failures logged, metrics taken)
+// whether or not anyone scrapes the metrics: an interceptor per call costs
+// little next to a call, and --metrics_listen then changes nothing but the
+// endpoint.
+absl::Status KvCacheServer::ObserveCalls(const std::string& listen, bool access_log,
+                                         grpc::ServerBuilder& builder) {
   metrics_registry_ = std::make_shared<prometheus::Registry>();
-  rpc_metrics_ = std::make_unique<service::RpcMetrics>(
+  rpc_observer_ = std::make_unique<service::RpcObserver>(
       *metrics_registry_,
-      std::vector<std::string>{"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
-                               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"});
+      service::RpcObserverOptions{
+          .extra_methods = {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+                            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"},
+          .access_log = access_log});
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
-  factories.push_back(rpc_metrics_->InterceptorFactory());
+  factories.push_back(rpc_observer_->InterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(factories));
   if (listen.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(metrics_, MetricsExporter::Start(

@@ -17,7 +17,7 @@
 #include "metrics_exporter.h"
 #include "prometheus/registry.h"
 #include "service/handlers.h"
-#include "service/rpc_metrics.h"
+#include "service/rpc_observer.h"
 #include "transport_security.h"
 
 namespace grpc {
@@ -68,6 +68,9 @@ struct ServerConfig {
   // host:port of the Prometheus endpoint (metrics_exporter.h; port 0 picks
   // a free one); empty: none.
   std::string metrics_listen;
+  // A log line per gRPC call (service/rpc_observer.h); failures are logged
+  // either way.
+  bool access_log = false;
 };
 
 class KvCacheServer {
@@ -100,8 +103,10 @@ class KvCacheServer {
   // An engine, its lease reaper, saved files and handlers for a tenant
   // (null: the anonymous one).
   absl::StatusOr<service::TenantParts> MakeTenant(const TenantConfig* tenant);
-  // The RPC interceptor on `builder`, and the endpoint when `listen` is set.
-  absl::Status StartMetrics(const std::string& listen, grpc::ServerBuilder& builder);
+  // The RPC observer's interceptor on `builder`, and the metrics endpoint
+  // when `listen` is set.
+  absl::Status ObserveCalls(const std::string& listen, bool access_log,
+                            grpc::ServerBuilder& builder);
   absl::Status StartTenants();
   // Evicts idle snapshots of any tenant (tiering.h, EvictElsewhere).
   uint32_t EvictAnyTenant(uint32_t pages);
@@ -117,10 +122,10 @@ class KvCacheServer {
   engine::EngineOptions engine_options_;
   service::ServiceOptions service_options_;
   absl::Duration lease_check_interval_;
-  // RPC counts and latencies; the gRPC server's interceptor refers to them,
-  // so they are declared before it.
+  // Request ids, logs, RPC counts and latencies; the gRPC server's
+  // interceptor refers to them, so they are declared before it.
   std::shared_ptr<prometheus::Registry> metrics_registry_;
-  std::unique_ptr<service::RpcMetrics> rpc_metrics_;
+  std::unique_ptr<service::RpcObserver> rpc_observer_;
   // Each tenant's engine and handlers; declared after the pool and before
   // the gRPC server and the lane, which stop before it goes.
   std::unique_ptr<service::Tenants> tenants_;

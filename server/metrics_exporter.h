@@ -1,5 +1,5 @@
 // The Prometheus endpoint (--metrics_listen): GET /metrics answers with the
-// text exposition of every RPC's counts and latencies (service/rpc_metrics.h)
+// text exposition of every RPC's counts and latencies (service/rpc_observer.h)
 // and of what the server holds (service/state_metrics.h). It carries tenant
 // names and counts, never tokens, ids or data; put it on an operators'
 // network.

@@ -1,15 +1,36 @@
-// Minimal leveled logging to stderr (abseil 20220623 ships no absl/log).
+// Leveled logging to stderr, one line per event (abseil 20220623 ships no
+// absl/log). Two formats, chosen once at start (kvcached --log_format):
+//   text: "I 2026-11-28 02:43:05.147 kvcached] rpc method=GetStats code=OK"
+//         (a message, or an event's name and its fields as key=value, values
+//         quoted where they hold spaces, quotes or '=')
+//   json: {"time":"2026-11-28T02:43:05.147Z","level":"info","event":"rpc",
+//          "method":"GetStats","code":"OK"}  (a message is event "message"
+//          with its text in "msg")
 #pragma once
 
-#include <string_view>
+#include <initializer_list>
+#include <string>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace kvcache {
 
 enum class LogLevel { kInfo, kWarning, kError };
+enum class LogFormat { kText, kJson };
 
-void WriteLogLine(LogLevel level, std::string_view message);
+// Set before any thread logs (main does, from its flag).
+void SetLogFormat(LogFormat format);
+LogFormat GetLogFormat();
+
+struct LogField {
+  absl::string_view key;
+  std::string value;
+};
+
+void WriteLogLine(LogLevel level, absl::string_view message);
+// An event with fields, for lines that tools read (access logs, failures).
+void LogEvent(LogLevel level, absl::string_view event, std::initializer_list<LogField> fields);
 
 template <typename... Args>
 void LogInfo(const absl::FormatSpec<Args...>& format, const Args&... args) {

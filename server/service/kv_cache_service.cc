@@ -1,20 +1,17 @@
 #include "service/kv_cache_service.h"
 
-#include "core/log.h"
 #include "service/file_reactors.h"
-#include "service/stream_reactors.h"
 #include "service/status_mapping.h"
+#include "service/stream_reactors.h"
 
 namespace kvcache::service {
 namespace {
 
 // Unary calls are metadata operations that finish in microseconds, so they run
-// inline on the callback thread and finish at once.
+// inline on the callback thread and finish at once. (An INTERNAL status is
+// logged with the call's request id by the server's RpcObserver.)
 grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
-                                      const absl::Status& status, const char* rpc) {
-  if (!status.ok() && status.code() == absl::StatusCode::kInternal) {
-    LogError("%s failed: %s", rpc, status.ToString());
-  }
+                                      const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -43,10 +40,10 @@ absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext
   grpc::ServerUnaryReactor* KvCacheService::Name(                                                 \
       grpc::CallbackServerContext* context, const v1::Request* request, v1::Response* response) { \
     absl::StatusOr<Admitted> call = Admit(*context);                                              \
-    if (!call.ok()) return FinishUnary(context, call.status(), #Name);                            \
+    if (!call.ok()) return FinishUnary(context, call.status());                                   \
     const absl::Status status = call->handlers().Name(*request, response);                        \
     if (status.ok()) Scope(*call, response);                                                      \
-    return FinishUnary(context, status, #Name);                                                   \
+    return FinishUnary(context, status);                                                          \
   }
 
 KV_FOR_EACH_UNARY_RPC(KV_UNARY_RPC)

@@ -1,8 +1,10 @@
 // Operability over the wire: the Prometheus endpoint (--metrics_listen)
 // counts every gRPC call by method and status code with its latency, the
 // bytes of each transport per tenant, and what the pool and each tenant hold;
-// the standard health service answers for the cache service by name; and a
-// metrics address that cannot be used stops the server from starting.
+// the standard health service answers for the cache service by name; a
+// metrics address that cannot be used stops the server from starting; every
+// call has a request id (the client's when it is safe to echo) that comes
+// back in its trailers and names its access-log line, in text or JSON.
 #include <sys/socket.h>
 
 #include <filesystem>
@@ -10,14 +12,17 @@
 #include <random>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/log.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "http_get.h"
 #include "lane/socket.h"
+#include "nlohmann/json.hpp"
 #include "service_test_util.h"
 
 namespace kvcache::testing {
@@ -222,6 +227,88 @@ TEST_F(E2eMetricsTest, AMetricsAddressThatCannotBeUsedStopsTheStart) {
   server = KvCacheServer::Start(config);
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
   EXPECT_THAT(server.status().message(), HasSubstr("metrics_listen"));
+}
+
+// GetStats through the generated stub with `request_id` as x-request-id
+// (none when empty); the id the server sent back.
+std::string GetStatsWithRequestId(Client& client, const std::string& request_id) {
+  grpc::ClientContext context;
+  if (!request_id.empty()) context.AddMetadata("x-request-id", request_id);
+  v1::Stats stats;
+  const grpc::Status status = client.stub().GetStats(&context, v1::GetStatsRequest(), &stats);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  const auto found = context.GetServerTrailingMetadata().find("x-request-id");
+  if (found == context.GetServerTrailingMetadata().end()) return "";
+  return std::string(found->second.data(), found->second.size());
+}
+
+std::vector<std::string> LinesWith(const std::string& text, absl::string_view part) {
+  std::vector<std::string> lines;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StrContains(line, part)) lines.emplace_back(line);
+  }
+  return lines;
+}
+
+TEST_F(E2eMetricsTest, RequestIdsComeBackAndNameTheAccessLogLine) {
+  server_ = TestServer::Start({.access_log = true});
+  ASSERT_NE(server_, nullptr);
+  ::testing::internal::CaptureStderr();
+  const std::string echoed = GetStatsWithRequestId(server_->client(), "worker-7.req:42");
+  // Printable (gRPC refuses others on the client) but spaces and quotes.
+  const std::string unsafe = std::string("bad id \"quoted\" ") + std::string(80, 'x');
+  const std::string replaced = GetStatsWithRequestId(server_->client(), unsafe);
+  const std::string made = GetStatsWithRequestId(server_->client(), "");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+
+  EXPECT_EQ(echoed, "worker-7.req:42");
+  for (const std::string& id : {replaced, made}) {
+    EXPECT_THAT(id, ::testing::MatchesRegex("[0-9a-f]{16}"));
+  }
+  EXPECT_NE(replaced, made);
+  const std::vector<std::string> lines = LinesWith(log, "] rpc ");
+  ASSERT_EQ(lines.size(), 3u) << log;
+  EXPECT_THAT(lines[0], HasSubstr("rpc request_id=worker-7.req:42 method=GetStats code=OK "));
+  EXPECT_THAT(lines[0], ::testing::ContainsRegex("duration_ms=[0-9]+\\.[0-9]{3} peer=ipv4:127"));
+  EXPECT_THAT(lines[1], HasSubstr("request_id=" + replaced));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("bad id")));
+}
+
+TEST_F(E2eMetricsTest, JsonLogLinesAreOneObjectEach) {
+  server_ = TestServer::Start({.access_log = true});
+  ASSERT_NE(server_, nullptr);
+  SetLogFormat(LogFormat::kJson);
+  ::testing::internal::CaptureStderr();
+  GetStatsWithRequestId(server_->client(), "json-1");
+  EXPECT_EQ(server_->client().GetCache("no-such-cache").status().code(),
+            absl::StatusCode::kNotFound);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  SetLogFormat(LogFormat::kText);
+
+  int rpcs = 0;
+  for (const std::string& line : LinesWith(log, "\"event\":\"rpc\"")) {
+    const nlohmann::json object = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(object.is_object()) << line;
+    EXPECT_EQ(object["level"], "info");
+    EXPECT_TRUE(object["time"].is_string());
+    if (object["method"] == "GetStats") {
+      EXPECT_EQ(object["request_id"], "json-1");
+      EXPECT_EQ(object["code"], "OK");
+    } else {
+      EXPECT_EQ(object["method"], "GetCache");
+      EXPECT_EQ(object["code"], "NOT_FOUND");
+    }
+    ++rpcs;
+  }
+  EXPECT_EQ(rpcs, 2) << log;
+}
+
+TEST_F(E2eMetricsTest, NoAccessLogUnlessAskedFor) {
+  Start({});
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(GetStatsWithRequestId(server_->client(), "quiet-1"), "quiet-1");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("quiet-1")));
 }
 
 }  // namespace

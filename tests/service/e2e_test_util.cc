@@ -42,6 +42,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.tls = setup.tls;
   config.allow_plaintext_lane = setup.allow_plaintext_lane;
   config.metrics_listen = setup.metrics_listen;
+  config.access_log = setup.access_log;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

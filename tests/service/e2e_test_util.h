@@ -58,8 +58,9 @@ struct ServerSetup {
   TlsConfig tls;
   bool allow_plaintext_lane = false;
   ClientOptions client_tls;
-  // The server's --metrics_listen (empty: no endpoint).
+  // The server's --metrics_listen (empty: no endpoint) and --access_log.
   std::string metrics_listen;
+  bool access_log = false;
 };
 
 class TestServer {

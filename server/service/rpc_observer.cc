@@ -1,9 +1,17 @@
-#include "service/rpc_metrics.h"
+#include "service/rpc_observer.h"
 
+#include <grpcpp/server_context.h>
+
+#include <algorithm>
+
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/log.h"
 #include "google/protobuf/descriptor.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
@@ -43,44 +51,74 @@ const char* CodeName(grpc::StatusCode code) {
   return index < std::size(kNames) ? kNames[index] : "UNKNOWN";
 }
 
+constexpr char kRequestIdKey[] = "x-request-id";
+constexpr size_t kMostRequestIdBytes = 64;
+
+bool IsRequestIdChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
+         c == '-';
+}
+
+// The client's id where it is safe to log and echo, else a new one: a
+// client's bytes never reach a log line unchecked.
+std::string RequestId(const grpc::ServerContextBase& context) {
+  const auto found = context.client_metadata().find(kRequestIdKey);
+  if (found != context.client_metadata().end()) {
+    const absl::string_view id(found->second.data(), found->second.size());
+    if (!id.empty() && id.size() <= kMostRequestIdBytes &&
+        std::all_of(id.begin(), id.end(), IsRequestIdChar)) {
+      return std::string(id);
+    }
+  }
+  thread_local absl::BitGen bits;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(bits));
+}
+
 // One per call: the clock starts when gRPC makes it (the call has arrived)
 // and stops when the status goes out.
-class CallTimer final : public grpc::experimental::Interceptor {
+class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
-  CallTimer(RpcMetrics& metrics, size_t method)
-      : metrics_(metrics), method_(method), started_(absl::Now()) {}
+  CallInterceptor(RpcObserver& observer, grpc::experimental::ServerRpcInfo& info)
+      : observer_(observer),
+        info_(info),
+        method_(observer.MethodIndex(info.method())),
+        started_(absl::Now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      metrics_.Record(method_, methods->GetSendStatus().error_code(),
-                      absl::ToDoubleSeconds(absl::Now() - started_));
+      const grpc::ServerContextBase& context = *info_.server_context();
+      const std::string request_id = RequestId(context);
+      methods->GetSendTrailingMetadata()->emplace(kRequestIdKey, request_id);
+      observer_.Finished(method_, methods->GetSendStatus(),
+                         absl::ToDoubleSeconds(absl::Now() - started_), request_id, context);
     }
     methods->Proceed();
   }
 
  private:
-  RpcMetrics& metrics_;
+  RpcObserver& observer_;
+  grpc::experimental::ServerRpcInfo& info_;
   const size_t method_;
   const absl::Time started_;
 };
 
-class CallTimerFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit CallTimerFactory(RpcMetrics& metrics) : metrics_(metrics) {}
+  explicit CallInterceptorFactory(RpcObserver& observer) : observer_(observer) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new CallTimer(metrics_, metrics_.MethodIndex(info->method()));
+    return new CallInterceptor(observer_, *info);
   }
 
  private:
-  RpcMetrics& metrics_;
+  RpcObserver& observer_;
 };
 
 }  // namespace
 
-RpcMetrics::RpcMetrics(prometheus::Registry& registry,
-                       const std::vector<std::string>& extra_methods)
-    : handled_(prometheus::BuildCounter()
+RpcObserver::RpcObserver(prometheus::Registry& registry, RpcObserverOptions options)
+    : access_log_(options.access_log),
+      handled_(prometheus::BuildCounter()
                    .Name("kvcached_rpc_handled_total")
                    .Help("gRPC calls finished, by method and status code")
                    .Register(registry)),
@@ -96,7 +134,7 @@ RpcMetrics::RpcMetrics(prometheus::Registry& registry,
     by_full_name_.emplace(absl::StrCat("/", service->full_name(), "/", name), labels_.size());
     labels_.push_back(name);
   }
-  for (const std::string& full_name : extra_methods) {
+  for (const std::string& full_name : options.extra_methods) {
     by_full_name_.emplace(full_name, labels_.size());
     labels_.push_back(absl::StartsWith(full_name, "/") ? full_name.substr(1) : full_name);
   }
@@ -105,17 +143,17 @@ RpcMetrics::RpcMetrics(prometheus::Registry& registry,
 }
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-RpcMetrics::InterceptorFactory() {
-  return std::make_unique<CallTimerFactory>(*this);
+RpcObserver::InterceptorFactory() {
+  return std::make_unique<CallInterceptorFactory>(*this);
 }
 
-size_t RpcMetrics::MethodIndex(const char* full_method) const {
+size_t RpcObserver::MethodIndex(const char* full_method) const {
   if (full_method == nullptr) return labels_.size() - 1;
   const auto found = by_full_name_.find(absl::string_view(full_method));
   return found == by_full_name_.end() ? labels_.size() - 1 : found->second;
 }
 
-RpcMetrics::Series& RpcMetrics::SeriesFor(size_t method, grpc::StatusCode code) {
+RpcObserver::Series& RpcObserver::SeriesFor(size_t method, grpc::StatusCode code) {
   const size_t code_index = static_cast<size_t>(code) < kCodes ? static_cast<size_t>(code)
                                                                : size_t{grpc::StatusCode::UNKNOWN};
   Series& series = series_[method][code_index];
@@ -130,10 +168,29 @@ RpcMetrics::Series& RpcMetrics::SeriesFor(size_t method, grpc::StatusCode code) 
   return series;
 }
 
-void RpcMetrics::Record(size_t method, grpc::StatusCode code, double seconds) {
-  Series& series = SeriesFor(method, code);
+void RpcObserver::Finished(size_t method, const grpc::Status& status, double seconds,
+                           const std::string& request_id, const grpc::ServerContextBase& context) {
+  Series& series = SeriesFor(method, status.error_code());
   series.handled.load(std::memory_order_relaxed)->Increment();
   series.duration.load(std::memory_order_relaxed)->Observe(seconds);
+  const std::string duration_ms = absl::StrFormat("%.3f", seconds * 1e3);
+  const char* code = CodeName(status.error_code());
+  if (status.error_code() == grpc::StatusCode::INTERNAL) {
+    LogEvent(LogLevel::kError, "rpc_failed",
+             {{"request_id", request_id},
+              {"method", labels_[method]},
+              {"code", code},
+              {"duration_ms", duration_ms},
+              {"peer", context.peer()},
+              {"message", status.error_message()}});
+  } else if (access_log_) {
+    LogEvent(LogLevel::kInfo, "rpc",
+             {{"request_id", request_id},
+              {"method", labels_[method]},
+              {"code", code},
+              {"duration_ms", duration_ms},
+              {"peer", context.peer()}});
+  }
 }
 
 }  // namespace kvcache::service

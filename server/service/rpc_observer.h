@@ -1,8 +1,14 @@
-// Counts and latencies of every gRPC call by method and status code, taken
-// by a server interceptor so that every method (health and reflection too)
-// and every way a call ends (refused, cancelled, failed) is counted the same,
-// with the code the client saw.
+// What the server records about every gRPC call, in one server interceptor,
+// so that every method (health and reflection too) and every way a call ends
+// (refused, cancelled, failed) is seen the same, with the code the client saw:
 //
+// - its request id: the client's `x-request-id` metadata where it is 1-64 of
+//   [A-Za-z0-9._:-], else one made here; sent back as trailing metadata
+//   `x-request-id` and named in the call's log lines;
+// - a log line (event "rpc_failed") for every INTERNAL status, and with
+//   access_log one (event "rpc") for every call: request_id, method, code,
+//   duration_ms, peer;
+// - its count and latency for Prometheus:
 //   kvcached_rpc_handled_total{method, code}
 //   kvcached_rpc_duration_seconds{method, code}  (histogram, from the call's
 //       start to its status being sent)
@@ -29,11 +35,16 @@
 
 namespace kvcache::service {
 
-class RpcMetrics {
+struct RpcObserverOptions {
+  // Full names ("/pkg.Service/Method") of methods besides KvCacheService's
+  // that the server registers.
+  std::vector<std::string> extra_methods;
+  bool access_log = false;
+};
+
+class RpcObserver {
  public:
-  // `extra_methods`: full names ("/pkg.Service/Method") of methods besides
-  // KvCacheService's that the server registers.
-  RpcMetrics(prometheus::Registry& registry, const std::vector<std::string>& extra_methods);
+  RpcObserver(prometheus::Registry& registry, RpcObserverOptions options);
 
   // For grpc::ServerBuilder::experimental().SetInterceptorCreators; the
   // factory refers to this object, which must outlive the server.
@@ -42,7 +53,9 @@ class RpcMetrics {
   // The index of `full_method` ("/pkg.Service/Method") among the known
   // methods; the last index is "unknown".
   size_t MethodIndex(const char* full_method) const;
-  void Record(size_t method, grpc::StatusCode code, double seconds);
+  // A call's end: counted, and logged where it should be.
+  void Finished(size_t method, const grpc::Status& status, double seconds,
+                const std::string& request_id, const grpc::ServerContextBase& context);
 
  private:
   static constexpr size_t kCodes = 17;  // grpc::StatusCode OK..UNAUTHENTICATED
@@ -53,6 +66,7 @@ class RpcMetrics {
   // Made on a call's first use, under mutex_; then read without it.
   Series& SeriesFor(size_t method, grpc::StatusCode code);
 
+  const bool access_log_;
   prometheus::Family<prometheus::Counter>& handled_;
   prometheus::Family<prometheus::Histogram>& duration_;
   std::vector<std::string> labels_;                        // by method index
