@@ -92,6 +92,10 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
     status = ParseLimit(line, key, value, quotas.max_pinned_bytes);
   } else if (key == "max_metadata_bytes") {
     status = ParseLimit(line, key, value, quotas.max_metadata_bytes);
+  } else if (key == "max_caches") {
+    status = ParseLimit(line, key, value, quotas.max_caches);
+  } else if (key == "max_snapshots") {
+    status = ParseLimit(line, key, value, quotas.max_snapshots);
   } else if (key == "max_requests_in_flight") {
     status = ParseLimit(line, key, value, quotas.max_requests_in_flight);
   } else if (key == "max_lane_connections") {

@@ -33,6 +33,8 @@ TokenDigest DigestToken(absl::string_view token);
 struct TenantQuotas {
   uint64_t max_pinned_bytes = 0;
   uint64_t max_metadata_bytes = 0;
+  uint64_t max_caches = 0;
+  uint64_t max_snapshots = 0;
   uint32_t max_requests_in_flight = 0;
   uint32_t max_lane_connections = 0;
 };

@@ -34,6 +34,7 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
       snapshots_(clock_,
                  SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
                                          .max_pinned_bytes = options_.max_pinned_bytes,
+                                         .max_snapshots = options_.max_snapshots,
                                          .on_drop = [this](absl::Span<const std::string> ids) {
                                            prefixes_.ForgetAny(ids);
                                          }}) {}
@@ -98,6 +99,11 @@ absl::StatusOr<CacheInfo> Engine::AddCache(std::unique_ptr<Cache> cache, absl::D
     entry->metadata = std::move(metadata);
   }
   absl::MutexLock lock(&caches_mutex_);
+  if (options_.max_caches != 0 && caches_.size() >= options_.max_caches) {
+    // `entry` goes with its cache's pages and metadata charge.
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("max_caches: %d caches are held, the quota (delete some)", caches_.size()));
+  }
   cache_deadlines_.Push(entry->lease.expires_at(), id);
   caches_[id] = std::move(entry);
   return info;

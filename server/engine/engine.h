@@ -46,6 +46,10 @@ struct EngineOptions {
   absl::Duration default_ttl;
   // Most bytes pinned snapshots may hold; 0: no limit.
   uint64_t max_pinned_bytes = 0;
+  // Most caches and snapshots held at once (a tenant's quotas); 0: no limit.
+  // Past one a call that would add one is RESOURCE_EXHAUSTED naming it.
+  uint64_t max_caches = 0;
+  uint64_t max_snapshots = 0;
   // Most host memory caches and snapshots may hold outside the pool
   // (engine/metadata_budget.h); 0: DefaultMetadataBytes of the pool's budget.
   uint64_t metadata_bytes = 0;

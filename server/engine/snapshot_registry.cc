@@ -92,6 +92,14 @@ absl::Status SnapshotRegistry::CheckPinBudget(uint64_t more_bytes) const {
       options_.max_pinned_bytes, pinned_bytes_));
 }
 
+absl::Status SnapshotRegistry::CheckCount(uint64_t more, uint64_t leaving) const {
+  const uint64_t after = entries_.size() - leaving + more;
+  if (options_.max_snapshots == 0 || after <= options_.max_snapshots) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "max_snapshots: %d snapshots are held, the quota (prefix entries count; release some)",
+      entries_.size()));
+}
+
 SnapshotRegistry::Dropped::~Dropped() {
   snapshots_.clear();
   if (options_.on_drop && !ids_.empty()) options_.on_drop(ids_);
@@ -113,6 +121,7 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::Add(CacheSnapshotPtr snapshot,
                                                    MetadataCharge metadata, bool pinned,
                                                    absl::Duration ttl) {
   absl::MutexLock lock(&mutex_);
+  RETURN_IF_ERROR(CheckCount(1, 0));
   if (pinned) RETURN_IF_ERROR(CheckPinBudget(snapshot->size_bytes()));
   if (ttl == absl::ZeroDuration()) ttl = options_.default_ttl;
   return Insert(Entry{.snapshot = std::move(snapshot),
@@ -174,16 +183,19 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
   bool pinned = false;
   absl::Duration ttl;
   uint64_t consumed_pinned_bytes = 0;
+  uint64_t distinct_consumed = 0;
   const absl::Time now = clock_.Now();
   for (size_t i = 0; i < consumed.size(); ++i) {
     auto it = FindLive(consumed[i], now);
     if (it == entries_.end()) return UnknownSnapshot(consumed[i]);
     const bool repeated =
         std::find(consumed.begin(), consumed.begin() + i, consumed[i]) != consumed.begin() + i;
+    distinct_consumed += repeated ? 0 : 1;
     if (it->second.pinned && !repeated) consumed_pinned_bytes += it->second.snapshot->size_bytes();
     pinned |= it->second.pinned;
     ttl = std::max(ttl, it->second.lease.ttl());
   }
+  RETURN_IF_ERROR(CheckCount(added.size(), distinct_consumed));
   if (pinned) {
     uint64_t added_bytes = 0;
     for (const CacheSnapshotPtr& snapshot : added) added_bytes += snapshot->size_bytes();

@@ -51,6 +51,9 @@ struct SnapshotRegistryOptions {
   absl::Duration default_ttl;
   // Most bytes pinned snapshots may hold (size_bytes each); 0: no limit.
   uint64_t max_pinned_bytes = 0;
+  // Most snapshots held at once (prefix entries and their handles count);
+  // 0: no limit.
+  uint64_t max_snapshots = 0;
   // Told the ids of entries that went (released, expired, consumed by a
   // merge or split), after the registry's lock is released; may be empty.
   std::function<void(absl::Span<const std::string> ids)> on_drop;
@@ -62,7 +65,8 @@ class SnapshotRegistry {
       : clock_(clock), options_(options) {}
 
   // `ttl` zero takes the default. RESOURCE_EXHAUSTED (naming max_pinned_bytes)
-  // when pinning it would pass the budget. The entry keeps `metadata`, the
+  // when pinning it would pass the budget, or naming max_snapshots when the
+  // registry holds that many. The entry keeps `metadata`, the
   // snapshot's charge, until it goes.
   absl::StatusOr<SnapshotInfo> Add(CacheSnapshotPtr snapshot, MetadataCharge metadata, bool pinned,
                                    absl::Duration ttl);
@@ -138,6 +142,10 @@ class SnapshotRegistry {
   // Registers `entry` under a new id, its lease started (unless pinned).
   SnapshotInfo Insert(Entry entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status CheckPinBudget(uint64_t more_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // RESOURCE_EXHAUSTED naming max_snapshots unless `more` fit beside those
+  // held after `leaving` go.
+  absl::Status CheckCount(uint64_t more, uint64_t leaving) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Drops `it`'s entry, handing it to `dropped`.
   void Erase(absl::flat_hash_map<std::string, Entry>::iterator it, Dropped& dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);

@@ -22,7 +22,7 @@ TEST(TokensFileTest, ParsesTenantsQuotasAndDigests) {
   absl::StatusOr<std::vector<TenantConfig>> tenants = ParseTokensFile(
       absl::StrCat("# tenants\n\n", "tenant=alice token=", kAliceToken,
                    " max_pinned_bytes=1024 max_metadata_bytes=2048 max_requests_in_flight=3 "
-                   "max_lane_connections=4\n",
+                   "max_lane_connections=4 max_caches=5 max_snapshots=6\n",
                    "  tenant=ops\tsha256=", digest_hex, " admin  \n"));
   ASSERT_TRUE(tenants.ok()) << tenants.status();
   ASSERT_EQ(tenants->size(), 2u);
@@ -34,6 +34,8 @@ TEST(TokensFileTest, ParsesTenantsQuotasAndDigests) {
   EXPECT_EQ(alice.quotas.max_metadata_bytes, 2048u);
   EXPECT_EQ(alice.quotas.max_requests_in_flight, 3u);
   EXPECT_EQ(alice.quotas.max_lane_connections, 4u);
+  EXPECT_EQ(alice.quotas.max_caches, 5u);
+  EXPECT_EQ(alice.quotas.max_snapshots, 6u);
   const TenantConfig& ops = (*tenants)[1];
   EXPECT_TRUE(ops.admin);
   EXPECT_EQ(ops.token_digest, DigestToken("secret"));

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 #include <utility>
@@ -36,6 +37,7 @@ using Code = absl::StatusCode;
 constexpr char kAlice[] = "alice-token-0123456789abcdef";
 constexpr char kBob[] = "bob-token-0123456789abcdef";
 constexpr char kOps[] = "ops-token-0123456789abcdef";
+constexpr char kCarol[] = "carol-token-0123456789abcdef";
 
 class E2eTenantsTest : public ::testing::Test {
  protected:
@@ -312,6 +314,51 @@ TEST_F(E2eTenantsTest, RequestsInFlightStopAtTheTenantsQuota) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_TRUE(again.ok()) << again;
+}
+
+// Past max_caches or max_snapshots a call that would add one is refused,
+// naming the quota, and changes nothing: a split that would pass it keeps
+// its snapshot; room made by a release or a delete is usable at once.
+TEST_F(E2eTenantsTest, CachesAndSnapshotsStopAtTheTenantsQuotas) {
+  // Carol comes with a reload, her quotas with her.
+  std::ifstream in(tokens_file());
+  const std::string tokens((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  WriteTokens(
+      absl::StrCat(tokens, "tenant=carol token=", kCarol, " max_caches=2 max_snapshots=3\n"));
+  ASSERT_TRUE(server_->server().ReloadTokens().ok());
+  std::unique_ptr<Client> carol = server_->ConnectAs(kCarol);
+  const auto [cache, first] = CacheWithSnapshot(*carol, 8);
+  ASSERT_TRUE(carol->CreateCache(ToWireSpec(spec_)).ok());
+  absl::StatusOr<v1::CacheInfo> third = carol->CreateCache(ToWireSpec(spec_));
+  EXPECT_EQ(third.status().code(), Code::kResourceExhausted) << third.status();
+  EXPECT_THAT(third.status().message(), HasSubstr("max_caches"));
+  EXPECT_EQ(carol->ListCaches()->size(), 2u);
+
+  ASSERT_TRUE(carol->Snapshot(cache, 0).ok());
+  absl::StatusOr<v1::SnapshotInfo> last = carol->Snapshot(cache, 4);
+  ASSERT_TRUE(last.ok()) << last.status();
+  absl::StatusOr<v1::SnapshotInfo> fourth = carol->Snapshot(cache, 0);
+  EXPECT_EQ(fourth.status().code(), Code::kResourceExhausted) << fourth.status();
+  EXPECT_THAT(fourth.status().message(), HasSubstr("max_snapshots"));
+  // A split takes one and gives two: past the quota, so nothing happens.
+  absl::StatusOr<v1::SplitSnapshotResponse> split = carol->SplitSnapshot(first, 4);
+  EXPECT_EQ(split.status().code(), Code::kResourceExhausted) << split.status();
+  EXPECT_EQ(carol->ListSnapshots()->size(), 3u);
+  ASSERT_TRUE(carol->ListSnapshots(cache).ok());
+  EXPECT_TRUE(carol->RenewLease({}, {first}).ok()) << "the refused split consumed its snapshot";
+
+  ASSERT_TRUE(carol->ReleaseSnapshot(last->snapshot_id()).ok());
+  split = carol->SplitSnapshot(first, 4);
+  EXPECT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(carol->ListSnapshots()->size(), 3u);
+  const std::vector<v1::CacheInfo> caches = *carol->ListCaches();
+  for (const v1::CacheInfo& info : caches) {
+    if (info.cache_id() != cache) ASSERT_TRUE(carol->DeleteCache(info.cache_id()).ok());
+  }
+  EXPECT_TRUE(carol->CreateCache(ToWireSpec(spec_)).ok());
+  // Another tenant's counts are its own.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(bob_->CreateCache(ToWireSpec(spec_)).ok());
+  ReleaseAll(*carol);
 }
 
 // The data lane authenticates each connection: a token's client works over
