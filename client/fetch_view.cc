@@ -6,11 +6,15 @@ namespace kvcache::internal {
 namespace {
 
 constexpr int kVarint = 0, kLengthDelimited = 2;
+// The longest encodings protobuf reads: tags and lengths in 5 bytes, values
+// in 10 (whose 10th byte may hold only bit 63). Longer ones it refuses, so
+// must this.
+constexpr int kTagBytes = 5, kValueBytes = 10;
 using Chunk = v1::FetchResponse;
 using Tensor = v1::Tensor;
 
 // Protobuf's wire format over one contiguous span. Every read returns false
-// when the input ends too soon or a varint runs past 10 bytes.
+// when the input ends too soon or a varint is longer than protobuf allows.
 class WireReader {
  public:
   explicit WireReader(absl::Span<const std::byte> bytes) : bytes_(bytes) {}
@@ -19,24 +23,25 @@ class WireReader {
   // A field's number and wire type.
   bool Tag(uint64_t& field, int& wire) {
     uint64_t tag = 0;
-    if (!Varint(tag)) return false;
+    if (!Varint(tag, kTagBytes)) return false;
     field = tag >> 3;
     wire = static_cast<int>(tag & 7);
     return true;
   }
-  bool Varint(uint64_t& value) {
+  bool Varint(uint64_t& value, int max_bytes = kValueBytes) {
     value = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
+    for (int i = 0; i < max_bytes; ++i) {
       if (at_ == bytes_.size()) return false;
       const uint8_t byte = std::to_integer<uint8_t>(bytes_[at_++]);
-      value |= uint64_t{byte & 0x7fu} << shift;
+      if (i == 9 && byte > 1) return false;  // bits past 63
+      value |= uint64_t{byte & 0x7fu} << (7 * i);
       if ((byte & 0x80) == 0) return true;
     }
     return false;
   }
   bool Bytes(absl::Span<const std::byte>& out) {
     uint64_t length = 0;
-    if (!Varint(length) || length > bytes_.size() - at_) return false;
+    if (!Varint(length, kTagBytes) || length > bytes_.size() - at_) return false;
     out = bytes_.subspan(at_, length);
     at_ += length;
     return true;
