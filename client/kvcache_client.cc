@@ -17,6 +17,15 @@
 namespace kvcache {
 namespace {
 
+// The lane's TLS: as the gRPC channel's (ClientOptions::tls), with the same
+// certificates and trust; null for plaintext.
+absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTls(const ClientOptions& options) {
+  if (!options.tls) return nullptr;
+  return lane::TlsContext::ForClient({.cert_chain_pem = options.tls_client_cert_pem,
+                                      .private_key_pem = options.tls_client_key_pem,
+                                      .trusted_ca_pem = options.tls_root_certs_pem});
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
@@ -131,14 +140,15 @@ Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> chan
       stub_(v1::KvCacheService::NewStub(channel_)),
       raw_update_("/kvcache.v1.KvCacheService/Update", grpc::internal::RpcMethod::BIDI_STREAMING,
                   channel_),
-      lanes_(std::make_unique<internal::LanePool>(options.data_lane, options.address,
-                                                  options.deadline, options.max_message_bytes,
-                                                  options.token,
-                                                  [this]() -> absl::StatusOr<std::string> {
-                                                    absl::StatusOr<v1::Stats> stats = GetStats();
-                                                    if (!stats.ok()) return stats.status();
-                                                    return stats->data_lane_address();
-                                                  })),
+      lanes_(std::make_unique<internal::LanePool>(
+          options.data_lane, options.address, options.deadline, options.max_message_bytes,
+          options.token,
+          [this]() -> absl::StatusOr<std::string> {
+            absl::StatusOr<v1::Stats> stats = GetStats();
+            if (!stats.ok()) return stats.status();
+            return stats->data_lane_address();
+          },
+          LaneTls(options), options.tls_server_name)),
       grpc_fetch_(internal::GrpcFetchTransport(*stub_, options.deadline)),
       lane_fetch_(internal::LaneFetchTransport(*lanes_)) {}
 

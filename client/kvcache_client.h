@@ -41,8 +41,9 @@ struct ClientOptions {
   // frame. Empty: none (a server without tokens takes every call).
   std::string token;
   // TLS to the gRPC port (kvcached --tls_cert), with grpc++'s own
-  // credentials. The PEM texts, not paths: an empty root bundle trusts the
-  // system's CAs; a client certificate and key are for mutual TLS
+  // credentials, and to the data lane with OpenSSL's (TLS 1.3; the kernel's
+  // TLS where it has it). The PEM texts, not paths: an empty root bundle
+  // trusts the system's CAs; a client certificate and key are for mutual TLS
   // (kvcached --tls_client_ca). tls_server_name overrides the name checked
   // against the server's certificate (default: the address's host).
   bool tls = false;

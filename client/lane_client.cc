@@ -12,7 +12,7 @@
 namespace kvcache::internal {
 namespace {
 
-// The host of host:port, without brackets.
+// The host of host:port (an IPv6 address keeps its brackets).
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
@@ -332,13 +332,45 @@ class LaneFetchCalls final : public FetchTransport {
 
 LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
                    uint64_t max_payload, std::string token,
-                   std::function<absl::StatusOr<std::string>()> ask_server)
+                   std::function<absl::StatusOr<std::string>()> ask_server,
+                   absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls,
+                   std::string tls_server_name)
     : setting_(std::move(setting)),
       grpc_address_(std::move(grpc_address)),
       timeout_(timeout),
       max_payload_(max_payload),
       token_(std::move(token)),
+      tls_(std::move(tls)),
+      tls_server_name_(std::move(tls_server_name)),
       ask_server_(std::move(ask_server)) {}
+
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::ConnectWith(
+    const std::string& address, absl::string_view preamble) const {
+  if (!tls_.ok()) return tls_.status();
+  const lane::TlsContext* tls = tls_->get();
+  absl::StatusOr<int> fd = lane::Connect(address, timeout_, tls == nullptr ? preamble : "");
+  if (!fd.ok()) return fd.status();
+  lane::OwnedFd owned(*fd);
+  std::unique_ptr<lane::TlsSession> session;
+  if (tls != nullptr) {
+    std::string host = tls_server_name_.empty() ? HostOf(address) : tls_server_name_;
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+    absl::StatusOr<std::unique_ptr<lane::TlsSession>> made =
+        lane::TlsSession::Connect(*tls, owned.get(), host);
+    if (!made.ok()) return made.status();
+    session = *std::move(made);
+  }
+  auto connection =
+      std::make_unique<LaneConnection>(owned.release(), std::move(session), max_payload_);
+  if (tls != nullptr) {
+    connection->writer.AddCopy(
+        {reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
+    if (absl::Status sent = connection->writer.Send(); !sent.ok()) return sent;
+  }
+  return connection;
+}
 
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Open(const std::string& address) {
   absl::StatusOr<std::unique_ptr<LaneConnection>> connection = Connect(address);
@@ -367,14 +399,15 @@ absl::Status LanePool::Authenticate(LaneConnection& connection) const {
 // connection while it stopped is asked again).
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Connect(const std::string& address) {
   const auto connect = [&](absl::string_view preamble) {
-    absl::StatusOr<int> fd = lane::Connect(address, timeout_, preamble);
-    if (!fd.ok()) first_version_only_.store(false, std::memory_order_relaxed);
-    return fd;
+    absl::StatusOr<std::unique_ptr<LaneConnection>> connection = ConnectWith(address, preamble);
+    if (!connection.ok()) first_version_only_.store(false, std::memory_order_relaxed);
+    return connection;
   };
   if (!first_version_only_.load(std::memory_order_relaxed)) {
-    absl::StatusOr<int> fd = connect({lane::kMagic, sizeof(lane::kMagic)});
-    if (!fd.ok()) return fd.status();
-    auto connection = std::make_unique<LaneConnection>(*fd, max_payload_);
+    absl::StatusOr<std::unique_ptr<LaneConnection>> opened =
+        connect({lane::kMagic, sizeof(lane::kMagic)});
+    if (!opened.ok()) return opened.status();
+    std::unique_ptr<LaneConnection> connection = *std::move(opened);
     absl::StatusOr<absl::Span<const std::byte>> answer =
         connection->reader.ReadRaw(sizeof(lane::kMagic));
     if (answer.ok() && std::memcmp(answer->data(), lane::kMagic, sizeof(lane::kMagic)) == 0) {
@@ -386,10 +419,10 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Connect(const std::str
       return answer.status();
     }
   }
-  absl::StatusOr<int> fd = connect({lane::kMagicV1, sizeof(lane::kMagicV1)});
-  if (!fd.ok()) return fd.status();
-  first_version_only_.store(true, std::memory_order_relaxed);
-  return std::make_unique<LaneConnection>(*fd, max_payload_);
+  absl::StatusOr<std::unique_ptr<LaneConnection>> connection =
+      connect({lane::kMagicV1, sizeof(lane::kMagicV1)});
+  if (connection.ok()) first_version_only_.store(true, std::memory_order_relaxed);
+  return connection;
 }
 
 bool LanePool::enabled() {
@@ -422,8 +455,10 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Take() {
       idle_.pop_back();
       // A kept connection the server has closed since (a restart, a
       // shutdown) reads as end of file; an Update must not start on one.
+      // (Nor one with bytes waiting: between calls the server sends none,
+      // unless a TLS alert as it goes.)
       std::byte probe;
-      if (recv(connection->fd.get(), &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) continue;
+      if (recv(connection->fd.get(), &probe, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) continue;
       return connection;
     }
     if (!address_.has_value() || address_->empty()) {

@@ -19,15 +19,20 @@
 #include "lane/frame_reader.h"
 #include "lane/frame_writer.h"
 #include "lane/socket.h"
+#include "lane/tls.h"
 #include "update_transport.h"
 
 namespace kvcache::internal {
 
 // One connection with its buffers, kept between calls.
 struct LaneConnection {
-  LaneConnection(int socket, uint64_t max_payload)
-      : fd(socket), reader(socket, max_payload), writer(socket) {}
+  LaneConnection(int socket, std::unique_ptr<lane::TlsSession> session, uint64_t max_payload)
+      : fd(socket),
+        tls(std::move(session)),
+        reader(socket, max_payload, tls.get()),
+        writer(socket, tls.get()) {}
   lane::OwnedFd fd;
+  std::unique_ptr<lane::TlsSession> tls;  // null: plaintext
   lane::FrameReader reader;
   lane::FrameWriter writer;
   bool reused = false;  // it served a call before this one
@@ -39,9 +44,14 @@ class LanePool {
   // server gives in Stats, found by `ask_server`; gRPC where it has none or
   // it cannot be reached) or host:port.
   // `token`: sent in each connection's AUTH frame where not empty.
+  // `tls`: connections run TLS with it (null: plaintext; an error: none can
+  // be made, for that reason); the server's certificate must name
+  // `tls_server_name`, or where that is empty the lane address's host.
   LanePool(std::string setting, std::string grpc_address, absl::Duration timeout,
            uint64_t max_payload, std::string token,
-           std::function<absl::StatusOr<std::string>()> ask_server);
+           std::function<absl::StatusOr<std::string>()> ask_server,
+           absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls = nullptr,
+           std::string tls_server_name = "");
 
   // Whether Update and Fetch go over the lane (resolves "auto" once).
   bool enabled();
@@ -55,6 +65,10 @@ class LanePool {
   absl::StatusOr<std::unique_ptr<LaneConnection>> Open(const std::string& address);
   // A new connection: KVLANE02, or KVLANE01 where the server does not speak it.
   absl::StatusOr<std::unique_ptr<LaneConnection>> Connect(const std::string& address);
+  // A connected socket to `address` opened with `preamble`: sent as is, or
+  // after a TLS handshake.
+  absl::StatusOr<std::unique_ptr<LaneConnection>> ConnectWith(const std::string& address,
+                                                              absl::string_view preamble) const;
   // Sends the AUTH frame and reads the server's STATUS.
   absl::Status Authenticate(LaneConnection& connection) const;
 
@@ -63,6 +77,8 @@ class LanePool {
   const absl::Duration timeout_;
   const uint64_t max_payload_;
   const std::string token_;
+  const absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls_;
+  const std::string tls_server_name_;
   std::function<absl::StatusOr<std::string>()> ask_server_;
   // The server closed a KVLANE02 connection unanswered (and no connect failed since).
   std::atomic<bool> first_version_only_{false};

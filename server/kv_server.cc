@@ -71,22 +71,19 @@ struct TenantRuntime {
   }
 };
 
-// Whether the plaintext data lane listens: not where it would carry what TLS
-// protects on the gRPC port, nor beyond loopback, unless allowed explicitly.
+// Whether the data lane listens: with TLS always (it runs TLS too); in
+// plaintext on loopback, or beyond it where allowed explicitly.
 absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
   if (config.data_lane_listen.empty()) return false;
   ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
+  if (config.tls.enabled()) return true;
   const bool loopback = IsLoopbackHost(lane_host.first);
   if (config.allow_plaintext_lane) {
-    if (config.tls.enabled() || !loopback) {
+    if (!loopback) {
       LogWarning("data lane on %s carries K/V and tokens in plaintext (--allow_plaintext_lane)",
                  config.data_lane_listen);
     }
     return true;
-  }
-  if (config.tls.enabled()) {
-    LogInfo("data lane off: it has no TLS and gRPC runs TLS (--allow_plaintext_lane keeps it on)");
-    return false;
   }
   if (!loopback) {
     return absl::InvalidArgumentError(absl::StrCat("data_lane_listen: \"", lane_host.first,
@@ -211,8 +208,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
   if (lane_on) {
     ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
-    absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
-        service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes);
+    ASSIGN_OR_RETURN(std::shared_ptr<const lane::TlsContext> lane_tls, LaneTlsContext(config.tls));
+    absl::StatusOr<std::unique_ptr<service::DataLane>> lane = service::DataLane::Listen(
+        config.data_lane_listen, config.max_message_bytes, std::move(lane_tls));
     if (!lane.ok()) {
       return absl::UnavailableError(
           absl::StrCat("data_lane_listen: ", lane.status().message()));
@@ -251,7 +249,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                                               : "mutual TLS: clients present certificates");
   if (server->data_lane_) {
     server->data_lane_->Serve(*server->tenants_);
-    LogInfo("data lane (Update and Fetch over plain TCP) on %s", server->data_lane_address());
+    LogInfo("data lane (Update and Fetch over %s) on %s",
+            config.tls.enabled() ? "TLS 1.3" : "plain TCP", server->data_lane_address());
   }
   return server;
 }

@@ -60,10 +60,11 @@ struct ServerConfig {
   // of its own over the shared pool, and its saved files go to
   // <data_dir>/tenants/<name>.
   std::string tokens_file;
-  // TLS on the gRPC port (transport_security.h); off without a cert.
+  // TLS on the gRPC port and the data lane (transport_security.h); off
+  // without a cert.
   TlsConfig tls;
-  // The data lane is plaintext: with TLS on it is off unless this is set,
-  // and on a non-loopback address it refuses to start unless this is set.
+  // Without TLS the data lane is plaintext: on a non-loopback address it
+  // refuses to start unless this is set.
   bool allow_plaintext_lane = false;
   // host:port of the Prometheus endpoint (metrics_exporter.h; port 0 picks
   // a free one); empty: none.

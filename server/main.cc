@@ -63,12 +63,13 @@ ABSL_FLAG(std::string, tokens_file, "",
           "sha256=HEX) [admin] [max_pinned_bytes=N] [max_metadata_bytes=N] "
           "[max_requests_in_flight=N] [max_lane_connections=N]; re-read on SIGHUP. "
           "Empty: one anonymous tenant, every call admitted");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: gRPC runs TLS (empty: plaintext)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: gRPC and the data lane run TLS (empty: plaintext)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: mutual TLS, clients must present a certificate it signed");
 ABSL_FLAG(bool, allow_plaintext_lane, false,
-          "keep the data lane (plaintext TCP) on with TLS, or on a non-loopback address");
+          "let a plaintext data lane (no --tls_cert) listen on a non-loopback address");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port of a Prometheus endpoint (GET /metrics); empty: none. It shows tenant "
           "names and counts, never tokens, ids or data");

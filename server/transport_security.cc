@@ -63,6 +63,29 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
   return grpc::SslServerCredentials(options);
 }
 
+absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls) {
+  if (!tls.enabled()) return nullptr;
+  lane::TlsCredentials own;
+  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "tls_key");
+  if (!key.ok()) return key.status();
+  own.cert_chain_pem = *std::move(cert);
+  own.private_key_pem = *std::move(key);
+  if (!tls.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(tls.client_ca_file, "tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    own.trusted_ca_pem = *std::move(ca);
+  }
+  absl::StatusOr<std::shared_ptr<const lane::TlsContext>> context =
+      lane::TlsContext::ForServer(own);
+  if (!context.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tls_cert, tls_key or tls_client_ca: ", context.status().message()));
+  }
+  return context;
+}
+
 bool IsLoopbackHost(const std::string& host) { return IsLoopback(host); }
 
 }  // namespace kvcache

@@ -1,7 +1,7 @@
-// TLS for the gRPC port, and the rule for the data lane beside it. The lane
-// has no TLS of its own yet, so it never carries what TLS protects by
-// accident: with TLS on it is off unless plaintext is allowed explicitly,
-// and a plaintext lane beyond loopback needs the same explicit flag.
+// TLS for the gRPC port (grpc++'s credentials) and the data lane beside it
+// (OpenSSL's, lane/tls.h), from the same files: the lane is no way around
+// what TLS protects, and mutual TLS asks its connections for the same
+// certificates. A plaintext lane beyond loopback needs an explicit flag.
 #pragma once
 
 #include <grpcpp/security/server_credentials.h>
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "lane/tls.h"
 
 namespace kvcache {
 
@@ -24,6 +25,9 @@ struct TlsConfig {
 // flag of a file that cannot be read), or insecure ones without a cert.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
     const TlsConfig& tls);
+
+// The data lane's TLS from the same files: null where TLS is off.
+absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls);
 
 // Whether `host` (of a host:port) is a loopback address: 127/8, ::1, localhost.
 bool IsLoopbackHost(const std::string& host);

@@ -16,6 +16,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +40,8 @@ ABSL_FLAG(std::string, update_path, "shared",
 ABSL_FLAG(std::string, data_lane, "",
           "ClientOptions::data_lane of the Update and Fetch rows: empty (gRPC), auto (the "
           "server's data lane) or host:port");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA file: the server runs TLS (--tls_cert), on gRPC and the lane; empty: plaintext");
 ABSL_FLAG(uint64_t, working_set_bytes, 64 << 20,
           "bytes each stream cycles over: the Update rows' rotating window, the Fetch rows' cache");
 ABSL_FLAG(double, warmup, 0.5, "seconds before measuring");
@@ -50,12 +54,26 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The address, and TLS where --tls_ca names a CA.
+ClientOptions BaseOptions(const std::string& address) {
+  ClientOptions options{.address = address};
+  if (const std::string ca = absl::GetFlag(FLAGS_tls_ca); !ca.empty()) {
+    std::ifstream in(ca);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    options.tls = true;
+    options.tls_root_certs_pem = pem.str();
+  }
+  return options;
+}
+
 std::unique_ptr<Client> ConnectOwn(const std::string& address) {
-  return Client::Connect({.address = address,
-                          .deadline = absl::Minutes(10),
-                          .max_message_bytes = 256 << 20,
-                          .dedicated_connection = true,
-                          .data_lane = absl::GetFlag(FLAGS_data_lane)});
+  ClientOptions options = BaseOptions(address);
+  options.deadline = absl::Minutes(10);
+  options.max_message_bytes = 256 << 20;
+  options.dedicated_connection = true;
+  options.data_lane = absl::GetFlag(FLAGS_data_lane);
+  return Client::Connect(options);
 }
 
 uint32_t WorkingSetTokens() {
@@ -254,7 +272,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   kvcache::bench::KeepMessageBuffersInHeap();
   const std::string address = absl::GetFlag(FLAGS_address);
-  if (absl::Status ready = kvcache::Client::Connect({.address = address})
+  if (absl::Status ready = kvcache::Client::Connect(kvcache::bench::BaseOptions(address))
                                ->WaitForReady(absl::Seconds(30));
       !ready.ok()) {
     std::fprintf(stderr, "%s\n", ready.ToString().c_str());

@@ -40,9 +40,13 @@ int ReceiveTimeoutMs(int fd) {
 
 }  // namespace
 
-FrameReader::FrameReader(int fd, uint64_t max_payload)
-    : fd_(fd), max_payload_(max_payload), receive_timeout_ms_(ReceiveTimeoutMs(fd)),
-      buffer_(new std::byte[kInitialCapacity]), capacity_(kInitialCapacity) {}
+FrameReader::FrameReader(int fd, uint64_t max_payload, TlsSession* tls)
+    : fd_(fd),
+      tls_(tls != nullptr && !tls->kernel_receives() ? tls : nullptr),
+      max_payload_(max_payload),
+      receive_timeout_ms_(ReceiveTimeoutMs(fd)),
+      buffer_(new std::byte[kInitialCapacity]),
+      capacity_(kInitialCapacity) {}
 
 bool FrameReader::HasBufferedFrame() const {
   const size_t start = start_ + consumed_;
@@ -54,6 +58,7 @@ absl::Status FrameReader::Fill(size_t bytes) {
   if (end_ - start_ >= bytes) return absl::OkStatus();
   if (start_ == end_) start_ = end_ = 0;
   Reserve(start_ + bytes - end_);  // the frame lands contiguous
+  if (tls_ != nullptr) return FillThroughTls(bytes);
   while (end_ - start_ < bytes) {
     const size_t need = start_ + bytes - end_;
     // Bytes sure to come: the rest of this frame, or more that were promised
@@ -74,11 +79,47 @@ absl::Status FrameReader::Fill(size_t bytes) {
     if (got > 0) {
       Received(static_cast<size_t>(got));
     } else if (got == 0) {
-      if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
-      return absl::UnavailableError("data lane: the peer closed the connection within a frame");
+      return Closed();
     } else if (errno != EINTR && !(flags == MSG_DONTWAIT && WouldBlock(errno))) {
       return SocketError("receive");  // else interrupted, or poll's readiness went to nothing
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FrameReader::FillThroughTls(size_t bytes) {
+  while (end_ - start_ < bytes) {
+    absl::StatusOr<size_t> got = tls_->Read(buffer_.get() + end_, capacity_ - end_);
+    if (!got.ok()) return got.status();
+    if (*got == 0) return Closed();
+    Received(*got);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FrameReader::Closed() const {
+  if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
+  return absl::UnavailableError("data lane: the peer closed the connection within a frame");
+}
+
+absl::Status FrameReader::ReadAvailable() {
+  if (tls_ != nullptr) {
+    // A record begun is read whole: the peer is sending its rest.
+    pollfd readable{.fd = fd_, .events = POLLIN, .revents = 0};
+    if (!tls_->HasBuffered() && poll(&readable, 1, 0) <= 0) return absl::OkStatus();
+    absl::StatusOr<size_t> got = tls_->Read(buffer_.get() + end_, capacity_ - end_);
+    if (!got.ok()) return got.status();
+    if (*got == 0) return Closed();
+    Received(*got);
+    return absl::OkStatus();
+  }
+  const ssize_t got = recv(fd_, buffer_.get() + end_, capacity_ - end_, MSG_DONTWAIT);
+  if (got > 0) {
+    Received(static_cast<size_t>(got));
+  } else if (got == 0) {
+    return Closed();
+  } else if (!WouldBlock(errno) && errno != EINTR) {
+    return SocketError("receive");
   }
   return absl::OkStatus();
 }
@@ -165,15 +206,7 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
     start_ = 0;
   }
   if (!HasBufferedFrame() && end_ < capacity_) {
-    const ssize_t got = recv(fd_, buffer_.get() + end_, capacity_ - end_, MSG_DONTWAIT);
-    if (got > 0) {
-      Received(static_cast<size_t>(got));
-    } else if (got == 0) {
-      if (end_ == start_) return absl::OutOfRangeError("data lane: the peer closed the connection");
-      return absl::UnavailableError("data lane: the peer closed the connection within a frame");
-    } else if (!WouldBlock(errno) && errno != EINTR) {
-      return SocketError("receive");
-    }
+    if (absl::Status status = ReadAvailable(); !status.ok()) return status;
   }
   // A frame only partly here (or one past the space left) waits for Next.
   if (!HasBufferedFrame()) return std::nullopt;

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "lane/frame.h"
+#include "lane/tls.h"
 
 namespace kvcache::lane {
 
@@ -18,8 +19,10 @@ namespace kvcache::lane {
 class FrameReader {
  public:
   // Frames longer than `max_payload` are refused (INVALID_ARGUMENT). The
-  // socket's receive timeout (SO_RCVTIMEO) must be set before.
-  FrameReader(int fd, uint64_t max_payload);
+  // socket's receive timeout (SO_RCVTIMEO) must be set before. With `tls`
+  // (which must outlive the reader) the socket carries TLS records: where
+  // the kernel decrypts them, reads are as in plaintext; else OpenSSL reads.
+  FrameReader(int fd, uint64_t max_payload, TlsSession* tls = nullptr);
 
   // Whether a whole frame is already buffered (Next will not block).
   bool HasBufferedFrame() const;
@@ -43,6 +46,13 @@ class FrameReader {
  private:
   // Makes `bytes` bytes past start_ available, reading as needed.
   absl::Status Fill(size_t bytes);
+  // Fill's reads where OpenSSL decrypts: no low-water waits (the socket's
+  // bytes are records, not frames), each read as much as OpenSSL has.
+  absl::Status FillThroughTls(size_t bytes);
+  // Poll's look without waiting: whatever the socket or OpenSSL has now.
+  absl::Status ReadAvailable();
+  // The peer closed: OUT_OF_RANGE between frames, else UNAVAILABLE.
+  absl::Status Closed() const;
   // At least `room` bytes free after end_, moving the unread bytes to the
   // front or into a larger buffer.
   void Reserve(size_t room);
@@ -57,6 +67,7 @@ class FrameReader {
   void SetLowWater(size_t bytes);
 
   int fd_;
+  TlsSession* tls_;  // null for plaintext and where the kernel decrypts
   uint64_t max_payload_;
   int receive_timeout_ms_;  // the socket's SO_RCVTIMEO when the reader was made; -1: none
   std::unique_ptr<std::byte[]> buffer_;

@@ -57,6 +57,7 @@ absl::Status FrameWriter::Send() {
     std::string& owned;
     ~ClearOnExit() { owned.clear(); }
   } clear_on_exit{owned_};
+  if (tls_ != nullptr) return SendThroughTls(iov);
   size_t first = 0;
   while (first < iov.size()) {
     msghdr message{};
@@ -77,6 +78,32 @@ absl::Status FrameWriter::Send() {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status FrameWriter::SendThroughTls(absl::Span<const iovec> iov) {
+  constexpr size_t kRecordPlaintext = 16 << 10;  // TLS's largest record
+  gathered_.clear();
+  const auto flush = [&]() -> absl::Status {
+    if (gathered_.empty()) return absl::OkStatus();
+    absl::Status status = tls_->Write(absl::MakeConstSpan(
+        reinterpret_cast<const std::byte*>(gathered_.data()), gathered_.size()));
+    if (status.ok()) bytes_sent_ += gathered_.size();
+    gathered_.clear();
+    return status;
+  };
+  for (const iovec& part : iov) {
+    const auto* data = static_cast<const std::byte*>(part.iov_base);
+    if (part.iov_len < kRecordPlaintext) {
+      gathered_.append(reinterpret_cast<const char*>(data), part.iov_len);
+      if (gathered_.size() < kRecordPlaintext) continue;
+      if (absl::Status status = flush(); !status.ok()) return status;
+      continue;
+    }
+    if (absl::Status status = flush(); !status.ok()) return status;
+    if (absl::Status status = tls_->Write({data, part.iov_len}); !status.ok()) return status;
+    bytes_sent_ += part.iov_len;
+  }
+  return flush();
 }
 
 }  // namespace kvcache::lane

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "lane/tls.h"
 
 namespace kvcache::lane {
 
@@ -18,7 +19,11 @@ namespace kvcache::lane {
 // it can. Parts added by reference must stay unchanged until Send returns.
 class FrameWriter {
  public:
-  explicit FrameWriter(int fd) : fd_(fd) {}
+  // With `tls` (which must outlive the writer) the socket carries TLS
+  // records: where the kernel encrypts them, sends are as in plaintext; else
+  // OpenSSL writes.
+  explicit FrameWriter(int fd, TlsSession* tls = nullptr)
+      : fd_(fd), tls_(tls != nullptr && !tls->kernel_sends() ? tls : nullptr) {}
 
   // A frame whose payload is `message`, serialized into the writer's buffer.
   void AddMessage(v1::LaneFrameKind kind, const google::protobuf::MessageLite& message);
@@ -31,7 +36,7 @@ class FrameWriter {
   bool empty() const { return parts_.empty(); }
   // Writes everything queued, then forgets it.
   absl::Status Send();
-  // Bytes the socket took since the writer was made.
+  // Bytes the socket took since the writer was made (plaintext bytes, with TLS).
   uint64_t bytes_sent() const { return bytes_sent_; }
 
  private:
@@ -42,8 +47,14 @@ class FrameWriter {
     size_t size;
   };
 
+  // Send's writes where OpenSSL encrypts: small parts gathered into records
+  // of up to a record's plaintext, large ones written where they lie.
+  absl::Status SendThroughTls(absl::Span<const iovec> iov);
+
   int fd_;
+  TlsSession* tls_;  // null for plaintext and where the kernel encrypts
   std::string owned_;
+  std::string gathered_;  // SendThroughTls's small parts, kept to spare an allocation
   std::vector<Part> parts_;
   std::vector<iovec> iov_;  // Send's, kept to spare an allocation per send
   uint64_t bytes_sent_ = 0;

@@ -82,11 +82,13 @@ absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
     const int one = 1;
     setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     SetTimeouts(fd.get(), timeout);
-    FrameWriter writer(fd.get());
-    writer.AddCopy({reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
-    if (absl::Status sent = writer.Send(); !sent.ok()) {
-      last = sent;
-      continue;
+    if (!preamble.empty()) {
+      FrameWriter writer(fd.get());
+      writer.AddCopy({reinterpret_cast<const std::byte*>(preamble.data()), preamble.size()});
+      if (absl::Status sent = writer.Send(); !sent.ok()) {
+        last = sent;
+        continue;
+      }
     }
     freeaddrinfo(*found);
     return fd.release();

@@ -12,9 +12,9 @@
 
 namespace kvcache::lane {
 
-// A connected TCP socket to host:port, with TCP_NODELAY, `preamble` (8
-// bytes) sent, and send / receive timeouts of `timeout` (0: none). The
-// caller closes it.
+// A connected TCP socket to host:port, with TCP_NODELAY, `preamble` sent
+// (none when empty: a TLS connection sends its own after the handshake), and send / receive
+// timeouts of `timeout` (0: none). The caller closes it.
 absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
                             absl::string_view preamble = {kMagic, sizeof(kMagic)});
 // A listening TCP socket on host:port (port 0: any free one); `port` is set

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "lane/frame.h"
@@ -18,6 +19,15 @@ namespace {
 
 // Each connection holds a thread and a buffer as large as its largest frame.
 constexpr int kMaxConnections = 1024;
+// A client has this long for its TLS handshake, so one that connects and
+// says nothing does not hold a thread for good.
+constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
+
+void SetTimeouts(int fd, absl::Duration timeout) {
+  const timeval tv = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
 
 // Refuses a connection over the limit with a status, then closes it.
 void RefuseBusy(int fd) {
@@ -30,18 +40,24 @@ void RefuseBusy(int fd) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(const std::string& listen,
-                                                           uint64_t max_message_bytes) {
+absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(
+    const std::string& listen, uint64_t max_message_bytes,
+    std::shared_ptr<const lane::TlsContext> tls) {
   int port = 0;
   absl::StatusOr<int> fd = lane::Listen(listen, port);
   if (!fd.ok()) return fd.status();
   // A frame's length is 32 bits.
   const uint64_t max_payload = std::min<uint64_t>(max_message_bytes, UINT32_MAX);
-  return std::unique_ptr<DataLane>(new DataLane(lane::OwnedFd(*fd), port, max_payload));
+  return std::unique_ptr<DataLane>(
+      new DataLane(lane::OwnedFd(*fd), port, max_payload, std::move(tls)));
 }
 
-DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes)
-    : listener_(std::move(listener)), port_(port), max_message_bytes_(max_message_bytes) {}
+DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
+                   std::shared_ptr<const lane::TlsContext> tls)
+    : listener_(std::move(listener)),
+      port_(port),
+      max_message_bytes_(max_message_bytes),
+      tls_(std::move(tls)) {}
 
 DataLane::~DataLane() { Shutdown(absl::ZeroDuration()); }
 
@@ -76,26 +92,52 @@ void DataLane::Serve(Tenants& tenants, lane::OwnedFd fd) {
   if (stopping_) return;
   ReapFinished();
   if (connections_.size() >= kMaxConnections) {
-    RefuseBusy(fd.get());
+    // Said in plaintext only: a TLS client would read it as a broken handshake.
+    if (tls_ == nullptr) RefuseBusy(fd.get());
     return;
   }
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
-  connection.session =
-      std::make_unique<LaneSession>(tenants, connection.fd.get(), max_message_bytes_);
-  connection.thread = std::thread([this, &connection] {
-    const absl::Status status = connection.session->Run();
-    // The client sees the end now; the descriptor closes when reaped.
-    shutdown(connection.fd.get(), SHUT_RDWR);
-    // A client that broke the protocol, or a Fetch that broke its announced
-    // length, is worth a line; a client that left is not.
-    if (absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
-        absl::IsUnauthenticated(status)) {
-      LogError("data lane: closed a connection: %s", status.message());
+  connection.thread =
+      std::thread([this, &tenants, &connection] { RunConnection(tenants, connection); });
+}
+
+void DataLane::RunConnection(Tenants& tenants, Connection& connection) {
+  absl::Status status = Handshake(connection);
+  if (status.ok()) {
+    {
+      absl::MutexLock lock(&mutex_);
+      connection.session = std::make_unique<LaneSession>(tenants, connection.fd.get(),
+                                                         max_message_bytes_, connection.tls.get());
     }
-    absl::MutexLock lock(&mutex_);
-    connection.done = true;
-  });
+    status = connection.session->Run();
+  }
+  // The client sees the end now; the descriptor closes when reaped.
+  shutdown(connection.fd.get(), SHUT_RDWR);
+  // A client that broke the protocol or failed its handshake, or a Fetch
+  // that broke its announced length, is worth a line; a client that left
+  // is not.
+  if (absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
+      absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status)) {
+    LogError("data lane: closed a connection: %s", status.message());
+  }
+  absl::MutexLock lock(&mutex_);
+  connection.done = true;
+}
+
+absl::Status DataLane::Handshake(Connection& connection) {
+  if (tls_ == nullptr) return absl::OkStatus();
+  const int fd = connection.fd.get();
+  SetTimeouts(fd, kHandshakeTimeout);
+  absl::StatusOr<std::unique_ptr<lane::TlsSession>> session = lane::TlsSession::Accept(*tls_, fd);
+  SetTimeouts(fd, absl::ZeroDuration());  // afterwards, as in plaintext: none
+  if (!session.ok()) {
+    return absl::PermissionDeniedError(session.status().message());
+  }
+  static absl::once_flag described;
+  absl::call_once(described, [&] { LogInfo("data lane: %s", (*session)->Describe()); });
+  connection.tls = *std::move(session);
+  return absl::OkStatus();
 }
 
 void DataLane::ReapFinished() {
@@ -114,7 +156,7 @@ bool DataLane::CloseIdle(bool all) {
     if (connection.done) continue;
     if (all) {
       shutdown(connection.fd.get(), SHUT_RDWR);
-    } else if (!connection.session->in_call()) {
+    } else if (connection.session == nullptr || !connection.session->in_call()) {
       shutdown(connection.fd.get(), SHUT_RD);
     }
   }

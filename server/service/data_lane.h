@@ -1,5 +1,5 @@
 // The data lane's listener (kvcache.proto, LaneFrameKind): Update and Fetch
-// over plain TCP beside gRPC, for the bulk K/V. Each connection gets a thread
+// over TCP (TLS where gRPC runs it) beside gRPC, for the bulk K/V. Each connection gets a thread
 // (LaneSession) that reads, applies and answers its frames in place: gRPC
 // passes each message between a reader thread, the completion queue and a
 // callback thread, and on one stream those hand-offs, not the bytes, bound
@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "lane/socket.h"
+#include "lane/tls.h"
 #include "service/tenants.h"
 
 namespace kvcache::service {
@@ -26,8 +27,10 @@ class LaneSession;
 class DataLane {
  public:
   // Listens on host:port (port 0: a free one); serves nothing until Serve.
-  static absl::StatusOr<std::unique_ptr<DataLane>> Listen(const std::string& listen,
-                                                          uint64_t max_message_bytes);
+  // With `tls` each connection runs TLS from its first byte (null: plaintext).
+  static absl::StatusOr<std::unique_ptr<DataLane>> Listen(
+      const std::string& listen, uint64_t max_message_bytes,
+      std::shared_ptr<const lane::TlsContext> tls = nullptr);
   ~DataLane();  // Shutdown(no grace)
 
   int port() const { return port_; }
@@ -44,6 +47,9 @@ class DataLane {
  private:
   struct Connection {
     lane::OwnedFd fd;
+    std::unique_ptr<lane::TlsSession> tls;  // once its handshake is done
+    // Set under the lane's mutex_ once the TLS handshake is done (at once
+    // without TLS); null before.
     std::unique_ptr<LaneSession> session;
     std::thread thread;
     // Read and written under the lane's mutex_. Not annotated: clang's
@@ -52,9 +58,14 @@ class DataLane {
     bool done = false;
   };
 
-  DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes);
+  DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
+           std::shared_ptr<const lane::TlsContext> tls);
   void AcceptLoop(Tenants& tenants);
   void Serve(Tenants& tenants, lane::OwnedFd fd);
+  // A connection's thread: the TLS handshake, then its session.
+  void RunConnection(Tenants& tenants, Connection& connection);
+  // The server's side of the handshake, bounded by kHandshakeTimeout.
+  absl::Status Handshake(Connection& connection);
   // Joins the connections whose sessions have ended.
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Shuts the reading side of idle connections (both sides of all, when
@@ -64,6 +75,7 @@ class DataLane {
   lane::OwnedFd listener_;
   const int port_;
   const uint64_t max_message_bytes_;
+  const std::shared_ptr<const lane::TlsContext> tls_;
   std::thread acceptor_;
   absl::Mutex mutex_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mutex_);

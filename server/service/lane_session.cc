@@ -18,8 +18,9 @@ constexpr int kMostUnsentAcks = 64;
 
 }  // namespace
 
-LaneSession::LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes)
-    : tenants_(tenants), reader_(fd, max_message_bytes), writer_(fd) {}
+LaneSession::LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes,
+                         lane::TlsSession* tls)
+    : tenants_(tenants), reader_(fd, max_message_bytes, tls), writer_(fd, tls) {}
 
 absl::Status LaneSession::Run() {
   const absl::Status status = Serve();

@@ -18,6 +18,7 @@
 #include "lane/frame.h"
 #include "lane/frame_reader.h"
 #include "lane/frame_writer.h"
+#include "lane/tls.h"
 #include "service/fetch_call.h"
 #include "service/handlers.h"
 #include "service/tenants.h"
@@ -28,7 +29,9 @@ namespace kvcache::service {
 class LaneSession {
  public:
   // Calls run for the tenant the connection authenticates as (tenants.h).
-  LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes);
+  // `tls`: the connection's TLS (null: plaintext), outliving the session.
+  LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes,
+              lane::TlsSession* tls = nullptr);
 
   // Serves the connection until the client closes it, breaks the protocol,
   // or the socket is shut down; returns why it ended (OUT_OF_RANGE: the

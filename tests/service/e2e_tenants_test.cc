@@ -353,7 +353,9 @@ TEST_F(E2eTenantsTest, CachesAndSnapshotsStopAtTheTenantsQuotas) {
   EXPECT_EQ(carol->ListSnapshots()->size(), 3u);
   const std::vector<v1::CacheInfo> caches = *carol->ListCaches();
   for (const v1::CacheInfo& info : caches) {
-    if (info.cache_id() != cache) ASSERT_TRUE(carol->DeleteCache(info.cache_id()).ok());
+    if (info.cache_id() != cache) {
+      ASSERT_TRUE(carol->DeleteCache(info.cache_id()).ok());
+    }
   }
   EXPECT_TRUE(carol->CreateCache(ToWireSpec(spec_)).ok());
   // Another tenant's counts are its own.

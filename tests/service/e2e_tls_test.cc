@@ -1,9 +1,12 @@
-// TLS on the gRPC port (server/transport_security.h) with certificates the
-// test makes with Debian's openssl (never committed keys): a client that
-// trusts the CA works, over a stream too; one that trusts another CA, or
-// speaks plaintext, gets nothing; mutual TLS refuses a client without a
-// certificate; the plaintext data lane is off beside TLS unless allowed, and
-// refuses a non-loopback address unless allowed.
+// TLS on the gRPC port and the data lane (server/transport_security.h,
+// protos/lane/tls.h) with certificates the test makes with Debian's openssl
+// (never committed keys): a client that trusts the CA works, over streams
+// and over the lane; one that trusts another CA, or speaks plaintext, gets
+// nothing on either; mutual TLS refuses a client without a certificate of
+// the CA on both; a plaintext lane refuses a non-loopback address unless
+// allowed, a TLS one takes it.
+#include <sys/socket.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +18,7 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lane/socket.h"
 
 namespace kvcache::testing {
 namespace {
@@ -103,10 +107,61 @@ TEST_F(E2eTlsTest, ClientsThatTrustTheCaWorkAndOthersGetNothing) {
   EXPECT_EQ(other_ca.code(), absl::StatusCode::kUnavailable) << other_ca;
   const absl::Status plaintext = Try(ClientOptions{});
   EXPECT_EQ(plaintext.code(), absl::StatusCode::kUnavailable) << plaintext;
-  // The plaintext lane is off beside TLS: Update and Fetch stay on gRPC.
+  // The lane runs TLS beside it.
   absl::StatusOr<v1::Stats> stats = server_->client().GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
-  EXPECT_EQ(stats->data_lane_address(), "");
+  EXPECT_NE(stats->data_lane_address(), "");
+}
+
+TEST_F(E2eTlsTest, TheLaneRunsTlsAndRefusesWhomGrpcRefuses) {
+  server_ = TestServer::Start({.tls = ServerTls(false), .client_tls = Trusting("ca.pem")});
+  ASSERT_NE(server_, nullptr);
+  std::unique_ptr<Client> on_lane = server_->Connect(/*dedicated=*/true, "auto");
+  ASSERT_TRUE(on_lane->uses_data_lane()) << "a client that trusts the CA takes the TLS lane";
+  // Enough steps, of pages larger than a TLS record, that every frame size
+  // the lane makes crosses records: Update frames gathered into records,
+  // Fetch chunks split across many.
+  const engine::CacheSpec spec =
+      MakeSpec({StandardLayerSpec(4, 64), StandardLayerSpec(2, 128), StandardLayerSpec(1, 8)});
+  absl::StatusOr<v1::CacheInfo> cache = on_lane->CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(spec);
+  std::mt19937_64 rng(5);
+  for (uint64_t tokens : {200, 1, 37, 120}) {
+    const absl::Status stepped = StepBoth(*on_lane, cache->cache_id(), reference, tokens, rng);
+    ASSERT_TRUE(stepped.ok()) << stepped;
+  }
+  EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference));
+
+  // Clients the gRPC port refuses get nothing from the lane either.
+  const std::string lane = server_->server().data_lane_address();
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache->cache_id());
+  const auto fetch_over_lane = [&](ClientOptions options) {
+    options.address = server_->server().address();
+    options.deadline = absl::Seconds(5);
+    options.data_lane = lane;
+    return Client::Connect(options)->FetchAll(fetch).status();
+  };
+  const absl::Status other_ca = fetch_over_lane(Trusting("other_ca.pem"));
+  EXPECT_EQ(other_ca.code(), absl::StatusCode::kUnavailable) << other_ca;
+  EXPECT_THAT(other_ca.message(), HasSubstr("certificate verify failed"));
+  const absl::Status plaintext = fetch_over_lane(ClientOptions{});
+  EXPECT_EQ(plaintext.code(), absl::StatusCode::kUnavailable) << plaintext;
+  // A certificate for 127.0.0.1 does not name another host.
+  ClientOptions misnamed = Trusting("ca.pem");
+  misnamed.tls_server_name = "kvcached.example";
+  const absl::Status wrong_name = fetch_over_lane(misnamed);
+  EXPECT_EQ(wrong_name.code(), absl::StatusCode::kUnavailable) << wrong_name;
+
+  // A plaintext client's preamble is not a TLS hello: closed unanswered.
+  absl::StatusOr<int> raw = lane::Connect(lane, absl::Seconds(5));
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  lane::OwnedFd owned(*raw);
+  char answer[64];
+  EXPECT_LE(recv(owned.get(), answer, sizeof(answer), 0), 0);
+  EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference))
+      << "the refused clients changed nothing";
 }
 
 TEST_F(E2eTlsTest, MutualTlsRefusesClientsWithoutACertificateOfTheCa) {
@@ -125,14 +180,28 @@ TEST_F(E2eTlsTest, MutualTlsRefusesClientsWithoutACertificateOfTheCa) {
   self_signed.tls_client_key_pem = ReadText(*dir_ / "other_ca.key");
   const absl::Status foreign = Try(self_signed);
   EXPECT_EQ(foreign.code(), absl::StatusCode::kUnavailable) << foreign;
+
+  // The lane asks for the same certificates.
+  std::unique_ptr<Client> on_lane = server_->Connect(/*dedicated=*/true, "auto");
+  ASSERT_TRUE(on_lane->uses_data_lane());
+  const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(2, 8)});
+  absl::StatusOr<v1::CacheInfo> cache = on_lane->CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(spec);
+  std::mt19937_64 rng(7);
+  ASSERT_TRUE(StepBoth(*on_lane, cache->cache_id(), reference, 20, rng).ok());
+  EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference));
+  ClientOptions no_cert = Trusting("ca.pem");
+  no_cert.address = server_->server().address();
+  no_cert.deadline = absl::Seconds(5);
+  no_cert.data_lane = server_->server().data_lane_address();
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache->cache_id());
+  const absl::Status lane_without = Client::Connect(no_cert)->FetchAll(fetch).status();
+  EXPECT_EQ(lane_without.code(), absl::StatusCode::kUnavailable) << lane_without;
 }
 
-TEST_F(E2eTlsTest, ThePlaintextLaneNeedsAnExplicitFlag) {
-  server_ = TestServer::Start(
-      {.tls = ServerTls(false), .allow_plaintext_lane = true, .client_tls = Trusting("ca.pem")});
-  ASSERT_NE(server_, nullptr);
-  EXPECT_NE(server_->server().data_lane_address(), "") << "allowed, the lane is on beside TLS";
-
+TEST_F(E2eTlsTest, APlaintextLaneBeyondLoopbackNeedsAnExplicitFlag) {
   ServerConfig config;
   config.listen = "127.0.0.1:0";
   config.data_lane_listen = "0.0.0.0:0";
@@ -142,6 +211,12 @@ TEST_F(E2eTlsTest, ThePlaintextLaneNeedsAnExplicitFlag) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("data_lane_listen"));
   EXPECT_THAT(refused.status().message(), HasSubstr("allow_plaintext_lane"));
+  // With TLS it runs TLS, beyond loopback too.
+  config.tls = ServerTls(false);
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> with_tls = KvCacheServer::Start(config);
+  ASSERT_TRUE(with_tls.ok()) << with_tls.status();
+  EXPECT_NE((*with_tls)->data_lane_address(), "");
+  with_tls->reset();
 
   config.data_lane_listen = "127.0.0.1:0";
   config.tls = {.cert_file = File("missing.pem"), .key_file = File("server.key")};
