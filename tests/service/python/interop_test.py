@@ -5,7 +5,10 @@ talks to the real kvcached binary over loopback.
 The test starts kvcached itself (a free port, the Vulkan validation layer on),
 streams updates, snapshots, restores and fetches, checks every byte against a
 plain Python mirror, then stops the server with SIGTERM and expects exit code 0
-and no validation message in its log.
+and no validation message in its log. Everything runs twice: in plaintext, and
+with TLS (certificates made by openssl for the run) through grpcio's TLS and
+Python's own ssl module on the data lane, which must refuse plaintext and a
+client that trusts another CA.
 
 The stubs are generated with protoc and grpc_python_plugin: the protoc bundled
 in Debian's python3-grpc-tools (1.14) predates proto3 `optional` fields.
@@ -19,8 +22,10 @@ import argparse
 import os
 import random
 import re
+import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -54,14 +59,14 @@ def generate_stubs(out_dir):
 class Kvcached:
     """The kvcached binary on 127.0.0.1:<free port>, its log collected."""
 
-    def __init__(self):
+    def __init__(self, flags=()):
         self.log = []
         self.address = None
         self._listening = threading.Event()
         self.process = subprocess.Popen(
             [ARGS.kvcached, "--listen=127.0.0.1:0", "--data_lane_listen=127.0.0.1:0",
              "--validation", "--pool_bytes=67108864",
-             "--page_bytes=8192", "--page_tokens=16", "--shutdown_grace=5s"],
+             "--page_bytes=8192", "--page_tokens=16", "--shutdown_grace=5s", *flags],
             stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
@@ -130,9 +135,11 @@ class Lane:
     """The data lane from Python: a socket, 8-byte frame headers (payload
     length, kind) and the generated messages, as the .proto describes it."""
 
-    def __init__(self, address, preamble=b"KVLANE01"):
+    def __init__(self, address, preamble=b"KVLANE01", tls=None):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=30)
+        if tls is not None:  # an ssl.SSLContext: TLS from the first byte
+            self.sock = tls.wrap_socket(self.sock, server_hostname=host)
         self.sock.sendall(preamble)
         self.buffer = b""
         if preamble == b"KVLANE02":  # answered in kind
@@ -169,15 +176,26 @@ class Lane:
         return pb.LaneStatus.FromString(payload)
 
 
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20)]
+
+
 class InteropTest(unittest.TestCase):
+    lane_tls = None  # the data lane's ssl.SSLContext; None: plaintext
+
     @classmethod
     def setUpClass(cls):
         cls.server = Kvcached()
-        options = [("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.max_send_message_length", 64 << 20)]
-        cls.channel = grpc.insecure_channel(cls.server.address, options=options)
+        cls.channel = grpc.insecure_channel(cls.server.address, options=CHANNEL_OPTIONS)
+        cls.connect()
+
+    @classmethod
+    def connect(cls):
         grpc.channel_ready_future(cls.channel).result(timeout=30)
         cls.stub = pb_grpc.KvCacheServiceStub(cls.channel)
+
+    def open_lane(self, address, preamble=b"KVLANE01"):
+        return Lane(address, preamble, self.lane_tls)
 
     @classmethod
     def tearDownClass(cls):
@@ -276,7 +294,7 @@ class InteropTest(unittest.TestCase):
         address = self.stub.GetStats(pb.GetStatsRequest()).data_lane_address
         self.assertRegex(address, r"^127\.0\.0\.1:\d+$")
         cache_id, mirror = self.create_cache()
-        lane = Lane(address)
+        lane = self.open_lane(address)
         expected = []
         for tokens in [5, 1, 1]:
             for layer in range(3):
@@ -297,7 +315,7 @@ class InteropTest(unittest.TestCase):
         self.assertEqual(lane.read_status().code, 0)
 
         # KVLANE02: each Fetch says first how many bytes of chunk frames follow.
-        announcing = Lane(address, b"KVLANE02")
+        announcing = self.open_lane(address, b"KVLANE02")
         for layer in range(3):
             for fetching in (lane, announcing):
                 held, announced, chunk_bytes = self.lane_fetch(fetching, cache_id, layer)
@@ -356,6 +374,55 @@ class InteropTest(unittest.TestCase):
         self.assertEqual(list(self.stub.GetCache(pb.GetCacheRequest(cache_id=cache_id))
                               .layer_offsets), [0, 0, 0])
         self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=cache_id))
+
+
+def make_certificates(directory):
+    """Two CAs, and a certificate for IP 127.0.0.1 signed by the first."""
+    script = """set -e
+key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out $1; }
+for ca in ca other_ca; do key $ca.key; openssl req -x509 -new -key $ca.key -days 1 \\
+  -subj /CN=$ca -out $ca.pem; done
+key server.key; openssl req -new -key server.key -subj /CN=kvcached -out server.csr
+printf 'subjectAltName=IP:127.0.0.1\\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 \\
+  -extfile server.ext -out server.pem
+"""
+    subprocess.run(["bash", "-c", script], cwd=directory, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class InteropTlsTest(InteropTest):
+    """The same over TLS: grpcio's TLS on the gRPC port, Python's ssl on the lane."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.certs = tempfile.mkdtemp(prefix="kvcached-interop-tls-")
+        make_certificates(cls.certs)
+        cls.server = Kvcached(["--tls_cert=" + os.path.join(cls.certs, "server.pem"),
+                               "--tls_key=" + os.path.join(cls.certs, "server.key")])
+        with open(os.path.join(cls.certs, "ca.pem"), "rb") as ca:
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca.read())
+        cls.channel = grpc.secure_channel(cls.server.address, credentials,
+                                          options=CHANNEL_OPTIONS)
+        cls.lane_tls = ssl.create_default_context(cafile=os.path.join(cls.certs, "ca.pem"))
+        cls.connect()
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            super().tearDownClass()
+        finally:
+            shutil.rmtree(cls.certs, ignore_errors=True)
+
+    def test_the_lane_refuses_plaintext_and_other_cas(self):
+        address = self.stub.GetStats(pb.GetStatsRequest()).data_lane_address
+        with self.assertRaises((ConnectionError, AssertionError, OSError)):
+            Lane(address, b"KVLANE02")  # plaintext: closed unanswered
+        stranger = ssl.create_default_context(cafile=os.path.join(self.certs, "other_ca.pem"))
+        with self.assertRaises(ssl.SSLCertVerificationError):
+            Lane(address, b"KVLANE02", stranger)
+        lane = self.open_lane(address, b"KVLANE02")  # still served
+        lane.sock.close()
 
 
 def main():
