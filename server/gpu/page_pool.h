@@ -29,7 +29,7 @@ using PageId = uint32_t;
 inline constexpr PageId kNoPage = UINT32_MAX;
 
 // How the pool's refusals for want of pages begin (Allocate and Promote).
-inline constexpr char kPoolExhausted[] = "page pool budget exhausted";
+inline constexpr char kPoolExhausted[] = "page pool budget exhausted (pool_bytes)";
 
 // Where a page's bytes are. Only device pages can be read, written or copied;
 // the others wait in a lower tier until Promote brings them back.
