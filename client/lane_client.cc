@@ -53,6 +53,7 @@ class LaneUpdate final : public UpdateTransport {
       : pool_(pool), cache_id_(std::move(cache_id)) {
     if (connection.ok()) {
       connection_ = *std::move(connection);
+      shared_session_ = connection_->tls != nullptr;
     } else {
       absl::MutexLock lock(&mutex_);
       End(connection.status(), false);
@@ -81,7 +82,7 @@ class LaneUpdate final : public UpdateTransport {
                                          run.framing.size()));
       writer.AddReference(run.data);
     }
-    if (absl::Status sent = writer.Send(); !sent.ok()) {
+    if (absl::Status sent = Send(); !sent.ok()) {
       write_error_ = sent;
       send_failed_ = true;
       return false;
@@ -96,7 +97,12 @@ class LaneUpdate final : public UpdateTransport {
 
   void CollectAcks() override {
     absl::MutexLock lock(&mutex_);
-    if (!finished_) ReadAcks(/*wait=*/false);
+    if (finished_) return;
+    if (!shared_session_) return ReadAcks(/*wait=*/false);
+    // The writer is sending: it looks for them itself after a few sends.
+    if (!session_mutex_.TryLock()) return;
+    ReadAcks(/*wait=*/false);
+    session_mutex_.Unlock();
   }
 
   absl::Status Finish() override {
@@ -108,7 +114,7 @@ class LaneUpdate final : public UpdateTransport {
     if (frames_sent_ == 0 && !send_failed_) return FinishUnsent();
     if (!write_error_.has_value()) {
       connection_->writer.AddHeader(v1::LANE_FRAME_UPDATE_END, 0);
-      if (absl::Status sent = connection_->writer.Send(); !sent.ok()) write_error_ = sent;
+      if (absl::Status sent = Send(); !sent.ok()) write_error_ = sent;
     }
     // Without UPDATE_END sent the server will not answer: read what it sent.
     if (write_error_.has_value()) shutdown(connection_->fd.get(), SHUT_WR);
@@ -131,6 +137,15 @@ class LaneUpdate final : public UpdateTransport {
   }
 
  private:
+  // Sends what the writer holds. An OpenSSL session must not read on one
+  // thread (CollectAcks) while it writes on another; the kernel's sockets,
+  // plaintext or kernel TLS, may.
+  absl::Status Send() {
+    if (!shared_session_) return connection_->writer.Send();
+    absl::MutexLock lock(&session_mutex_);
+    return connection_->writer.Send();
+  }
+
   // A call that sent no frame. Empty, it is OK with no acknowledgements, as
   // over gRPC: the lane has no call without an UPDATE frame (a lone
   // UPDATE_END is a protocol error), so nothing goes out. Refused before its
@@ -190,6 +205,10 @@ class LaneUpdate final : public UpdateTransport {
   bool clean_end_ ABSL_GUARDED_BY(mutex_) = false;
   bool ended_ ABSL_GUARDED_BY(mutex_) = false;  // the call's STATUS, or the connection's end, was read
   bool finished_ ABSL_GUARDED_BY(mutex_) = false;
+  bool shared_session_ = false;  // the connection runs TLS: reads and writes take session_mutex_
+  // Held by the writer while it sends and by CollectAcks while it reads
+  // (always after mutex_, and only tried).
+  absl::Mutex session_mutex_;
   std::optional<absl::Status> write_error_;  // the writer's own
   int writes_since_ack_poll_ = 0;
   uint64_t frames_sent_ = 0;
@@ -414,8 +433,12 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Connect(const std::str
       return connection;
     }
     if (answer.ok()) return Refusal(connection->reader, *answer);
-    // Closed unanswered: a server of the first version (else the next connect says why).
-    if (!absl::IsOutOfRange(answer.status()) && !absl::IsUnavailable(answer.status())) {
+    // Closed unanswered: a server of the first version (else the next
+    // connect says why). Never over TLS: every server with a TLS lane speaks
+    // KVLANE02, and one that closed it refused the client (under mutual TLS
+    // TLS 1.3 says so only at the first read).
+    if (tls_enabled() ||
+        (!absl::IsOutOfRange(answer.status()) && !absl::IsUnavailable(answer.status()))) {
       return answer.status();
     }
   }
@@ -457,8 +480,12 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Take() {
       // shutdown) reads as end of file; an Update must not start on one.
       // (Nor one with bytes waiting: between calls the server sends none,
       // unless a TLS alert as it goes.)
+      // Nor one whose socket failed (a reset). Where OpenSSL holds bytes the
+      // server sent, they are an alert or the end too.
       std::byte probe;
-      if (recv(connection->fd.get(), &probe, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) continue;
+      const ssize_t peeked = recv(connection->fd.get(), &probe, 1, MSG_PEEK | MSG_DONTWAIT);
+      const bool quiet = peeked < 0 && lane::WouldBlock(errno);
+      if (!quiet || (connection->tls != nullptr && connection->tls->HasBuffered())) continue;
       return connection;
     }
     if (!address_.has_value() || address_->empty()) {

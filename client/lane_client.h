@@ -69,6 +69,8 @@ class LanePool {
   // after a TLS handshake.
   absl::StatusOr<std::unique_ptr<LaneConnection>> ConnectWith(const std::string& address,
                                                               absl::string_view preamble) const;
+  // Connections run TLS.
+  bool tls_enabled() const { return tls_.ok() && *tls_ != nullptr; }
   // Sends the AUTH frame and reads the server's STATUS.
   absl::Status Authenticate(LaneConnection& connection) const;
 

@@ -209,8 +209,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   if (lane_on) {
     ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
     ASSIGN_OR_RETURN(std::shared_ptr<const lane::TlsContext> lane_tls, LaneTlsContext(config.tls));
-    absl::StatusOr<std::unique_ptr<service::DataLane>> lane = service::DataLane::Listen(
-        config.data_lane_listen, config.max_message_bytes, std::move(lane_tls));
+    absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
+        service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes,
+                                  std::move(lane_tls), config.lane_opening_timeout);
     if (!lane.ok()) {
       return absl::UnavailableError(
           absl::StrCat("data_lane_listen: ", lane.status().message()));

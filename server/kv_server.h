@@ -45,6 +45,9 @@ struct ServerConfig {
   // host:port of the data lane (service/data_lane.h; port 0 picks a free
   // one); empty: no lane, Update and Fetch over gRPC only.
   std::string data_lane_listen;
+  // A lane connection is closed unless it opens (TLS handshake, preamble,
+  // AUTH where there are tenants) within this of its connect.
+  absl::Duration lane_opening_timeout = absl::Seconds(10);
   // How often the lease reaper looks for leases that ran out (lease_reaper.h).
   absl::Duration lease_check_interval = absl::Milliseconds(250);
   // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere

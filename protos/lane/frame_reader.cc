@@ -104,13 +104,14 @@ absl::Status FrameReader::Closed() const {
 
 absl::Status FrameReader::ReadAvailable() {
   if (tls_ != nullptr) {
-    // A record begun is read whole: the peer is sending its rest.
     pollfd readable{.fd = fd_, .events = POLLIN, .revents = 0};
     if (!tls_->HasBuffered() && poll(&readable, 1, 0) <= 0) return absl::OkStatus();
-    absl::StatusOr<size_t> got = tls_->Read(buffer_.get() + end_, capacity_ - end_);
+    absl::StatusOr<std::optional<size_t>> got =
+        tls_->ReadWithoutWaiting(buffer_.get() + end_, capacity_ - end_);
     if (!got.ok()) return got.status();
-    if (*got == 0) return Closed();
-    Received(*got);
+    if (!got->has_value()) return absl::OkStatus();  // part of a record so far
+    if (**got == 0) return Closed();
+    Received(**got);
     return absl::OkStatus();
   }
   const ssize_t got = recv(fd_, buffer_.get() + end_, capacity_ - end_, MSG_DONTWAIT);

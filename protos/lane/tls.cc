@@ -1,6 +1,7 @@
 #include "lane/tls.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
@@ -42,10 +43,8 @@ absl::Status SessionError(SSL* ssl, int result, const char* what) {
       ERR_clear_error();
       return absl::DeadlineExceededError(absl::StrCat("data lane: TLS ", what, " timed out"));
     case SSL_ERROR_SYSCALL:
-      if (errno != 0) {
-        ERR_clear_error();
-        return SocketError(what);
-      }
+      ERR_clear_error();  // the next call on this thread must not read these as its own
+      if (errno != 0) return SocketError(what);
       return absl::UnavailableError(
           absl::StrCat("data lane: TLS ", what, ": the peer closed the connection"));
     case SSL_ERROR_ZERO_RETURN:
@@ -220,6 +219,7 @@ absl::StatusOr<std::unique_ptr<TlsSession>> TlsSession::Connect(const TlsContext
                                 SSL_set_tlsext_host_name(ssl, server_host.c_str()) == 1;
   if (named != 1) {
     SSL_free(ssl);
+    ERR_clear_error();
     return absl::InvalidArgumentError(
         absl::StrCat("data lane: TLS: \"", server_host, "\" is not a host name to check"));
   }
@@ -254,7 +254,30 @@ std::string TlsSession::Describe() const {
 
 bool TlsSession::HasBuffered() const { return SSL_has_pending(ssl_) == 1; }
 
+// Marks the session in use while it lives; `overlapped()`: it already was.
+class TlsSession::InUse {
+ public:
+  explicit InUse(std::atomic<bool>& flag)
+      : flag_(flag), overlapped_(flag.exchange(true, std::memory_order_acquire)) {}
+  ~InUse() {
+    if (!overlapped_) flag_.store(false, std::memory_order_release);
+  }
+  absl::Status overlapped() const {
+    if (!overlapped_) return absl::OkStatus();
+    return absl::InternalError("data lane: a TLS session was used by two threads at once");
+  }
+
+ private:
+  std::atomic<bool>& flag_;
+  const bool overlapped_;
+};
+
+// SSL_read may write too (an alert, an answer to a key update): SIGPIPE is
+// held around it as around SSL_write.
 absl::StatusOr<size_t> TlsSession::Read(std::byte* data, size_t size) {
+  const InUse in_use(in_use_);
+  if (absl::Status alone = in_use.overlapped(); !alone.ok()) return alone;
+  SigpipeHeld held;
   ERR_clear_error();
   errno = 0;
   size_t got = 0;
@@ -264,7 +287,42 @@ absl::StatusOr<size_t> TlsSession::Read(std::byte* data, size_t size) {
   return SessionError(ssl_, result, "receive");
 }
 
+// The socket is non-blocking for this one read: a record of which only a
+// part has arrived makes OpenSSL want more instead of waiting for it.
+absl::StatusOr<std::optional<size_t>> TlsSession::ReadWithoutWaiting(std::byte* data, size_t size) {
+  const InUse in_use(in_use_);
+  if (absl::Status alone = in_use.overlapped(); !alone.ok()) return alone;
+  const int fd = SSL_get_fd(ssl_);
+  const int blocking_flags = fcntl(fd, F_GETFL);
+  if (blocking_flags < 0 || fcntl(fd, F_SETFL, blocking_flags | O_NONBLOCK) != 0) {
+    return SocketError("fcntl");
+  }
+  SigpipeHeld held;
+  ERR_clear_error();
+  errno = 0;
+  size_t got = 0;
+  const int result = SSL_read_ex(ssl_, data, size, &got);
+  const int error = result == 1 ? SSL_ERROR_NONE : SSL_get_error(ssl_, result);
+  const int read_errno = errno;
+  fcntl(fd, F_SETFL, blocking_flags);
+  errno = read_errno;
+  switch (error) {
+    case SSL_ERROR_NONE:
+      return got;
+    case SSL_ERROR_WANT_READ:
+    case SSL_ERROR_WANT_WRITE:
+      ERR_clear_error();
+      return std::nullopt;
+    case SSL_ERROR_ZERO_RETURN:
+      return 0;
+    default:
+      return SessionError(ssl_, result, "receive");
+  }
+}
+
 absl::Status TlsSession::Write(absl::Span<const std::byte> bytes) {
+  const InUse in_use(in_use_);
+  if (absl::Status alone = in_use.overlapped(); !alone.ok()) return alone;
   SigpipeHeld held;
   while (!bytes.empty()) {
     ERR_clear_error();

@@ -10,8 +10,10 @@
 
 #include <openssl/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -71,17 +73,25 @@ class TlsSession {
   // Whether OpenSSL holds received bytes (decrypted or not) that a Read
   // would return or complete without the socket.
   bool HasBuffered() const;
+  // Read, ReadWithoutWaiting and Write must not overlap (OpenSSL's rule for
+  // one connection): one that starts while another runs fails with INTERNAL
+  // instead of corrupting the session.
   // Up to `size` plaintext bytes, blocking until some arrive: 0 when the
   // peer closed. DEADLINE_EXCEEDED past the socket's receive timeout,
   // UNAVAILABLE on a failed socket or a bad record.
   absl::StatusOr<size_t> Read(std::byte* data, size_t size);
+  // Read's bytes if a whole record's worth can be had now, else nullopt
+  // (never waits, also not for the rest of a record begun).
+  absl::StatusOr<std::optional<size_t>> ReadWithoutWaiting(std::byte* data, size_t size);
   // All of `bytes`, as TLS records; errors as Read's.
   absl::Status Write(absl::Span<const std::byte> bytes);
 
  private:
+  class InUse;
   explicit TlsSession(SSL* ssl) : ssl_(ssl) {}
   static absl::StatusOr<std::unique_ptr<TlsSession>> Handshake(SSL* ssl, bool server);
   SSL* ssl_;
+  std::atomic<bool> in_use_{false};  // a Read or Write runs
 };
 
 }  // namespace kvcache::lane

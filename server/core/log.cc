@@ -84,4 +84,20 @@ void LogEvent(LogLevel level, absl::string_view event, std::initializer_list<Log
   Emit(Dump(line));
 }
 
+bool LogLimiter::Allow(absl::Time now, uint64_t& held_back) {
+  absl::MutexLock lock(&mutex_);
+  if (now - window_start_ >= period_) {
+    window_start_ = now;
+    written_ = 0;
+  }
+  if (written_ >= lines_) {
+    ++held_back_;
+    return false;
+  }
+  ++written_;
+  held_back = held_back_;
+  held_back_ = 0;
+  return true;
+}
+
 }  // namespace kvcache

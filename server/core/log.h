@@ -11,8 +11,11 @@
 #include <initializer_list>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace kvcache {
 
@@ -44,5 +47,24 @@ template <typename... Args>
 void LogError(const absl::FormatSpec<Args...>& format, const Args&... args) {
   WriteLogLine(LogLevel::kError, absl::StrFormat(format, args...));
 }
+
+// At most `lines` lines per `period` of one kind, so a peer that fails on
+// purpose (a handshake, a protocol) cannot fill the log; the first line let
+// through after some were held back says how many.
+class LogLimiter {
+ public:
+  LogLimiter(int lines, absl::Duration period) : lines_(lines), period_(period) {}
+  // Whether a line may go out at `now`; then `held_back` is how many did not
+  // since the last one that did.
+  bool Allow(absl::Time now, uint64_t& held_back);
+
+ private:
+  const int lines_;
+  const absl::Duration period_;
+  absl::Mutex mutex_;
+  absl::Time window_start_ ABSL_GUARDED_BY(mutex_) = absl::InfinitePast();
+  int written_ ABSL_GUARDED_BY(mutex_) = 0;  // in the window
+  uint64_t held_back_ ABSL_GUARDED_BY(mutex_) = 0;
+};
 
 }  // namespace kvcache

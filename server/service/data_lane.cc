@@ -19,9 +19,11 @@ namespace {
 
 // Each connection holds a thread and a buffer as large as its largest frame.
 constexpr int kMaxConnections = 1024;
-// A client has this long for its TLS handshake, so one that connects and
-// says nothing does not hold a thread for good.
-constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
+// How often connections are checked against their opening deadline.
+constexpr absl::Duration kOpeningCheckInterval = absl::Milliseconds(250);
+// Lines about closed connections: a peer failing on purpose fills no log.
+constexpr int kClosedLinesPerPeriod = 20;
+constexpr absl::Duration kClosedLinesPeriod = absl::Minutes(1);
 
 void SetTimeouts(int fd, absl::Duration timeout) {
   const timeval tv = absl::ToTimeval(timeout);
@@ -42,27 +44,48 @@ void RefuseBusy(int fd) {
 
 absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(
     const std::string& listen, uint64_t max_message_bytes,
-    std::shared_ptr<const lane::TlsContext> tls) {
+    std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout) {
   int port = 0;
   absl::StatusOr<int> fd = lane::Listen(listen, port);
   if (!fd.ok()) return fd.status();
   // A frame's length is 32 bits.
   const uint64_t max_payload = std::min<uint64_t>(max_message_bytes, UINT32_MAX);
   return std::unique_ptr<DataLane>(
-      new DataLane(lane::OwnedFd(*fd), port, max_payload, std::move(tls)));
+      new DataLane(lane::OwnedFd(*fd), port, max_payload, std::move(tls), opening_timeout));
 }
 
 DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
-                   std::shared_ptr<const lane::TlsContext> tls)
+                   std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout)
     : listener_(std::move(listener)),
       port_(port),
       max_message_bytes_(max_message_bytes),
-      tls_(std::move(tls)) {}
+      tls_(std::move(tls)),
+      opening_timeout_(opening_timeout),
+      closed_lines_(kClosedLinesPerPeriod, kClosedLinesPeriod) {}
 
 DataLane::~DataLane() { Shutdown(absl::ZeroDuration()); }
 
 void DataLane::Serve(Tenants& tenants) {
   acceptor_ = std::thread([this, &tenants] { AcceptLoop(tenants); });
+  opening_watch_ = std::thread([this] { WatchOpenings(); });
+}
+
+// Cuts connections that have not opened (TLS handshake, preamble, AUTH
+// where the server has tenants) within opening_timeout_ of their connect:
+// the sockets' timeouts bound each read, not the whole, and a peer that
+// sends a byte now and then would otherwise hold a thread for good.
+void DataLane::WatchOpenings() {
+  absl::MutexLock lock(&mutex_);
+  while (!mutex_.AwaitWithTimeout(absl::Condition(&stopping_), kOpeningCheckInterval)) {
+    const absl::Time now = absl::Now();
+    for (Connection& connection : connections_) {
+      if (connection.done || connection.cut) continue;
+      if (connection.session != nullptr && connection.session->opened()) continue;
+      if (now - connection.accepted_at < opening_timeout_) continue;
+      shutdown(connection.fd.get(), SHUT_RDWR);
+      connection.cut = true;
+    }
+  }
 }
 
 void DataLane::AcceptLoop(Tenants& tenants) {
@@ -98,6 +121,7 @@ void DataLane::Serve(Tenants& tenants, lane::OwnedFd fd) {
   }
   Connection& connection = connections_.emplace_back();
   connection.fd = std::move(fd);
+  connection.accepted_at = absl::Now();
   connection.thread =
       std::thread([this, &tenants, &connection] { RunConnection(tenants, connection); });
 }
@@ -117,9 +141,24 @@ void DataLane::RunConnection(Tenants& tenants, Connection& connection) {
   // A client that broke the protocol or failed its handshake, or a Fetch
   // that broke its announced length, is worth a line; a client that left
   // is not.
-  if (absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
-      absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status)) {
-    LogError("data lane: closed a connection: %s", status.message());
+  bool cut;
+  {
+    absl::MutexLock lock(&mutex_);
+    cut = connection.cut;
+  }
+  if (cut) {
+    status = absl::DeadlineExceededError(absl::StrCat(
+        "data lane: the connection did not open (TLS handshake, preamble, AUTH) within ",
+        absl::FormatDuration(opening_timeout_)));
+  }
+  uint64_t held_back = 0;
+  if ((cut || absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
+       absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status)) &&
+      closed_lines_.Allow(absl::Now(), held_back)) {
+    LogError("data lane: closed a connection: %s%s", status.message(),
+             held_back == 0 ? ""
+                            : absl::StrCat(" (and ", held_back,
+                                           " more since the last such line, not logged)"));
   }
   absl::MutexLock lock(&mutex_);
   connection.done = true;
@@ -128,7 +167,7 @@ void DataLane::RunConnection(Tenants& tenants, Connection& connection) {
 absl::Status DataLane::Handshake(Connection& connection) {
   if (tls_ == nullptr) return absl::OkStatus();
   const int fd = connection.fd.get();
-  SetTimeouts(fd, kHandshakeTimeout);
+  SetTimeouts(fd, opening_timeout_);  // each read and write; WatchOpenings bounds the whole
   absl::StatusOr<std::unique_ptr<lane::TlsSession>> session = lane::TlsSession::Accept(*tls_, fd);
   SetTimeouts(fd, absl::ZeroDuration());  // afterwards, as in plaintext: none
   if (!session.ok()) {
@@ -170,6 +209,7 @@ void DataLane::Shutdown(absl::Duration grace) {
   }
   shutdown(listener_.get(), SHUT_RDWR);  // wakes accept()
   if (acceptor_.joinable()) acceptor_.join();
+  if (opening_watch_.joinable()) opening_watch_.join();
   const absl::Time deadline = absl::Now() + grace;
   while (true) {
     {

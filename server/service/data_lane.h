@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/log.h"
 #include "lane/socket.h"
 #include "lane/tls.h"
 #include "service/tenants.h"
@@ -28,9 +29,13 @@ class DataLane {
  public:
   // Listens on host:port (port 0: a free one); serves nothing until Serve.
   // With `tls` each connection runs TLS from its first byte (null: plaintext).
+  // A connection must open (its TLS handshake, its preamble, and its AUTH
+  // where the server has tenants) within `opening_timeout` of its connect,
+  // or it is closed.
   static absl::StatusOr<std::unique_ptr<DataLane>> Listen(
       const std::string& listen, uint64_t max_message_bytes,
-      std::shared_ptr<const lane::TlsContext> tls = nullptr);
+      std::shared_ptr<const lane::TlsContext> tls = nullptr,
+      absl::Duration opening_timeout = absl::Seconds(10));
   ~DataLane();  // Shutdown(no grace)
 
   int port() const { return port_; }
@@ -48,6 +53,7 @@ class DataLane {
   struct Connection {
     lane::OwnedFd fd;
     std::unique_ptr<lane::TlsSession> tls;  // once its handshake is done
+    absl::Time accepted_at;
     // Set under the lane's mutex_ once the TLS handshake is done (at once
     // without TLS); null before.
     std::unique_ptr<LaneSession> session;
@@ -56,15 +62,17 @@ class DataLane {
     // thread-safety analysis cannot name the enclosing lane's mutex from a
     // member of this struct (it would look for the connection's own).
     bool done = false;
+    bool cut = false;  // shut down by WatchOpenings
   };
 
   DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
-           std::shared_ptr<const lane::TlsContext> tls);
+           std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout);
   void AcceptLoop(Tenants& tenants);
+  void WatchOpenings();
   void Serve(Tenants& tenants, lane::OwnedFd fd);
   // A connection's thread: the TLS handshake, then its session.
   void RunConnection(Tenants& tenants, Connection& connection);
-  // The server's side of the handshake, bounded by kHandshakeTimeout.
+  // The server's side of the TLS handshake (none in plaintext).
   absl::Status Handshake(Connection& connection);
   // Joins the connections whose sessions have ended.
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
@@ -76,7 +84,10 @@ class DataLane {
   const int port_;
   const uint64_t max_message_bytes_;
   const std::shared_ptr<const lane::TlsContext> tls_;
+  const absl::Duration opening_timeout_;
+  LogLimiter closed_lines_;
   std::thread acceptor_;
+  std::thread opening_watch_;
   absl::Mutex mutex_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mutex_);
   bool stopping_ ABSL_GUARDED_BY(mutex_) = false;

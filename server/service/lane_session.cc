@@ -39,6 +39,7 @@ absl::Status LaneSession::Serve() {
     return absl::InvalidArgumentError(
         "data lane: the connection did not open with KVLANE02 or KVLANE01");
   }
+  if (!tenants_.authenticates()) opened_.store(true, std::memory_order_release);
   if (announces_lengths_) {  // the client waits for this before its first call
     writer_.AddCopy(magic);
     RETURN_IF_ERROR(writer_.Send());
@@ -146,6 +147,7 @@ absl::Status LaneSession::OnAuth(absl::Span<const std::byte> payload) {
         "LaneAuth: malformed (not the wire format of kvcache.v1.LaneAuth)");
   }
   ASSIGN_OR_RETURN(admitted_, tenants_.AdmitLane(auth.token()));
+  opened_.store(true, std::memory_order_release);
   update_.emplace(admitted_.handlers());
   QueueStatus(absl::OkStatus());
   return writer_.Send();

@@ -37,6 +37,9 @@ class LaneSession {
   // or the socket is shut down; returns why it ended (OUT_OF_RANGE: the
   // client closed it between calls).
   absl::Status Run();
+  // Whether the client has shown it may stay: its preamble came and, where
+  // the server has tenants, its AUTH was accepted.
+  bool opened() const { return opened_.load(std::memory_order_acquire); }
   // Whether a call (an Update stream or a Fetch) is under way.
   bool in_call() const { return in_call_.load(std::memory_order_acquire); }
 
@@ -79,6 +82,7 @@ class LaneSession {
   std::unique_ptr<std::byte[]> chunk_buffer_;
   size_t chunk_buffer_capacity_ = 0;
   std::atomic<bool> in_call_{false};
+  std::atomic<bool> opened_{false};
   bool updating_ = false;  // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
   int unsent_acks_ = 0;    // acknowledgements queued in writer_ (at most, once a STATUS is)
   bool announces_lengths_ = false;  // the client opened with KVLANE02

@@ -41,6 +41,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.tokens_file = setup.tokens_file;
   config.tls = setup.tls;
   config.allow_plaintext_lane = setup.allow_plaintext_lane;
+  config.lane_opening_timeout = setup.lane_opening_timeout;
   config.metrics_listen = setup.metrics_listen;
   config.access_log = setup.access_log;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);

@@ -58,6 +58,8 @@ struct ServerSetup {
   TlsConfig tls;
   bool allow_plaintext_lane = false;
   ClientOptions client_tls;
+  // How long a lane connection has to open (ServerConfig::lane_opening_timeout).
+  absl::Duration lane_opening_timeout = absl::Seconds(10);
   // The server's --metrics_listen (empty: no endpoint) and --access_log.
   std::string metrics_listen;
   bool access_log = false;

@@ -5,20 +5,28 @@
 // nothing on either; mutual TLS refuses a client without a certificate of
 // the CA on both; a plaintext lane refuses a non-loopback address unless
 // allowed, a TLS one takes it.
+#include <openssl/bio.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lane/socket.h"
+#include "reference_quantized.h"
+#include "service/data_lane.h"
 
 namespace kvcache::testing {
 namespace {
@@ -30,6 +38,21 @@ std::string ReadText(const std::filesystem::path& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// The first flight of a TLS client, as OpenSSL makes it.
+std::string ClientHello() {
+  SSL_CTX* context = SSL_CTX_new(TLS_client_method());
+  SSL* ssl = SSL_new(context);
+  BIO* sent = BIO_new(BIO_s_mem());
+  SSL_set_bio(ssl, BIO_new(BIO_s_mem()), sent);
+  SSL_connect(ssl);  // wants the server's answer; its hello is in `sent`
+  char* data = nullptr;
+  const long size = BIO_get_mem_data(sent, &data);
+  std::string hello(data, static_cast<size_t>(size));
+  SSL_free(ssl);
+  SSL_CTX_free(context);
+  return hello;
 }
 
 class E2eTlsTest : public ::testing::Test {
@@ -162,6 +185,108 @@ TEST_F(E2eTlsTest, TheLaneRunsTlsAndRefusesWhomGrpcRefuses) {
   EXPECT_LE(recv(owned.get(), answer, sizeof(answer), 0), 0);
   EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference))
       << "the refused clients changed nothing";
+}
+
+// OpenSSL's sessions take no reads and writes at once: acknowledged_count
+// on one thread while another writes must not break the stream.
+TEST_F(E2eTlsTest, AcknowledgementsCountedWhileWritingOverTheTlsLane) {
+  server_ = TestServer::Start({.tls = ServerTls(false), .client_tls = Trusting("ca.pem")});
+  ASSERT_NE(server_, nullptr);
+  std::unique_ptr<Client> on_lane = server_->Connect(/*dedicated=*/true, "auto");
+  ASSERT_TRUE(on_lane->uses_data_lane());
+  const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(2, 64)});
+  absl::StatusOr<v1::CacheInfo> cache = on_lane->CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(spec);
+  std::mt19937_64 rng(11);
+  constexpr int kMessages = 3000;
+  std::vector<KvTensors> sent;
+  sent.reserve(kMessages);
+  std::unique_ptr<UpdateStream> stream = on_lane->OpenUpdate(cache->cache_id());
+  std::atomic<bool> writing{true};
+  std::atomic<uint64_t> polls{0};
+  std::thread counter([&] {
+    uint64_t last = 0;
+    while (writing.load()) {
+      const uint64_t now = stream->acknowledged_count();
+      EXPECT_GE(now, last);
+      last = now;
+      polls.fetch_add(1);
+    }
+  });
+  int written = 0;
+  for (; written < kMessages; ++written) {
+    sent.push_back(RandomLayerKv(spec, 0, 1 + written % 3, rng));
+    if (!stream->Write(MakeLayerUpdate(spec, 0, sent.back()))) break;
+  }
+  writing.store(false);
+  counter.join();
+  ASSERT_EQ(written, kMessages) << stream->Finish().status();
+  absl::StatusOr<std::vector<v1::UpdateResponse>> acks = stream->Finish();
+  ASSERT_TRUE(acks.ok()) << acks.status();
+  EXPECT_EQ(acks->size(), size_t{kMessages});
+  EXPECT_GT(polls.load(), 0u);
+  for (int i = 0; i < kMessages; ++i) {
+    reference.Update(0,
+                     TokensFromTensors(ShapeOf(spec, 0), sent[i].keys, sent[i].values, 1 + i % 3));
+  }
+  EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference));
+}
+
+// A peer gets the opening timeout for its handshake, preamble and AUTH
+// together, however it spaces its bytes; a connection that opened may then
+// idle as long as it likes.
+TEST_F(E2eTlsTest, ALaneConnectionThatDoesNotOpenInTimeIsClosed) {
+  server_ = TestServer::Start({.tls = ServerTls(false),
+                               .client_tls = Trusting("ca.pem"),
+                               .lane_opening_timeout = absl::Seconds(1)});
+  ASSERT_NE(server_, nullptr);
+  std::unique_ptr<Client> on_lane = server_->Connect(/*dedicated=*/true, "auto");
+  ASSERT_TRUE(on_lane->uses_data_lane());
+  const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(1, 8)});
+  absl::StatusOr<v1::CacheInfo> cache = on_lane->CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(spec);
+  std::mt19937_64 rng(13);
+  ASSERT_TRUE(StepBoth(*on_lane, cache->cache_id(), reference, 4, rng).ok());
+  service::DataLane& lane = *server_->server().data_lane();
+  const int opened = lane.open_connections();
+  EXPECT_GE(opened, 1);
+
+  // A real ClientHello, all but its last bytes at once, then one byte every
+  // 200 ms: each read is quick (the socket's timeout is the opening
+  // timeout), the whole is not.
+  absl::StatusOr<int> raw =
+      lane::Connect(server_->server().data_lane_address(), absl::Seconds(5), /*preamble=*/"");
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  lane::OwnedFd slow(*raw);
+  const std::string hello = ClientHello();
+  ASSERT_GT(hello.size(), 100u);
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(send(slow.get(), hello.data(), hello.size() - 20, MSG_NOSIGNAL),
+            static_cast<ssize_t>(hello.size() - 20));
+  absl::Duration closed_after = absl::InfiniteDuration();
+  for (size_t i = hello.size() - 20; i < hello.size(); ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    char byte;
+    const ssize_t got = recv(slow.get(), &byte, 1, MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK) ||
+        send(slow.get(), &hello[i], 1, MSG_NOSIGNAL) != 1) {
+      closed_after = absl::Now() - start;
+      break;
+    }
+  }
+  // Closed by the opening deadline (1 s), not before: the bytes were a valid start.
+  EXPECT_GE(closed_after, absl::Milliseconds(900));
+  EXPECT_LT(closed_after, absl::Seconds(3));
+  for (int i = 0; i < 300 && lane.open_connections() > opened; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(lane.open_connections(), opened);
+  // The client's connection, idle for longer than that, is still served.
+  ASSERT_TRUE(StepBoth(*on_lane, cache->cache_id(), reference, 3, rng).ok());
+  EXPECT_TRUE(CacheMatchesReference(*on_lane, cache->cache_id(), reference));
+  EXPECT_EQ(lane.open_connections(), opened) << "the idle connection was kept, not replaced";
 }
 
 TEST_F(E2eTlsTest, MutualTlsRefusesClientsWithoutACertificateOfTheCa) {

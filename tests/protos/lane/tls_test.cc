@@ -9,6 +9,7 @@
 #include <openssl/pem.h>
 #include <openssl/x509v3.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <memory>
 #include <optional>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lane/frame_writer.h"
@@ -181,6 +183,43 @@ TEST_P(LaneTlsTest, EndsAsInPlaintext) {
   shutdown(far_.get(), SHUT_WR);
   absl::StatusOr<Frame> cut = reader.Next();
   EXPECT_EQ(cut.status().code(), absl::StatusCode::kUnavailable) << cut.status();
+}
+
+// Poll never waits for the rest of a record begun: the far session's
+// records are caught on a socket pair of their own and handed on in halves.
+TEST_P(LaneTlsTest, PollWithHalfARecordReturnsAtOnce) {
+  absl::StatusOr<std::unique_ptr<TlsSession>> near = Handshake(*server_);
+  ASSERT_TRUE(near.ok()) << near.status();
+  ASSERT_TRUE(far_session_.ok()) << far_session_.status();
+  const OwnedFd to_near(dup(far_.get()));
+  int catcher[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, catcher), 0);
+  const OwnedFd caught(catcher[1]);
+  ASSERT_EQ(dup2(catcher[0], far_.get()), far_.get());  // the session now writes to the catcher
+  close(catcher[0]);
+  FrameWriter writer(far_.get(), far_session_->get());
+  const std::string payload(3000, 'k');
+  writer.AddHeader(v1::LANE_FRAME_UPDATE_ACK, static_cast<uint32_t>(payload.size()));
+  writer.AddCopy({reinterpret_cast<const std::byte*>(payload.data()), payload.size()});
+  ASSERT_TRUE(writer.Send().ok());
+  std::string record(8192, '\0');
+  const ssize_t size = recv(caught.get(), record.data(), record.size(), 0);
+  ASSERT_GT(size, static_cast<ssize_t>(payload.size()));
+  record.resize(static_cast<size_t>(size));
+
+  SetReceiveTimeout(std::chrono::seconds(10));
+  FrameReader reader(near_.get(), 1 << 20, near->get());
+  ASSERT_EQ(send(to_near.get(), record.data(), record.size() / 2, MSG_NOSIGNAL),
+            static_cast<ssize_t>(record.size() / 2));
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::optional<Frame>> half = reader.Poll();
+  ASSERT_TRUE(half.ok()) << half.status();
+  EXPECT_FALSE(half->has_value());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "Poll waited for the record's rest";
+  const size_t rest = record.size() - record.size() / 2;
+  ASSERT_EQ(send(to_near.get(), record.data() + record.size() / 2, rest, MSG_NOSIGNAL),
+            static_cast<ssize_t>(rest));
+  EXPECT_EQ(NextPayload(reader), payload);
 }
 
 TEST_P(LaneTlsTest, ClosedBetweenFramesIsOutOfRange) {
