@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,8 @@ ABSL_FLAG(std::string, data_lane, "auto",
 ABSL_FLAG(std::string, token, "",
           "bearer token of the demo's tenant (kvcached --tokens_file); default: "
           "$KVCACHE_TOKEN");
+ABSL_FLAG(std::string, tls_ca, "",
+          "TLS to kvcached (kvcached --tls_cert), trusting this PEM CA; default: $KVCACHE_TLS_CA");
 ABSL_FLAG(std::string, other_token, "",
           "a second tenant's token: the demo then shows that tenant sees none of its caches; "
           "default: $KVCACHE_OTHER_TOKEN");
@@ -39,6 +43,19 @@ std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* variable)
 }
 
 std::string DemoToken() { return FlagOrEnv(FLAGS_token, "KVCACHE_TOKEN"); }
+
+// `options` with TLS where --tls_ca (or $KVCACHE_TLS_CA) names the CA that
+// signed kvcached's certificate: gRPC and the data lane both run TLS then.
+kvcache::ClientOptions WithTls(kvcache::ClientOptions options) {
+  const std::string ca_file = FlagOrEnv(FLAGS_tls_ca, "KVCACHE_TLS_CA");
+  if (ca_file.empty()) return options;
+  std::ifstream in(ca_file);
+  std::stringstream pem;
+  pem << in.rdbuf();
+  options.tls = true;
+  options.tls_root_certs_pem = pem.str();  // empty if unreadable: the handshake says so
+  return options;
+}
 
 constexpr uint32_t kLayers = 4;      // layers 0-2 standard, layer 3 a 128-token window
 constexpr uint32_t kHeads = 4;
@@ -273,10 +290,10 @@ absl::Status ShowPrefixSharing(const std::string& address, const std::string& da
   constexpr uint32_t kSystem = 512, kQuestion = 32;
   int64_t restore_pages = 0;
   for (uint32_t worker_index = 1; worker_index <= 2; ++worker_index) {
-    auto worker = kvcache::Client::Connect({.address = address,
-                                            .dedicated_connection = true,
-                                            .data_lane = data_lane,
-                                            .token = DemoToken()});
+    auto worker = kvcache::Client::Connect(WithTls({.address = address,
+                                                    .dedicated_connection = true,
+                                                    .data_lane = data_lane,
+                                                    .token = DemoToken()}));
     const std::vector<uint32_t> tokens = Request(kSystem, kQuestion, worker_index);
     absl::PrintF("worker %d: a request of %d tokens (%d of system prompt, %d of its own)\n",
                  worker_index, tokens.size(), kSystem, kQuestion);
@@ -295,7 +312,7 @@ absl::Status ShowPrefixSharing(const std::string& address, const std::string& da
     }
   }
   auto entries =
-      kvcache::Client::Connect({.address = address, .token = DemoToken()})->ListPrefixes();
+      kvcache::Client::Connect(WithTls({.address = address, .token = DemoToken()}))->ListPrefixes();
   if (!entries.ok()) return entries.status();
   for (const auto& entry : *entries) {
     absl::PrintF("  prefix entry %s: %d tokens, %d KiB, %d hit(s)\n",
@@ -368,7 +385,7 @@ absl::Status ShowTenants(const std::string& cache_id) {
   const std::string other_token = FlagOrEnv(FLAGS_other_token, "KVCACHE_OTHER_TOKEN");
   if (other_token.empty()) return absl::OkStatus();
   const std::string address = absl::GetFlag(FLAGS_server);
-  auto other = kvcache::Client::Connect({.address = address, .token = other_token});
+  auto other = kvcache::Client::Connect(WithTls({.address = address, .token = other_token}));
   auto stats = other->GetStats();
   if (!stats.ok()) return stats.status();
   auto caches = other->ListCaches();
@@ -380,7 +397,7 @@ absl::Status ShowTenants(const std::string& cache_id) {
     return absl::InternalError("another tenant reached the demo's cache");
   }
   const absl::Status anonymous =
-      kvcache::Client::Connect({.address = address})->ListCaches().status();
+      kvcache::Client::Connect(WithTls({.address = address}))->ListCaches().status();
   absl::PrintF("a call without a token: %s\n", anonymous.ToString());
   if (!absl::IsUnauthenticated(anonymous)) {
     return absl::InternalError("a call without a token was not refused");
@@ -390,12 +407,15 @@ absl::Status ShowTenants(const std::string& cache_id) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto client = kvcache::Client::Connect({.address = absl::GetFlag(FLAGS_server),
-                                          .data_lane = absl::GetFlag(FLAGS_data_lane),
-                                          .token = DemoToken()});
+  auto client = kvcache::Client::Connect(WithTls({.address = absl::GetFlag(FLAGS_server),
+                                                  .data_lane = absl::GetFlag(FLAGS_data_lane),
+                                                  .token = DemoToken()}));
   if (Check(client->WaitForReady(absl::Seconds(30)), "connect")) return 1;
   absl::PrintF("connected to %s; Update and Fetch go over %s\n", absl::GetFlag(FLAGS_server),
-               client->uses_data_lane() ? "the data lane (plain TCP)" : "gRPC");
+               !client->uses_data_lane() ? "gRPC"
+               : FlagOrEnv(FLAGS_tls_ca, "KVCACHE_TLS_CA").empty()
+                   ? "the data lane (plain TCP)"
+                   : "the data lane (TLS 1.3, as gRPC)");
   auto cache = client->CreateCache(ToySpec());
   if (Check(cache.status(), "CreateCache")) return 1;
   const std::string id = cache->cache_id();

@@ -218,11 +218,17 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
     }
     server->data_lane_ = *std::move(lane);
     server->lane_host_ = lane_host.first;
+    if (!config.data_lane_advertise.empty()) {
+      RETURN_IF_ERROR(SplitHostPort(config.data_lane_advertise, "data_lane_advertise").status());
+      server->lane_advertise_ = config.data_lane_advertise;
+    }
+  } else if (!config.data_lane_advertise.empty()) {
+    return absl::InvalidArgumentError("data_lane_advertise: set, but the data lane is off");
   }
   server->service_options_ = {.max_message_bytes = config.max_message_bytes,
                               .device_name = device.name,
                               .transfer_path = path,
-                              .data_lane_address = server->data_lane_address()};
+                              .data_lane_address = server->advertised_lane_address()};
   RETURN_IF_ERROR(server->StartTenants());
   server->service_ = std::make_unique<service::KvCacheService>(*server->tenants_);
 
@@ -250,8 +256,11 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                                               : "mutual TLS: clients present certificates");
   if (server->data_lane_) {
     server->data_lane_->Serve(*server->tenants_);
-    LogInfo("data lane (Update and Fetch over %s) on %s",
-            config.tls.enabled() ? "TLS 1.3" : "plain TCP", server->data_lane_address());
+    LogInfo("data lane (Update and Fetch over %s) on %s%s",
+            config.tls.enabled() ? "TLS 1.3" : "plain TCP", server->data_lane_address(),
+            server->lane_advertise_.empty()
+                ? ""
+                : absl::StrCat(", given to clients as ", server->lane_advertise_));
   }
   return server;
 }
@@ -292,6 +301,10 @@ std::string KvCacheServer::address() const { return absl::StrCat(host_, ":", por
 std::string KvCacheServer::data_lane_address() const {
   if (!data_lane_) return "";
   return absl::StrCat(lane_host_, ":", data_lane_->port());
+}
+
+std::string KvCacheServer::advertised_lane_address() const {
+  return lane_advertise_.empty() ? data_lane_address() : lane_advertise_;
 }
 
 void KvCacheServer::Shutdown(absl::Duration grace) {

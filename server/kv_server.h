@@ -45,6 +45,10 @@ struct ServerConfig {
   // host:port of the data lane (service/data_lane.h; port 0 picks a free
   // one); empty: no lane, Update and Fetch over gRPC only.
   std::string data_lane_listen;
+  // host:port that Stats gives clients for the lane where they reach it at
+  // another address than it listens on (a container's published port, a
+  // NAT); empty: the address it listens on.
+  std::string data_lane_advertise;
   // A lane connection is closed unless it opens (TLS handshake, preamble,
   // AUTH where there are tenants) within this of its connect.
   absl::Duration lane_opening_timeout = absl::Seconds(10);
@@ -86,6 +90,8 @@ class KvCacheServer {
   std::string address() const;
   // The data lane's host:port; empty when it is off.
   std::string data_lane_address() const;
+  // What Stats names: data_lane_advertise, else data_lane_address.
+  std::string advertised_lane_address() const;
   // The Prometheus endpoint's host:port; empty when it is off.
   std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
   // Null when the lane is off.
@@ -118,6 +124,7 @@ class KvCacheServer {
   std::string host_;
   int port_ = 0;
   std::string lane_host_;
+  std::string lane_advertise_;
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<DiskBudget> disk_budget_;  // null without a data dir
   std::unique_ptr<gpu::PagePool> pool_;

@@ -19,6 +19,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:po
 ABSL_FLAG(std::string, data_lane_listen, "127.0.0.1:50052",
           "address of the data lane, Update and Fetch over plain TCP for bulk K/V (host:port; "
           "empty: off)");
+ABSL_FLAG(std::string, data_lane_advertise, "",
+          "host:port clients are told to reach the data lane at, where it differs from "
+          "--data_lane_listen (a container's published port, a NAT); empty: that address");
 ABSL_FLAG(std::string, device, "",
           "Vulkan device: empty picks the best (discrete, integrated, CPU); a number picks by "
           "index; other text picks the first device whose name contains it");
@@ -94,6 +97,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   kvcache::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
   config.data_lane_listen = absl::GetFlag(FLAGS_data_lane_listen);
+  config.data_lane_advertise = absl::GetFlag(FLAGS_data_lane_advertise);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.access_log = absl::GetFlag(FLAGS_access_log);
   config.device.selector = absl::GetFlag(FLAGS_device);

@@ -11,7 +11,7 @@ ExportReactor::ExportReactor(Admitted admitted, const v1::ExportSnapshotRequest&
     : admitted_(std::move(admitted)) {
   absl::StatusOr<std::string> file = admitted_.handlers().ExportFile(request);
   if (!file.ok()) {
-    Finish(ToGrpcStatus(file.status()));
+    Answer(ToGrpcStatus(file.status()));
     return;
   }
   file_ = *std::move(file);
@@ -20,7 +20,7 @@ ExportReactor::ExportReactor(Admitted admitted, const v1::ExportSnapshotRequest&
 
 void ExportReactor::WriteNext() {
   if (sent_ == file_.size()) {
-    Finish(grpc::Status::OK);
+    Answer(grpc::Status::OK);
     return;
   }
   const size_t size = std::min(kFileChunkBytes, file_.size() - sent_);
@@ -32,7 +32,7 @@ void ExportReactor::WriteNext() {
 
 void ExportReactor::OnWriteDone(bool ok) {
   if (!ok) {
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+    Answer(grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
     return;
   }
   WriteNext();
@@ -54,10 +54,10 @@ void ImportReactor::OnReadDone(bool ok) {
     // Reads also end when the call is cancelled (by the client, or its
     // deadline): then no one would learn the new snapshot's id, so none is made.
     if (context_->IsCancelled()) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the import was cancelled"));
+      Answer(grpc::Status(grpc::StatusCode::CANCELLED, "the import was cancelled"));
       return;
     }
-    Finish(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));  // all sent
+    Answer(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));  // all sent
     return;
   }
   if (first_) {
@@ -66,9 +66,9 @@ void ImportReactor::OnReadDone(bool ok) {
     first_ = false;
   }
   if (file_.size() + request_.data().size() > max_file_bytes_) {
-    Finish(ToGrpcStatus(absl::ResourceExhaustedError(absl::StrFormat(
-        "data: the file passes %d bytes, the most this server takes (its pool)",
-        max_file_bytes_))));
+    Answer(ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrFormat("data: the file passes %d bytes, the most this server takes (its pool)",
+                        max_file_bytes_))));
     return;
   }
   file_.append(request_.data());

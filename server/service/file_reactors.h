@@ -25,6 +25,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::FileChunk> {
  private:
   // Writes the next chunk, or finishes when none is left.
   void WriteNext();
+  // Finish, once the call no longer counts against the tenant's limit.
+  void Answer(const grpc::Status& status) {
+    admitted_.Answering();
+    Finish(status);
+  }
 
   const Admitted admitted_;
   std::string file_;
@@ -41,6 +46,11 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSnapshotReq
   void OnDone() override { delete this; }
 
  private:
+  void Answer(const grpc::Status& status) {
+    admitted_.Answering();
+    Finish(status);
+  }
+
   const Admitted admitted_;
   Handlers& handlers_;
   grpc::CallbackServerContext* context_;

@@ -43,6 +43,7 @@ absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext
     if (!call.ok()) return FinishUnary(context, call.status());                                   \
     const absl::Status status = call->handlers().Name(*request, response);                        \
     if (status.ok()) Scope(*call, response);                                                      \
+    call->Answering();                                                                            \
     return FinishUnary(context, status);                                                          \
   }
 

@@ -91,7 +91,10 @@ UpdateReactor::Next UpdateReactor::PickNext() {
 // held here because gRPC may run a reaction inline: hence the opt-out.
 void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (next == Next::kWrite) StartWrite(&writing_ack_, write_options_);
-  if (next == Next::kFinish) Finish(*final_status_);
+  if (next == Next::kFinish) {
+    admitted_.Answering();  // before the client can see the end (Admitted::Answering)
+    Finish(*final_status_);
+  }
 }
 
 FetchReactor::FetchReactor(Admitted admitted, const grpc::ByteBuffer& request)
@@ -128,7 +131,9 @@ absl::Status FetchReactor::EncodeNext() {
 
 // FetchCall::Finish lets go of the plan's pages before it returns the status.
 void FetchReactor::FinishFetch(const absl::Status& transport) {
-  Finish(ToGrpcStatus(call_.Finish(transport)));
+  const grpc::Status status = ToGrpcStatus(call_.Finish(transport));
+  admitted_.Answering();
+  Finish(status);
 }
 
 void FetchReactor::OnWriteDone(bool ok) {

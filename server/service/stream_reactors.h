@@ -41,7 +41,7 @@ class UpdateReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Next PickNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void Start(Next next);
 
-  const Admitted admitted_;  // counted in the tenant's requests until the call ends
+  const Admitted admitted_;  // counted in the tenant's requests until the call answers
   // Touched only by the read path.
   UpdateCall call_;
   grpc::ByteBuffer request_;

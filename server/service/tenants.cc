@@ -46,14 +46,19 @@ Admitted& Admitted::operator=(Admitted&& other) noexcept {
   if (this != &other) {
     Release();
     tenant_ = std::exchange(other.tenant_, nullptr);
-    gauge_ = std::exchange(other.gauge_, nullptr);
+    gauge_.store(other.gauge_.exchange(nullptr));
   }
   return *this;
 }
 
+void Admitted::Answering() const {
+  if (std::atomic<uint32_t>* gauge = gauge_.exchange(nullptr)) {
+    gauge->fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
 void Admitted::Release() {
-  if (gauge_ != nullptr) gauge_->fetch_sub(1, std::memory_order_relaxed);
-  gauge_ = nullptr;
+  Answering();
   tenant_ = nullptr;
 }
 

@@ -82,6 +82,12 @@ class Admitted {
   ~Admitted() { Release(); }
 
   bool ok() const { return tenant_ != nullptr; }
+  // The call is about to answer: it stops counting against the tenant's
+  // limit now, before the client can see the answer, so a client that waits
+  // for each answer before its next call never meets its own last call (gRPC
+  // destroys a call's reactor only after the client has its status). The
+  // tenant stays reachable until this goes.
+  void Answering() const;
   Tenant& tenant() const { return *tenant_; }
   Handlers& handlers() const { return *tenant_->parts.handlers; }
   // Request and response bytes of the call or connection, for metrics.
@@ -95,7 +101,8 @@ class Admitted {
  private:
   void Release();
   Tenant* tenant_ = nullptr;
-  std::atomic<uint32_t>* gauge_ = nullptr;
+  // Taken once, by Answering or Release, whichever comes first.
+  mutable std::atomic<std::atomic<uint32_t>*> gauge_{nullptr};
 };
 
 class Tenants {

@@ -708,5 +708,35 @@ TEST(E2eDataLaneShutdownTest, AStallWithinALargeFrameIsCutAfterTheGrace) {
   server->CleanUpAndCheck();
 }
 
+// Behind a container's published port or a NAT the lane is reached at
+// another address than it listens on: Stats gives clients that one.
+TEST(E2eDataLaneAdvertiseTest, StatsNameTheAdvertisedAddress) {
+  ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.data_lane_listen = "127.0.0.1:0";
+  config.pool.budget_bytes = 4 << 20;
+  config.data_lane_advertise = "lane.example:7000";
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions options;
+  options.address = (*server)->address();
+  absl::StatusOr<v1::Stats> stats = Client::Connect(options)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->data_lane_address(), "lane.example:7000");
+  EXPECT_NE((*server)->data_lane_address(), "lane.example:7000") << "it listens where it did";
+  server->reset();
+
+  for (const auto& [listen, advertise] :
+       {std::pair<std::string, std::string>{"127.0.0.1:0", "lane.example"},
+        {"", "lane.example:7000"}}) {
+    config.data_lane_listen = listen;
+    config.data_lane_advertise = advertise;
+    absl::StatusOr<std::unique_ptr<KvCacheServer>> refused = KvCacheServer::Start(config);
+    ASSERT_FALSE(refused.ok()) << advertise;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(), HasSubstr("data_lane_advertise"));
+  }
+}
+
 }  // namespace
 }  // namespace kvcache::testing

@@ -112,10 +112,23 @@ void TestServer::CleanUpAndCheck() {
     for (const v1::CacheInfo& info : *caches) {
       EXPECT_TRUE(client_->DeleteCache(info.cache_id()).ok());
     }
-    absl::StatusOr<v1::Stats> stats = client_->GetStats();
-    ASSERT_TRUE(stats.ok()) << stats.status();
-    // From the pool itself: a tenant's GetStats does not show the pool's use.
-    const gpu::PoolStats pool = server_->pool().stats();
+    // A lease that ran out hides its handle at once and is released by the
+    // reaper within its interval (later on a loaded machine): wait for it.
+    absl::StatusOr<v1::Stats> stats;
+    gpu::PoolStats pool;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    do {
+      stats = client_->GetStats();
+      ASSERT_TRUE(stats.ok()) << stats.status();
+      // From the pool itself: a tenant's GetStats does not show the pool's use.
+      pool = server_->pool().stats();
+      if (pool.used_pages + pool.host_pages + pool.disk_pages + stats->caches() +
+              stats->snapshots() ==
+          0) {
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < deadline);
     EXPECT_EQ(pool.used_pages, 0u) << "pages leaked";
     EXPECT_EQ(pool.host_pages, 0u) << "host-tier pages leaked";
     EXPECT_EQ(pool.disk_pages, 0u) << "disk-tier pages leaked";

@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# Builds the kvcached image with podman, starts it, and runs the demo worker
+# and the Python interop test against the container over its published ports.
+#
+#   bash docker/build-and-test.sh           build, test, remove the test containers
+#   IMAGE=kvcached:mine bash docker/build-and-test.sh   another tag (default localhost/kvcached:test)
+#   bash docker/build-and-test.sh --no-build   test the image already tagged $IMAGE
+#
+# Where podman cannot run containers at all (no kernel support, no
+# privileges), it says why and exits 0 without testing: the caller (.ci)
+# prints that reason; it never passes silently.
+#
+# What podman needs on a machine like this one (root, runc, cgroup v1, no
+# systemd as PID 1, no CAP_SYS_RESOURCE) is written into a containers.conf of
+# its own, passed in CONTAINERS_CONF, so the machine's files stay untouched:
+#   - cgroup_manager = cgroupfs (no systemd to ask), events to a file;
+#   - runtime runc (Debian's; the issue's choice);
+#   - default_ulimits no higher than conmon's own: without CAP_SYS_RESOURCE
+#     runc cannot raise a limit above its parent's, and podman's default asks
+#     for 1048576 open files and as many processes, so every container failed
+#     ("error setting rlimit type 7"/"6": operation not permitted);
+#   - the overlay storage driver (the kernel has overlayfs; vfs would copy
+#     every layer).
+# The base image: debian:12-slim from the registry where it can be pulled;
+# elsewhere (no registry reachable, as on the project's build machines) one
+# made from Debian packages with debootstrap (minbase) and `podman import`,
+# cached as localhost/kvcached-base:bookworm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build=yes
+for arg in "$@"; do
+  case "$arg" in
+    --no-build) build="" ;;
+    *) echo "usage: build-and-test.sh [--no-build]" >&2; exit 2 ;;
+  esac
+done
+if [[ $(id -u) -ne 0 ]]; then
+  echo "build-and-test: SKIPPED: needs root (rootful podman with runc; debootstrap)"
+  exit 0
+fi
+image=${IMAGE:-localhost/kvcached:test}
+work=${KVCACHED_CONTAINER_WORK:-/var/tmp/kvcached-container}
+mkdir -p "$work"
+
+bash .ci/setup --container
+
+# --- podman's configuration -------------------------------------------------
+nofile=$(ulimit -Hn)
+nproc=$(ulimit -Hu)
+# conmon runs with at most 32768 processes here; a container may not get more.
+if [[ $nproc == unlimited || $nproc -gt 32768 ]]; then nproc=32768; fi
+if [[ $nofile == unlimited || $nofile -gt 1048576 ]]; then nofile=1048576; fi
+cat >"$work/containers.conf" <<EOF
+[containers]
+default_ulimits = ["nofile=${nofile}:${nofile}", "nproc=${nproc}:${nproc}"]
+
+[engine]
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+runtime = "runc"
+EOF
+cat >"$work/storage.conf" <<EOF
+[storage]
+driver = "overlay"
+runroot = "/run/containers/storage"
+graphroot = "/var/lib/containers/storage"
+EOF
+export CONTAINERS_CONF="$work/containers.conf"
+export CONTAINERS_STORAGE_CONF="$work/storage.conf"
+
+# --- a base image -------------------------------------------------------------
+base=localhost/kvcached-base:bookworm
+if timeout 120 podman pull -q docker.io/library/debian:12-slim >/dev/null 2>&1; then
+  base=docker.io/library/debian:12-slim
+  echo "build-and-test: base image debian:12-slim from the registry"
+elif podman image exists "$base"; then
+  echo "build-and-test: no registry reachable; base image $base (made earlier with debootstrap)"
+else
+  echo "build-and-test: no registry reachable; making the base image from Debian packages" \
+    "(debootstrap --variant=minbase bookworm, podman import)"
+  rm -rf "$work/rootfs"
+  debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian \
+    >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; exit 1; }
+  tar -C "$work/rootfs" -c . | podman import -q - "$base" >/dev/null
+  rm -rf "$work/rootfs"
+fi
+
+# Can podman run a container here at all?
+if ! probe=$(timeout 120 podman run --rm "$base" true 2>&1); then
+  echo "build-and-test: SKIPPED: podman cannot run containers on this machine: $probe"
+  exit 0
+fi
+
+# --- the image ----------------------------------------------------------------
+started=$SECONDS
+# The build stage installs packages with apt: the host's network.
+# --format docker: the OCI format has no HEALTHCHECK.
+if [[ -n $build ]]; then
+  podman build --format docker --network=host --build-arg "BASE=$base" -f docker/Dockerfile \
+    -t "$image" .
+fi
+echo "build-and-test: image $image ${build:+built in $((SECONDS - started)) s}${build:-as built before};" \
+  "$(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MiB", $1/1048576}')"
+
+containers=()
+cleanup() {
+  for c in "${containers[@]}"; do podman rm -f "$c" >/dev/null 2>&1 || true; done
+}
+trap cleanup EXIT
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# --- the container as an operator runs it: published ports, flags by env ----
+grpc_port=$(free_port)
+lane_port=$(free_port)
+metrics_port=$(free_port)
+# Two tenants. The file holds the tokens' SHA-256 only, so it may be
+# readable by the container's user (in Kubernetes: a Secret's volume).
+token=$(openssl rand -hex 16)
+other_token=$(openssl rand -hex 16)
+digest() { printf %s "$1" | sha256sum | cut -d' ' -f1; }
+printf 'tenant=demo sha256=%s admin\ntenant=other sha256=%s\n' \
+  "$(digest "$token")" "$(digest "$other_token")" >"$work/tokens"
+chmod 0644 "$work/tokens"
+name=kvcached-test-$$
+containers+=("$name")
+# --health-interval=disable: podman runs the periodic check from a systemd
+# timer, and this machine may have no systemd; the script runs it itself.
+podman run -d --name "$name" --health-interval=disable \
+  -p "127.0.0.1:$grpc_port:50051" -p "127.0.0.1:$lane_port:50052" \
+  -p "127.0.0.1:$metrics_port:9464" \
+  -v "$work/tokens:/etc/kvcached/tokens:ro" \
+  -e KVCACHED_TOKENS_FILE=/etc/kvcached/tokens \
+  -e KVCACHED_POOL_BYTES=134217728 -e KVCACHED_HOST_BYTES=268435456 \
+  -e "KVCACHED_DATA_LANE_ADVERTISE=127.0.0.1:$lane_port" \
+  "$image" >/dev/null
+[[ $(podman exec "$name" id -u) != 0 ]] || { echo "the container runs as root" >&2; exit 1; }
+healthy=""
+for _ in $(seq 1 60); do
+  if podman healthcheck run "$name" >/dev/null 2>&1; then healthy=yes; break; fi
+  sleep 1
+done
+if [[ -z $healthy ]]; then
+  podman logs "$name" >&2
+  echo "build-and-test: the container never answered its health check" >&2
+  exit 1
+fi
+echo "build-and-test: $name healthy (gRPC 127.0.0.1:$grpc_port, lane 127.0.0.1:$lane_port," \
+  "metrics 127.0.0.1:$metrics_port)"
+
+# The demo worker, from the image, on the host's network: through the
+# published ports only, the lane too.
+podman run --rm --network=host -e "KVCACHE_TOKEN=$token" -e "KVCACHE_OTHER_TOKEN=$other_token" \
+  --entrypoint /usr/local/bin/kvcache_demo "$image" --server="127.0.0.1:$grpc_port"
+curl -fsS "http://127.0.0.1:$metrics_port/metrics" | grep -q '^kvcached_' \
+  || { echo "build-and-test: no kvcached_ metrics on the published port" >&2; exit 1; }
+echo "build-and-test: demo and metrics over the published ports: OK"
+
+# SIGTERM drains and exits 0 (podman stop sends the image's STOPSIGNAL).
+podman stop -t 30 "$name" >/dev/null
+code=$(podman inspect --format '{{.State.ExitCode}}' "$name")
+[[ $code == 0 ]] || { podman logs "$name" >&2; echo "exit code $code after SIGTERM" >&2; exit 1; }
+echo "build-and-test: SIGTERM: drained, exit 0"
+
+# --- compose: three replicas, each serving through its published ports ------
+# compose.yaml publishes fixed ports (5x051, 5x052, 5x464): where one is
+# taken the stage says so and is skipped.
+busy=$(ss -Hltn | awk '{print $4}' | grep -E ':(5[012](051|052|464))$' || true)
+if [[ -n $busy ]]; then
+  echo "build-and-test: compose: SKIPPED: ports compose.yaml publishes are taken: $busy"
+else
+  compose=(podman-compose -f docker/compose.yaml -p kvcached-test)
+  mkdir -p docker/secrets
+  [[ -f docker/secrets/tokens ]] || bash docker/fleet-secrets.sh >/dev/null
+  KVCACHED_IMAGE="$image" "${compose[@]}" up -d >"$work/compose.log" 2>&1 \
+    || { cat "$work/compose.log" >&2; exit 1; }
+  for port in 50051 51051 52051; do
+    served=""
+    for _ in $(seq 1 60); do
+      if podman run --rm --network=host --entrypoint /usr/local/bin/kvcachectl "$image" \
+        --server="127.0.0.1:$port" health kvcache.v1.KvCacheService >/dev/null 2>&1; then
+        served=yes
+        break
+      fi
+      sleep 1
+    done
+    [[ -n $served ]] || { echo "build-and-test: compose: no replica serves on $port" >&2; exit 1; }
+  done
+  KVCACHED_IMAGE="$image" "${compose[@]}" down -v >>"$work/compose.log" 2>&1
+  echo "build-and-test: compose: three replicas up and SERVING, then down"
+fi
+
+# --- the Python interop test against containers -----------------------------
+# The test starts its server itself, several times (plaintext, TLS): each
+# start becomes a container (docker/podman-kvcached.sh) on published ports.
+KVCACHED_IMAGE="$image" /usr/bin/python3 tests/service/python/interop_test.py \
+  --kvcached docker/podman-kvcached.sh --proto_dir protos --protoc /usr/bin/protoc \
+  --grpc_python_plugin /usr/bin/grpc_python_plugin
+echo "build-and-test: PASSED ($((SECONDS - started)) s from the build on)"
