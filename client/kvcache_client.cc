@@ -116,6 +116,12 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetServiceConfigJSON(kServiceConfig);
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (options.max_reconnect_backoff > absl::ZeroDuration()) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(options.max_reconnect_backoff));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(ms, 1000));
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(ms, 1000));
+  }
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   if (!options.token.empty()) {
     interceptors.push_back(internal::BearerTokenInterceptors(options.token));
@@ -378,6 +384,39 @@ absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
     if (!writer->Write(request)) break;  // the server ended the call: Finish says why
     request.Clear();
   } while (sent < file.size());
+  writer->WritesDone();
+  if (grpc::Status status = writer->Finish(); !status.ok()) return FromGrpc(status);
+  return response;
+}
+
+absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
+                                                      const v1::ExportSnapshotRequest& request,
+                                                      Client& to,
+                                                      const v1::ImportSnapshotRequest& to_options) {
+  grpc::ClientContext export_context;
+  export_context.set_deadline(absl::ToChronoTime(absl::Now() + from.options().deadline));
+  std::unique_ptr<grpc::ClientReader<v1::FileChunk>> reader =
+      from.stub().ExportSnapshot(&export_context, request);
+  grpc::ClientContext import_context;
+  import_context.set_deadline(absl::ToChronoTime(absl::Now() + to.options().deadline));
+  v1::LoadSnapshotResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSnapshotRequest>> writer =
+      to.stub().ImportSnapshot(&import_context, &response);
+  v1::ImportSnapshotRequest piece = to_options;
+  v1::FileChunk chunk;
+  bool import_open = true;
+  while (import_open && reader->Read(&chunk)) {
+    piece.set_allocated_data(chunk.release_data());
+    import_open = writer->Write(piece);  // false: the importer ended the call
+    piece.Clear();
+  }
+  if (!import_open) export_context.TryCancel();
+  const grpc::Status exported = reader->Finish();
+  if (!exported.ok() && import_open) {
+    import_context.TryCancel();
+    writer->Finish();
+    return FromGrpc(exported);
+  }
   writer->WritesDone();
   if (grpc::Status status = writer->Finish(); !status.ok()) return FromGrpc(status);
   return response;

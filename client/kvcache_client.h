@@ -51,6 +51,10 @@ struct ClientOptions {
   std::string tls_client_cert_pem;
   std::string tls_client_key_pem;
   std::string tls_server_name;
+  // The longest gRPC waits between attempts to reconnect to a server that
+  // went away; zero: gRPC's default (two minutes). A fleet's clients set it
+  // low, so a replica that restarts is used again within seconds.
+  absl::Duration max_reconnect_backoff;
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):
@@ -244,6 +248,14 @@ class Client {
   std::unique_ptr<internal::FetchTransport> grpc_fetch_;
   std::unique_ptr<internal::FetchTransport> lane_fetch_;
 };
+
+// Streams a snapshot (or saved file) out of one server and into another, a
+// chunk at a time: the bytes pass through this process but are never all
+// held here. `to_options` as for ImportSnapshot (name, pinned, ttl).
+absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
+                                                      const v1::ExportSnapshotRequest& request,
+                                                      Client& to,
+                                                      const v1::ImportSnapshotRequest& to_options);
 
 // A long-lived Update stream: Write() sends one layer's tokens without waiting
 // for their acknowledgement. Over gRPC a reader thread collects the

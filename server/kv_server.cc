@@ -17,6 +17,7 @@
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu/quant_kernels.h"
+#include "ids/replica_id.h"
 #include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
@@ -171,6 +172,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   server->data_dir_ = config.data_dir;
   server->tokens_file_ = config.tokens_file;
   server->engine_options_ = config.engine;
+  if (!config.replica_name.empty()) {
+    RETURN_IF_ERROR(ids::CheckReplicaName(config.replica_name, "replica_name"));
+    server->engine_options_.id_prefix = ids::IdPrefix(config.replica_name);
+    LogInfo("replica %s: ids begin with \"%s\"", config.replica_name,
+            server->engine_options_.id_prefix);
+  }
   server->lease_check_interval_ = config.lease_check_interval;
   if (!config.data_dir.empty()) {
     server->disk_budget_ = std::make_unique<DiskBudget>(config.disk_bytes);
@@ -228,7 +235,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   server->service_options_ = {.max_message_bytes = config.max_message_bytes,
                               .device_name = device.name,
                               .transfer_path = path,
-                              .data_lane_address = server->advertised_lane_address()};
+                              .data_lane_address = server->advertised_lane_address(),
+                              .replica_name = config.replica_name};
   RETURN_IF_ERROR(server->StartTenants());
   server->service_ = std::make_unique<service::KvCacheService>(*server->tenants_);
 

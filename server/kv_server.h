@@ -49,6 +49,10 @@ struct ServerConfig {
   // another address than it listens on (a container's published port, a
   // NAT); empty: the address it listens on.
   std::string data_lane_advertise;
+  // This replica's name in a fleet (protos/ids/replica_id.h): every id it
+  // makes begins with it, and GetStats gives it. Empty: ids without a name
+  // (a single server).
+  std::string replica_name;
   // A lane connection is closed unless it opens (TLS handshake, preamble,
   // AUTH where there are tenants) within this of its connect.
   absl::Duration lane_opening_timeout = absl::Seconds(10);

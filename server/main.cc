@@ -22,6 +22,10 @@ ABSL_FLAG(std::string, data_lane_listen, "127.0.0.1:50052",
 ABSL_FLAG(std::string, data_lane_advertise, "",
           "host:port clients are told to reach the data lane at, where it differs from "
           "--data_lane_listen (a container's published port, a NAT); empty: that address");
+ABSL_FLAG(std::string, replica_name, "",
+          "this replica's name in a fleet (1-63 letters, digits, '-', '_', '.'; a StatefulSet "
+          "pod's name): every id it makes begins with \"NAME:\", so clients of many replicas "
+          "send each call to its owner; empty: a single server");
 ABSL_FLAG(std::string, device, "",
           "Vulkan device: empty picks the best (discrete, integrated, CPU); a number picks by "
           "index; other text picks the first device whose name contains it");
@@ -98,6 +102,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.listen = absl::GetFlag(FLAGS_listen);
   config.data_lane_listen = absl::GetFlag(FLAGS_data_lane_listen);
   config.data_lane_advertise = absl::GetFlag(FLAGS_data_lane_advertise);
+  config.replica_name = absl::GetFlag(FLAGS_replica_name);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.access_log = absl::GetFlag(FLAGS_access_log);
   config.device.selector = absl::GetFlag(FLAGS_device);

@@ -35,6 +35,7 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
                  SnapshotRegistryOptions{.default_ttl = options_.default_ttl,
                                          .max_pinned_bytes = options_.max_pinned_bytes,
                                          .max_snapshots = options_.max_snapshots,
+                                         .id_prefix = options_.id_prefix,
                                          .on_drop = [this](absl::Span<const std::string> ids) {
                                            prefixes_.ForgetAny(ids);
                                          }}) {}
@@ -90,7 +91,7 @@ absl::StatusOr<MetadataCharge> Engine::ChargeSnapshot(const CacheSnapshot& snaps
 absl::StatusOr<CacheInfo> Engine::AddCache(std::unique_ptr<Cache> cache, absl::Duration ttl) {
   ASSIGN_OR_RETURN(MetadataCharge metadata, ChargeCache(*cache));
   auto entry = std::make_shared<Entry>(ttl == absl::ZeroDuration() ? options_.default_ttl : ttl);
-  std::string id = NewRandomId();
+  std::string id = NewRandomId(options_.id_prefix);
   entry->lease.Renew(clock_.Now());
   CacheInfo info = Describe(id, *cache, entry->lease);
   {

@@ -53,6 +53,9 @@ struct EngineOptions {
   // Most host memory caches and snapshots may hold outside the pool
   // (engine/metadata_budget.h); 0: DefaultMetadataBytes of the pool's budget.
   uint64_t metadata_bytes = 0;
+  // What every cache, snapshot and speculation id begins with: the replica's
+  // name and a colon (kvcached --replica_name), or nothing.
+  std::string id_prefix;
   // Where SaveSnapshot and LoadSnapshot keep files (the server's --data_dir);
   // null: those calls are FAILED_PRECONDITION naming data_dir.
   SavedFileStore* saved_files = nullptr;

@@ -42,7 +42,7 @@ absl::StatusOr<SpeculationInfo> Engine::BeginSpeculation(const std::string& cach
       // Reserved before the drafts exist; a lookup meanwhile finds the cache
       // without it and answers NOT_FOUND.
       absl::MutexLock lock(&speculations_mutex_);
-      do id = NewRandomId();
+      do id = NewRandomId(options_.id_prefix);
       while (speculations_.contains(id));
       speculations_.emplace(id, SpeculationOwner{cache_id, cache.entry()});
     }

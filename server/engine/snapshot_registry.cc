@@ -13,7 +13,7 @@
 
 namespace kvcache::engine {
 
-std::string NewRandomId() {
+std::string NewRandomId(absl::string_view prefix) {
   // 16 bytes from the kernel's CSPRNG: unguessable ids. Drawn 256 bytes (the
   // most one getentropy call gives) at a time per thread, since the call costs
   // about a microsecond here and a snapshot per drafted token takes many ids.
@@ -33,7 +33,7 @@ std::string NewRandomId() {
   }
   const char* id = reinterpret_cast<const char*>(entropy.bytes + entropy.used);
   entropy.used += kIdBytes;
-  return absl::BytesToHexString(absl::string_view(id, kIdBytes));
+  return absl::StrCat(prefix, absl::BytesToHexString(absl::string_view(id, kIdBytes)));
 }
 
 SnapshotInfo SnapshotRegistry::Info(const std::string& id, const Entry& entry) {
@@ -70,8 +70,8 @@ absl::flat_hash_map<std::string, SnapshotRegistry::Entry>::iterator SnapshotRegi
 }
 
 SnapshotInfo SnapshotRegistry::Insert(Entry entry) {
-  std::string id = NewRandomId();
-  while (entries_.contains(id)) id = NewRandomId();
+  std::string id = NewRandomId(options_.id_prefix);
+  while (entries_.contains(id)) id = NewRandomId(options_.id_prefix);
   if (entry.pinned) {
     pinned_bytes_ += entry.snapshot->size_bytes();
   } else {

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "engine/cache.h"
@@ -43,8 +44,10 @@ struct LeaseInfo {
   absl::Time expires_at = absl::InfiniteFuture();
 };
 
-// 32 lowercase hex digits from the OS's random source.
-std::string NewRandomId();
+// `prefix` and then 32 lowercase hex digits from the OS's random source.
+// The prefix names the replica that made the id ("kvcached-0:"), so that a
+// client of many replicas sends every call about it to its owner.
+std::string NewRandomId(absl::string_view prefix = "");
 
 struct SnapshotRegistryOptions {
   // The lease of a snapshot added with no ttl of its own; zero: none.
@@ -54,6 +57,8 @@ struct SnapshotRegistryOptions {
   // Most snapshots held at once (prefix entries and their handles count);
   // 0: no limit.
   uint64_t max_snapshots = 0;
+  // What every id it makes begins with (NewRandomId).
+  std::string id_prefix;
   // Told the ids of entries that went (released, expired, consumed by a
   // merge or split), after the registry's lock is released; may be empty.
   std::function<void(absl::Span<const std::string> ids)> on_drop;

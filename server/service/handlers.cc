@@ -280,6 +280,7 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_device(options_.device_name);
   response->set_transfer_path(options_.transfer_path);
   response->set_data_lane_address(options_.data_lane_address);
+  response->set_replica_name(options_.replica_name);
   response->set_page_bytes(stats.pool.page_bytes);
   response->set_pages_total(stats.pool.max_pages);
   response->set_pages_used(stats.pool.used_pages);

@@ -28,6 +28,8 @@ struct ServiceOptions {
   std::string transfer_path;
   // host:port of the data lane (data_lane.h); empty when it is off.
   std::string data_lane_address;
+  // kvcached --replica_name; empty when it has none.
+  std::string replica_name;
 };
 
 // What a Fetch sends: the state it reads, frozen, and the chunks to cut from it.

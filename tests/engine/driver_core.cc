@@ -37,12 +37,17 @@ DriverCore::DriverCore(DriverAdapter& adapter, const DriverConfig& config)
   }
 }
 
+bool IsServerId(const std::string& id) {
+  const std::string digits = id.substr(id.rfind(':') + 1);  // npos + 1: the whole id
+  return digits.size() == 32 && digits.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
 void DriverCore::Start() { CreateCache(); }
 
 void DriverCore::CreateCache() {
   absl::StatusOr<CacheState> info = adapter_.CreateCache(config_.spec);
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->cache_id.size(), 32u);
+  EXPECT_TRUE(IsServerId(info->cache_id)) << info->cache_id;
   EXPECT_EQ(info->num_layers, config_.spec.layers.size());
   EXPECT_EQ(info->layer_offsets.size(), config_.spec.layers.size());
   EXPECT_TRUE(info->in_step);
@@ -340,7 +345,7 @@ void DriverCore::CheckSnapshotInfo(const SnapshotState& info, const RefCacheSnap
   EXPECT_EQ(info.from, reference.from) << info.snapshot_id;
   EXPECT_EQ(info.to, reference.to) << info.snapshot_id;
   EXPECT_EQ(info.pinned, pinned) << info.snapshot_id;
-  EXPECT_EQ(info.snapshot_id.size(), 32u);
+  EXPECT_TRUE(IsServerId(info.snapshot_id)) << info.snapshot_id;
   EXPECT_TRUE(cache_ids_.contains(info.cache_id)) << info.cache_id;
 }
 

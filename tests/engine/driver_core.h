@@ -98,6 +98,10 @@ void PrintSpeculationStats(const DriverConfig& config, const DriverStats& stats)
 // snapshot way, reads speculative views, probes refusals and checks pages.
 void ExpectSpeculationCoverage(const std::string& name, const DriverStats& stats);
 
+// Whether `id` is one the server makes: 32 lowercase hex digits, after the
+// replica's "<name>:" where it runs with one (protos/ids/replica_id.h).
+bool IsServerId(const std::string& id);
+
 class DriverCore {
  public:
   virtual ~DriverCore() = default;

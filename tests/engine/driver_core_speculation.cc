@@ -69,7 +69,7 @@ void DriverCore::Speculate() {
   ASSERT_TRUE(begun.ok()) << begun.status();
   const std::string id = begun->speculation_id;
   SCOPED_TRACE(absl::StrCat(isolated ? "isolated " : "", "speculation ", id, " from ", Offset()));
-  EXPECT_EQ(id.size(), 32u);
+  EXPECT_TRUE(IsServerId(id)) << id;
   EXPECT_EQ(begun->committed_offset, Offset());
   if (!begun->cache_id.empty()) {
     EXPECT_EQ(begun->cache_id, cache_id_);

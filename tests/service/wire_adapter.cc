@@ -1,7 +1,9 @@
 #include "wire_adapter.h"
 
+#include <random>
 #include <variant>
 
+#include "absl/strings/str_cat.h"
 #include "e2e_test_util.h"
 #include "reference_recurrent.h"
 #include "wire_forms_util.h"
@@ -72,22 +74,39 @@ LayerUpdate UpdateOf(const engine::CacheSpec& spec, const StepPart& part) {
   return update;
 }
 
+WireAdapter::WireAdapter(ShardedClient& fleet) : fleet_(&fleet) {
+  std::random_device device;
+  placement_key_ = absl::StrCat("driver-", device(), "-", device());
+}
+
+Client& WireAdapter::For(absl::string_view id) {
+  if (fleet_ == nullptr) return *client_;
+  absl::StatusOr<Client*> owner = fleet_->Owner(id);
+  if (owner.ok()) return **owner;
+  // An id the driver made up to be refused: any replica refuses it.
+  return client_ != nullptr ? *client_ : fleet_->client(0);
+}
+
 absl::StatusOr<CacheState> WireAdapter::CreateCache(const engine::CacheSpec& spec) {
-  return StateOr(client_.CreateCache(ToWireSpec(spec)));
+  if (fleet_ == nullptr) return StateOr(client_->CreateCache(ToWireSpec(spec)));
+  absl::StatusOr<v1::CacheInfo> created = fleet_->CreateCache(ToWireSpec(spec), 0, placement_key_);
+  if (!created.ok()) return created.status();
+  client_ = &For(created->cache_id());
+  return StateOr(std::move(created));
 }
 
 absl::StatusOr<CacheState> WireAdapter::CreateCacheLike(const std::string& cache_id) {
-  absl::StatusOr<v1::CacheInfo> live = client_.GetCache(cache_id);
+  absl::StatusOr<v1::CacheInfo> live = For(cache_id).GetCache(cache_id);
   if (!live.ok()) return live.status();
-  return StateOr(client_.CreateCache(live->spec()));
+  return StateOr(For(cache_id).CreateCache(live->spec()));
 }
 
 absl::StatusOr<CacheState> WireAdapter::GetCache(const std::string& cache_id) {
-  return StateOr(client_.GetCache(cache_id));
+  return StateOr(For(cache_id).GetCache(cache_id));
 }
 
 absl::Status WireAdapter::DeleteCache(const std::string& cache_id) {
-  return client_.DeleteCache(cache_id);
+  return For(cache_id).DeleteCache(cache_id);
 }
 
 StreamResult WireAdapter::SendUpdates(const std::string& cache_id, const engine::CacheSpec& spec,
@@ -97,11 +116,12 @@ StreamResult WireAdapter::SendUpdates(const std::string& cache_id, const engine:
   StreamResult result;
   std::vector<v1::UpdateResponse> acks;
   if (one_call) {
-    absl::StatusOr<std::vector<v1::UpdateResponse>> answer = client_.Update(cache_id, updates);
+    absl::StatusOr<std::vector<v1::UpdateResponse>> answer =
+        For(cache_id).Update(cache_id, updates);
     result.status = answer.status();
     if (answer.ok()) acks = *std::move(answer);
   } else {
-    std::unique_ptr<UpdateStream> stream = client_.OpenUpdate(cache_id);
+    std::unique_ptr<UpdateStream> stream = For(cache_id).OpenUpdate(cache_id);
     for (const LayerUpdate& update : updates) {
       if (!stream->Write(update)) break;  // the server has ended the stream
     }
@@ -113,7 +133,7 @@ StreamResult WireAdapter::SendUpdates(const std::string& cache_id, const engine:
 }
 
 absl::StatusOr<TrimResult> WireAdapter::Trim(const std::string& cache_id, uint64_t n) {
-  absl::StatusOr<v1::TrimResponse> trimmed = client_.Trim(cache_id, n);
+  absl::StatusOr<v1::TrimResponse> trimmed = For(cache_id).Trim(cache_id, n);
   if (!trimmed.ok()) return trimmed.status();
   const auto& offsets = trimmed->cache().layer_offsets();
   return TrimResult{.trimmed = trimmed->trimmed(),
@@ -122,37 +142,37 @@ absl::StatusOr<TrimResult> WireAdapter::Trim(const std::string& cache_id, uint64
 
 absl::StatusOr<SnapshotState> WireAdapter::Snapshot(const std::string& cache_id, uint64_t from,
                                                     bool pinned) {
-  return SnapshotStateOr(client_.Snapshot(cache_id, from, pinned));
+  return SnapshotStateOr(For(cache_id).Snapshot(cache_id, from, pinned));
 }
 
 absl::StatusOr<CacheState> WireAdapter::Restore(const std::string& cache_id,
                                                 const std::string& snapshot_id, uint64_t target) {
-  return StateOr(client_.Restore(cache_id, snapshot_id, target));
+  return StateOr(For(cache_id).Restore(cache_id, snapshot_id, target));
 }
 
 absl::StatusOr<SnapshotState> WireAdapter::MergeSnapshots(const std::string& parent_id,
                                                           const std::string& child_id) {
-  return SnapshotStateOr(client_.MergeSnapshots(parent_id, child_id));
+  return SnapshotStateOr(For(parent_id).MergeSnapshots(parent_id, child_id));
 }
 
 absl::StatusOr<std::pair<SnapshotState, SnapshotState>> WireAdapter::SplitSnapshot(
     const std::string& snapshot_id, uint64_t at) {
-  absl::StatusOr<v1::SplitSnapshotResponse> split = client_.SplitSnapshot(snapshot_id, at);
+  absl::StatusOr<v1::SplitSnapshotResponse> split = For(snapshot_id).SplitSnapshot(snapshot_id, at);
   if (!split.ok()) return split.status();
   return std::make_pair(SnapshotStateOf(split->parent()), SnapshotStateOf(split->child()));
 }
 
 absl::Status WireAdapter::ReleaseSnapshot(const std::string& snapshot_id) {
-  return client_.ReleaseSnapshot(snapshot_id);
+  return For(snapshot_id).ReleaseSnapshot(snapshot_id);
 }
 
 absl::Status WireAdapter::ReadSnapshot(const std::string& snapshot_id) {
-  return client_.FetchLayer("", snapshot_id, 0).status();
+  return For(snapshot_id).FetchLayer("", snapshot_id, 0).status();
 }
 
 absl::StatusOr<std::vector<SnapshotState>> WireAdapter::ListSnapshots(
     const std::string& cache_id) {
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = client_.ListSnapshots(cache_id);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = For(cache_id).ListSnapshots(cache_id);
   if (!listed.ok()) return listed.status();
   std::vector<SnapshotState> states;
   for (const v1::SnapshotInfo& info : *listed) states.push_back(SnapshotStateOf(info));
@@ -160,37 +180,38 @@ absl::StatusOr<std::vector<SnapshotState>> WireAdapter::ListSnapshots(
 }
 
 absl::StatusOr<CacheState> WireAdapter::ExtractRow(const std::string& cache_id, uint32_t row) {
-  return StateOr(client_.ExtractRow(cache_id, row));
+  return StateOr(For(cache_id).ExtractRow(cache_id, row));
 }
 
 absl::StatusOr<CacheState> WireAdapter::FilterRows(const std::string& cache_id,
                                                    absl::Span<const uint32_t> keep) {
-  return StateOr(client_.FilterRows(cache_id, keep));
+  return StateOr(For(cache_id).FilterRows(cache_id, keep));
 }
 
 absl::StatusOr<CacheState> WireAdapter::MergeCaches(absl::Span<const std::string> cache_ids) {
-  return StateOr(client_.MergeCaches(cache_ids));
+  return StateOr(For(cache_ids.empty() ? "" : cache_ids[0]).MergeCaches(cache_ids));
 }
 
 absl::StatusOr<CacheState> WireAdapter::ExtendCache(const std::string& cache_id,
                                                     const std::string& other_id) {
-  return StateOr(client_.ExtendCache(cache_id, other_id));
+  return StateOr(For(cache_id).ExtendCache(cache_id, other_id));
 }
 
 ::testing::AssertionResult WireAdapter::CacheMatches(const std::string& cache_id,
                                                      const RefCache& reference) {
-  return CacheMatchesReference(client_, cache_id, reference);
+  return CacheMatchesReference(For(cache_id), cache_id, reference);
 }
 
 absl::StatusOr<uint64_t> WireAdapter::PagesInUse() {
-  absl::StatusOr<v1::Stats> stats = client_.GetStats();
+  absl::StatusOr<v1::Stats> stats = client_->GetStats();
   if (!stats.ok()) return stats.status();
   return stats->pages_used();
 }
 
 absl::StatusOr<SpeculationState> WireAdapter::BeginSpeculation(const std::string& cache_id,
                                                                bool isolated) {
-  absl::StatusOr<v1::BeginSpeculationResponse> begun = client_.BeginSpeculation(cache_id, isolated);
+  absl::StatusOr<v1::BeginSpeculationResponse> begun =
+      For(cache_id).BeginSpeculation(cache_id, isolated);
   if (!begun.ok()) return begun.status();
   return SpeculationState{.speculation_id = begun->speculation_id(),
                           .committed_offset = begun->offset()};
@@ -198,11 +219,11 @@ absl::StatusOr<SpeculationState> WireAdapter::BeginSpeculation(const std::string
 
 absl::StatusOr<CacheState> WireAdapter::CommitSpeculation(const std::string& speculation_id,
                                                           uint64_t accepted) {
-  return StateOr(client_.CommitSpeculation(speculation_id, accepted));
+  return StateOr(For(speculation_id).CommitSpeculation(speculation_id, accepted));
 }
 
 absl::StatusOr<CacheState> WireAdapter::AbortSpeculation(const std::string& speculation_id) {
-  return StateOr(client_.AbortSpeculation(speculation_id));
+  return StateOr(For(speculation_id).AbortSpeculation(speculation_id));
 }
 
 absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
@@ -212,7 +233,7 @@ absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
   request.set_speculation_id(speculation_id);
   request.set_cache_id(cache_id);
   request.set_snapshot_id(snapshot_id);
-  return client_.FetchAll(request).status();
+  return For(speculation_id).FetchAll(request).status();
 }
 
 ::testing::AssertionResult WireAdapter::SpeculationMatches(const std::string& speculation_id,
@@ -225,7 +246,7 @@ absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
   request.set_cache_id(cache_id);  // its own cache: allowed
   request.add_layers(layer);
   if (engine::IsRecurrent(spec.layers[layer])) {
-    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+    absl::StatusOr<std::vector<v1::FetchResponse>> chunks = For(speculation_id).FetchAll(request);
     if (!chunks.ok()) return ::testing::AssertionFailure() << "Fetch: " << chunks.status();
     const uint64_t offset = reference.layer_offsets()[layer];
     if (chunks->size() != 1 || !(*chunks)[0].has_state() || (*chunks)[0].start() != offset) {
@@ -242,8 +263,9 @@ absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
   const std::vector<RefToken> stored = reference.Fetch(layer);
   absl::StatusOr<LayerHistory> history = absl::UnknownError("not read");
   if (cache_id.empty()) {
-    history = client_.FetchSpeculation(speculation_id, layer);  // by its id alone
-  } else if (absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client_.FetchAll(request);
+    history = For(speculation_id).FetchSpeculation(speculation_id, layer);  // by its id alone
+  } else if (absl::StatusOr<std::vector<v1::FetchResponse>> chunks =
+                 For(speculation_id).FetchAll(request);
              chunks.ok()) {
     history = AssembleHistory(*chunks);
   } else {
@@ -255,7 +277,7 @@ absl::Status WireAdapter::ReadSpeculation(const std::string& speculation_id,
     return same;
   }
   request.set_packed(true);
-  absl::StatusOr<std::vector<v1::FetchResponse>> packed = client_.FetchAll(request);
+  absl::StatusOr<std::vector<v1::FetchResponse>> packed = For(speculation_id).FetchAll(request);
   if (!packed.ok()) return ::testing::AssertionFailure() << "packed Fetch: " << packed.status();
   absl::StatusOr<std::vector<RefToken>> tokens = PackedTokensOf(spec, layer, *packed);
   if (!tokens.ok()) return ::testing::AssertionFailure() << tokens.status();

@@ -11,6 +11,7 @@
 
 #include "driver_adapter.h"
 #include "kvcache_client.h"
+#include "sharded_client.h"
 
 namespace kvcache::testing {
 
@@ -21,9 +22,17 @@ LayerUpdate UpdateOf(const engine::CacheSpec& spec, const StepPart& part);
 
 class WireAdapter : public DriverAdapter {
  public:
-  explicit WireAdapter(Client& client) : client_(client) {}
+  explicit WireAdapter(Client& client) : client_(&client) {}
+  // Over a fleet: CreateCache places the cache as the fleet does, and every
+  // call after it goes to the replica its id names (ShardedClient::Owner).
+  // Its caches are placed by a key of its own, so a cache it deletes and
+  // creates again lands on the same replica (as a worker's session would).
+  explicit WireAdapter(ShardedClient& fleet);
 
-  Client& client() { return client_; }
+  // The client of the driver's cache (over a fleet: once CreateCache placed it).
+  Client& client() { return *client_; }
+  // The client that `id` goes to: the replica it names, over a fleet.
+  Client& For(absl::string_view id);
 
   absl::StatusOr<CacheState> CreateCache(const engine::CacheSpec& spec) override;
   absl::StatusOr<CacheState> CreateCacheLike(const std::string& cache_id) override;
@@ -75,7 +84,9 @@ class WireAdapter : public DriverAdapter {
                                                 const RefSpeculation& reference) override;
 
  private:
-  Client& client_;
+  Client* client_ = nullptr;
+  ShardedClient* fleet_ = nullptr;
+  std::string placement_key_;
 };
 
 }  // namespace kvcache::testing

@@ -21,7 +21,8 @@ namespace kvcache::testing {
                                                     const std::vector<RefToken>& expected,
                                                     const std::optional<RefState>& state) {
   stats_.packed_fetches += std::holds_alternative<engine::QuantizedKind>(spec.layers[layer].kind);
-  return LayerMatchesReference(client(), cache_id, snapshot_id, spec, layer, expected, state);
+  return LayerMatchesReference(wire_adapter.For(snapshot_id.empty() ? cache_id : snapshot_id),
+                               cache_id, snapshot_id, spec, layer, expected, state);
 }
 
 void WireDriver::FetchLive() {
@@ -74,10 +75,11 @@ void WireDriver::FetchWindow() {
   if (snapshot != nullptr) request.set_snapshot_id(snapshot->id);
   SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
   std::vector<v1::FetchResponse> chunks;
-  const absl::Status status = client().Fetch(request, [&](const v1::FetchResponse& chunk) {
-    chunks.push_back(chunk);
-    return absl::OkStatus();
-  });
+  const absl::Status status = wire_adapter.For(snapshot ? snapshot->id : cache_id_)
+                                  .Fetch(request, [&](const v1::FetchResponse& chunk) {
+                                    chunks.push_back(chunk);
+                                    return absl::OkStatus();
+                                  });
   ASSERT_TRUE(status.ok()) << status;
   CheckFetchedChunks(request, layers, chunks, snapshot ? snapshot->reference.get() : nullptr);
   ++(snapshot ? stats_.snapshot_fetches : stats_.fetches);
@@ -91,7 +93,7 @@ void WireDriver::FetchSpeculationWindow(const std::string& id, const RefSpeculat
   request.set_speculation_id(id);
   if (Chance(0.5)) request.set_cache_id(cache_id_);
   SCOPED_TRACE(absl::StrCat("fetch ", request.ShortDebugString()));
-  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = client().FetchAll(request);
+  absl::StatusOr<std::vector<v1::FetchResponse>> chunks = wire_adapter.For(id).FetchAll(request);
   ASSERT_TRUE(chunks.ok()) << chunks.status();
   CheckFetchedChunks(request, layers, *chunks, nullptr, &reference);
 }
@@ -209,12 +211,18 @@ WireDriver::WireDriver(Client& client, const WireConfig& config)
   Start();
 }
 
+WireDriver::WireDriver(ShardedClient& fleet, const WireConfig& config)
+    : WireAdapterHolder(fleet), DriverCore(wire_adapter, config) {
+  Start();
+}
+
 void WireDriver::Finish() {
   SCOPED_TRACE(absl::StrCat(config_.name, " seed=", config_.seed, " final check"));
   if (!::testing::Test::HasFailure()) CheckEverything();
-  for (const TrackedSnapshot& s : snapshots_) EXPECT_TRUE(client().ReleaseSnapshot(s.id).ok());
+  for (const TrackedSnapshot& s : snapshots_)
+    EXPECT_TRUE(wire_adapter.For(s.id).ReleaseSnapshot(s.id).ok());
   snapshots_.clear();
-  EXPECT_TRUE(client().DeleteCache(cache_id_).ok());
+  EXPECT_TRUE(wire_adapter.For(cache_id_).DeleteCache(cache_id_).ok());
 }
 
 }  // namespace kvcache::testing

@@ -31,19 +31,20 @@ using WireRunStats = DriverStats;
 // Holds the adapter, so that it is built before the DriverCore that uses it.
 struct WireAdapterHolder {
   explicit WireAdapterHolder(Client& client) : wire_adapter(client) {}
+  explicit WireAdapterHolder(ShardedClient& fleet) : wire_adapter(fleet) {}
   WireAdapter wire_adapter;
 };
 
 class WireDriver : private WireAdapterHolder, public DriverCore {
  public:
   WireDriver(Client& client, const WireConfig& config);
+  // Its cache placed by the fleet, every call sent to the replica that owns it.
+  WireDriver(ShardedClient& fleet, const WireConfig& config);
 
   // Compares everything once more, then releases its snapshots and deletes its cache.
   void Finish() override;
 
  private:
-  Client& client() { return wire_adapter.client(); }
-
   // Reads.
   void FetchLive() override;
   void FetchSnapshot() override;

@@ -1,0 +1,317 @@
+#include "sharded_client.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "ids/replica_id.h"
+#include "rendezvous.h"
+
+namespace kvcache {
+namespace {
+
+// Host and port of "dns:host:port" ("[v6]:port" works too).
+absl::StatusOr<std::vector<Replica>> Resolve(absl::string_view host_port) {
+  const size_t colon = host_port.rfind(':');
+  uint32_t port = 0;
+  if (colon == absl::string_view::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port) ||
+      port == 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peers: \"dns:", host_port, "\" is not dns:host:port"));
+  }
+  std::string host(host_port.substr(0, colon));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int error = getaddrinfo(host.c_str(), nullptr, &hints, &found); error != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("peers: cannot resolve \"", host, "\": ", gai_strerror(error)));
+  }
+  absl::Cleanup free_found = [found] { freeaddrinfo(found); };
+  std::set<std::string> addresses;  // sorted, so every client lists them alike
+  for (const addrinfo* at = found; at != nullptr; at = at->ai_next) {
+    char text[NI_MAXHOST];
+    if (getnameinfo(at->ai_addr, at->ai_addrlen, text, sizeof(text), nullptr, 0,
+                    NI_NUMERICHOST) != 0) {
+      continue;
+    }
+    addresses.insert(at->ai_family == AF_INET6 ? absl::StrCat("[", text, "]:", port)
+                                               : absl::StrCat(text, ":", port));
+  }
+  std::vector<Replica> replicas;
+  for (const std::string& address : addresses) replicas.push_back({.address = address});
+  return replicas;
+}
+
+// Whether a create (or a prompt's lookup) should go on to the next replica.
+bool PassOver(const absl::Status& status, bool also_full) {
+  return absl::IsUnavailable(status) || (also_full && absl::IsResourceExhausted(status));
+}
+
+// The replica's own name, asked of it.
+absl::StatusOr<std::string> AskName(const ClientOptions& options, absl::Duration timeout) {
+  ClientOptions probe = options;
+  probe.deadline = timeout;
+  absl::StatusOr<v1::Stats> stats = Client::Connect(probe)->GetStats();
+  if (!stats.ok()) return stats.status();
+  if (stats->replica_name().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("replica at ", options.address,
+                     " runs without --replica_name: its ids do not say where they live"));
+  }
+  return stats->replica_name();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Replica>> ParsePeers(absl::string_view peers) {
+  std::vector<Replica> replicas;
+  for (absl::string_view entry : absl::StrSplit(peers, ',', absl::SkipWhitespace())) {
+    entry = absl::StripAsciiWhitespace(entry);
+    if (absl::ConsumePrefix(&entry, "dns:")) {
+      absl::StatusOr<std::vector<Replica>> resolved = Resolve(entry);
+      if (!resolved.ok()) return resolved.status();
+      replicas.insert(replicas.end(), resolved->begin(), resolved->end());
+      continue;
+    }
+    Replica replica;
+    if (const size_t equals = entry.find('='); equals != absl::string_view::npos) {
+      replica.name = std::string(entry.substr(0, equals));
+      entry.remove_prefix(equals + 1);
+      if (absl::Status valid = ids::CheckReplicaName(replica.name, "peers"); !valid.ok()) {
+        return valid;
+      }
+    }
+    if (entry.empty()) return absl::InvalidArgumentError("peers: an entry without an address");
+    replica.address = std::string(entry);
+    replicas.push_back(std::move(replica));
+  }
+  if (replicas.empty()) return absl::InvalidArgumentError("peers: no replica listed");
+  return replicas;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
+    ShardedClientOptions options) {
+  if (options.replicas.empty()) {
+    return absl::InvalidArgumentError("replicas: a fleet needs at least one");
+  }
+  if (!options.client.data_lane.empty() && options.client.data_lane != "auto") {
+    return absl::InvalidArgumentError(
+        "client.data_lane: \"\" or \"auto\" for a fleet (each replica names its own lane)");
+  }
+  if (options.prefix_route_tokens == 0) {
+    return absl::InvalidArgumentError("prefix_route_tokens: must be at least 1");
+  }
+  if (options.client.max_reconnect_backoff == absl::ZeroDuration()) {
+    options.client.max_reconnect_backoff = absl::Seconds(2);
+  }
+  std::vector<std::unique_ptr<Client>> clients;
+  std::set<std::string> names, addresses;
+  for (Replica& replica : options.replicas) {
+    ClientOptions client_options = options.client;
+    client_options.address = replica.address;
+    if (!addresses.insert(replica.address).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicas: ", replica.address, " is listed twice"));
+    }
+    absl::StatusOr<std::string> name = AskName(client_options, options.connect_timeout);
+    if (!name.ok() && (!absl::IsUnavailable(name.status()) || replica.name.empty())) {
+      return absl::Status(name.status().code(),
+                          absl::StrCat("replica at ", replica.address,
+                                       ": cannot learn its name: ", name.status().message()));
+    }
+    if (name.ok() && replica.name.empty()) replica.name = *name;
+    if (name.ok() && *name != replica.name) {
+      return absl::FailedPreconditionError(absl::StrCat("replica at ", replica.address, " is \"",
+                                                        *name, "\", not \"", replica.name, "\""));
+    }
+    if (!names.insert(replica.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("replicas: two are named \"", replica.name, "\""));
+    }
+    clients.push_back(Client::Connect(client_options));
+  }
+  return std::unique_ptr<ShardedClient>(new ShardedClient(std::move(options.replicas),
+                                                          std::move(clients),
+                                                          options.prefix_route_tokens,
+                                                          options.client.token));
+}
+
+ShardedClient::ShardedClient(std::vector<Replica> replicas,
+                             std::vector<std::unique_ptr<Client>> clients,
+                             uint32_t prefix_route_tokens, std::string token)
+    : replicas_(std::move(replicas)),
+      clients_(std::move(clients)),
+      prefix_route_tokens_(prefix_route_tokens),
+      token_(std::move(token)) {
+  for (const Replica& replica : replicas_) names_.push_back(replica.name);
+}
+
+absl::StatusOr<size_t> ShardedClient::ReplicaOf(absl::string_view id) const {
+  const absl::string_view name = ids::ReplicaOf(id);
+  if (name.empty()) {
+    return absl::InvalidArgumentError("id: it names no replica (\"<replica>:<hex>\")");
+  }
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (names_[i] == name) return i;
+  }
+  return absl::NotFoundError(absl::StrCat("id: no replica of this fleet is named \"",
+                                          name.substr(0, ids::kMaxReplicaNameBytes), "\""));
+}
+
+absl::StatusOr<Client*> ShardedClient::Owner(absl::string_view id) {
+  absl::StatusOr<size_t> index = ReplicaOf(id);
+  if (!index.ok()) return index.status();
+  return clients_[*index].get();
+}
+
+std::vector<size_t> ShardedClient::Order(absl::string_view key) const {
+  return RendezvousOrder(key, names_);
+}
+
+std::string ShardedClient::PromptKey(const v1::CacheSpec& spec,
+                                     absl::Span<const uint32_t> tokens) const {
+  // Lengths first, so no two different (token, model, tokens) read alike.
+  std::string key = absl::StrCat("prompt:", token_.size(), ":", token_, spec.model().size(), ":",
+                                 spec.model(), ":");
+  const size_t routed = std::min<size_t>(tokens.size(), prefix_route_tokens_);
+  for (size_t i = 0; i < routed; ++i) {
+    const uint32_t token = tokens[i];
+    char bytes[4] = {static_cast<char>(token), static_cast<char>(token >> 8),
+                     static_cast<char>(token >> 16), static_cast<char>(token >> 24)};
+    key.append(bytes, sizeof(bytes));
+  }
+  return key;
+}
+
+template <typename T, typename Call>
+absl::StatusOr<T> ShardedClient::FirstThatTakes(absl::string_view key, bool also_full,
+                                                const Call& call) {
+  absl::Status last;
+  for (size_t index : Order(key)) {
+    absl::StatusOr<T> result = call(*clients_[index]);
+    if (result.ok() || !PassOver(result.status(), also_full)) return result;
+    last = absl::Status(result.status().code(),
+                        absl::StrCat("replica ", names_[index], ": ", result.status().message()));
+  }
+  return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
+}
+
+absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& spec,
+                                                         uint32_t ttl_seconds,
+                                                         absl::string_view placement_key) {
+  std::string key(placement_key);
+  if (key.empty()) {
+    thread_local absl::BitGen random;
+    key = absl::StrCat("random:", absl::Uniform<uint64_t>(random), absl::Uniform<uint64_t>(random));
+  }
+  return FirstThatTakes<v1::CacheInfo>(
+      key, /*also_full=*/true, [&](Client& client) { return client.CreateCache(spec, ttl_seconds); });
+}
+
+absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
+    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
+  return CreateCache(spec, ttl_seconds, PromptKey(spec, tokens));
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> ShardedClient::LookupPrefix(
+    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
+  return FirstThatTakes<v1::LookupPrefixResponse>(
+      PromptKey(spec, tokens), /*also_full=*/false,
+      [&](Client& client) { return client.LookupPrefix(spec, tokens, ttl_seconds); });
+}
+
+absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
+    const v1::CacheSpec& spec, const std::string& snapshot_id, absl::Span<const uint32_t> tokens,
+    uint32_t ttl_seconds) {
+  absl::StatusOr<size_t> owner = ReplicaOf(snapshot_id);
+  if (!owner.ok()) return owner.status();
+  absl::Status last;
+  for (size_t index : Order(PromptKey(spec, tokens))) {
+    if (index == *owner) {
+      absl::StatusOr<v1::PublishPrefixResponse> published =
+          clients_[index]->PublishPrefix(snapshot_id, tokens, ttl_seconds);
+      if (published.ok() || !absl::IsUnavailable(published.status())) return published;
+      last = published.status();
+      continue;
+    }
+    absl::StatusOr<v1::SnapshotInfo> copy = CopySnapshotTo(snapshot_id, index);
+    if (!copy.ok() && absl::IsUnavailable(copy.status())) {
+      last = copy.status();
+      continue;
+    }
+    if (!copy.ok()) return copy.status();
+    absl::StatusOr<v1::PublishPrefixResponse> published =
+        clients_[index]->PublishPrefix(copy->snapshot_id(), tokens, ttl_seconds);
+    // The index holds a snapshot of its own: the copy has served its purpose.
+    absl::Status released = clients_[index]->ReleaseSnapshot(copy->snapshot_id());
+    if (!published.ok()) return published.status();
+    if (!released.ok()) return released;
+    return published;
+  }
+  return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
+}
+
+absl::StatusOr<v1::CacheInfo> ShardedClient::Restore(const std::string& cache_id,
+                                                     const std::string& snapshot_id,
+                                                     uint64_t target_offset) {
+  absl::StatusOr<size_t> cache_owner = ReplicaOf(cache_id);
+  if (!cache_owner.ok()) return cache_owner.status();
+  Client& client = *clients_[*cache_owner];
+  if (snapshot_id.empty()) return client.Restore(cache_id, snapshot_id, target_offset);
+  absl::StatusOr<size_t> snapshot_owner = ReplicaOf(snapshot_id);
+  if (!snapshot_owner.ok()) return snapshot_owner.status();
+  if (*snapshot_owner == *cache_owner) return client.Restore(cache_id, snapshot_id, target_offset);
+  absl::StatusOr<v1::SnapshotInfo> copy = CopySnapshotTo(snapshot_id, *cache_owner);
+  if (!copy.ok()) return copy.status();
+  absl::StatusOr<v1::CacheInfo> restored =
+      client.Restore(cache_id, copy->snapshot_id(), target_offset);
+  // The cache now shares the copy's pages; the copy's own handle can go.
+  absl::Status released = client.ReleaseSnapshot(copy->snapshot_id());
+  if (!restored.ok()) return restored.status();
+  if (!released.ok()) return released;
+  return restored;
+}
+
+absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string& snapshot_id,
+                                                               size_t to, bool pinned,
+                                                               uint32_t ttl_seconds) {
+  if (to >= clients_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("to: the fleet has ", clients_.size(),
+                                                    " replicas, not ", to + 1));
+  }
+  absl::StatusOr<Client*> from = Owner(snapshot_id);
+  if (!from.ok()) return from.status();
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(snapshot_id);
+  v1::ImportSnapshotRequest options;
+  options.set_pinned(pinned);
+  options.set_ttl_seconds(ttl_seconds);
+  absl::StatusOr<v1::LoadSnapshotResponse> copied =
+      kvcache::CopySnapshot(**from, request, *clients_[to], options);
+  if (!copied.ok()) return copied.status();
+  return copied->snapshot();
+}
+
+std::vector<absl::StatusOr<v1::Stats>> ShardedClient::GetStats() {
+  std::vector<absl::StatusOr<v1::Stats>> stats;
+  for (const std::unique_ptr<Client>& client : clients_) stats.push_back(client->GetStats());
+  return stats;
+}
+
+}  // namespace kvcache

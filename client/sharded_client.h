@@ -1,0 +1,134 @@
+// kvcache::ShardedClient: one client of a fleet of kvcached replicas.
+//
+// Each cache is placed on a replica by rendezvous hashing (rendezvous.h) of
+// a placement key; the replica that made a cache or snapshot is named in its
+// id (protos/ids/replica_id.h), so every later call about it, Update and
+// Fetch on the data lane included, goes to that replica's own Client
+// (Owner) with no lookup and no table to keep in step.
+//
+// A replica that is down makes only its own caches and snapshots
+// UNAVAILABLE: creates go to the next replica of the key's order, the others
+// keep serving. Prefix lookups and publishes are routed by (token, model,
+// first prefix_route_tokens tokens), so every extension of a prompt goes to
+// the same replica, and a cache created for that prompt (CreateCacheForPrompt)
+// lives beside the prefixes it restores from. Calls that join two handles on
+// different replicas (Restore from a snapshot elsewhere, PublishPrefix of a
+// snapshot that lives off the prompt's replica) first copy the snapshot
+// over, streamed through this client (CopySnapshot).
+//
+// Replicas come from a static list or DNS (ParsePeers); their names (each
+// server's --replica_name) are given, or asked of each server at Connect.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvcache_client.h"
+
+namespace kvcache {
+
+struct Replica {
+  // The server's --replica_name; empty: asked of the server at Connect.
+  std::string name;
+  // host:port of its gRPC port.
+  std::string address;
+};
+
+// A fleet as kvcachectl --peers gives it: comma-separated entries, each
+// "name=host:port" (a replica and its name), "host:port" (the name asked of
+// the server), or "dns:host:port": every address `host` resolves to (a
+// Kubernetes headless Service lists one per ready pod), names asked.
+absl::StatusOr<std::vector<Replica>> ParsePeers(absl::string_view peers);
+
+struct ShardedClientOptions {
+  std::vector<Replica> replicas;
+  // Everything but `address` for each replica's Client. data_lane is "" or
+  // "auto" (each replica's lane is the one its GetStats names).
+  // max_reconnect_backoff defaults to 2 s here.
+  ClientOptions client;
+  // Prompt routing: how many leading tokens decide the replica. Prefixes
+  // shorter than this are routed by all their tokens, so a prompt shares
+  // such a prefix only with prompts of that same length.
+  uint32_t prefix_route_tokens = 64;
+  // How long Connect waits for a replica to tell its name.
+  absl::Duration connect_timeout = absl::Seconds(5);
+};
+
+class ShardedClient {
+ public:
+  // Connects to every replica and learns the names not given. Fails when a
+  // replica without a given name does not answer, when a replica runs
+  // without --replica_name or under another name than given, or when two
+  // share a name. A named replica that is down is fine: it is skipped until
+  // it answers.
+  static absl::StatusOr<std::unique_ptr<ShardedClient>> Connect(ShardedClientOptions options);
+
+  size_t size() const { return replicas_.size(); }
+  const Replica& replica(size_t index) const { return replicas_[index]; }
+  Client& client(size_t index) { return *clients_[index]; }
+
+  // The replica that made `id`: INVALID_ARGUMENT when the id names none,
+  // NOT_FOUND when no replica of this fleet has that name.
+  absl::StatusOr<size_t> ReplicaOf(absl::string_view id) const;
+  // That replica's Client: every call about `id` goes there.
+  absl::StatusOr<Client*> Owner(absl::string_view id);
+  // The replicas in the order `key` tries them.
+  std::vector<size_t> Order(absl::string_view key) const;
+  // The key prompts are routed by (see prefix_route_tokens).
+  std::string PromptKey(const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens) const;
+
+  // Creates the cache on the first replica of `placement_key`'s order that
+  // takes it: one that is down (UNAVAILABLE) or full (RESOURCE_EXHAUSTED) is
+  // passed over. An empty key spreads caches evenly (a random key each).
+  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds = 0,
+                                            absl::string_view placement_key = "");
+  // On the replica that prefix lookups of `tokens` go to.
+  absl::StatusOr<v1::CacheInfo> CreateCacheForPrompt(const v1::CacheSpec& spec,
+                                                     absl::Span<const uint32_t> tokens,
+                                                     uint32_t ttl_seconds = 0);
+  // The longest cached prefix, asked of the prompt's replica (or the next
+  // one up, as CreateCache goes on).
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::CacheSpec& spec,
+                                                        absl::Span<const uint32_t> tokens,
+                                                        uint32_t ttl_seconds = 0);
+  // Publishes on the prompt's replica; a snapshot that lives elsewhere is
+  // copied there first (and the copy released once published: the index
+  // keeps its own handle).
+  absl::StatusOr<v1::PublishPrefixResponse> PublishPrefix(const v1::CacheSpec& spec,
+                                                          const std::string& snapshot_id,
+                                                          absl::Span<const uint32_t> tokens,
+                                                          uint32_t ttl_seconds = 0);
+  // Client::Restore on the cache's replica; a snapshot of another replica
+  // is copied to it first, and the copy released afterwards.
+  absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
+                                        const std::string& snapshot_id, uint64_t target_offset);
+  // Copies a snapshot (from offset 0) to replica `to`: a new snapshot there,
+  // with that replica's id. The original stays.
+  absl::StatusOr<v1::SnapshotInfo> CopySnapshotTo(const std::string& snapshot_id, size_t to,
+                                                  bool pinned = false, uint32_t ttl_seconds = 0);
+  // Each replica's GetStats, in replica order (a replica that is down: its status).
+  std::vector<absl::StatusOr<v1::Stats>> GetStats();
+
+ private:
+  ShardedClient(std::vector<Replica> replicas, std::vector<std::unique_ptr<Client>> clients,
+                uint32_t prefix_route_tokens, std::string token);
+  // Runs `call` on the replicas of `key`'s order until one does not answer
+  // UNAVAILABLE (or, when `also_full`, RESOURCE_EXHAUSTED).
+  template <typename T, typename Call>
+  absl::StatusOr<T> FirstThatTakes(absl::string_view key, bool also_full, const Call& call);
+
+  std::vector<Replica> replicas_;
+  std::vector<std::string> names_;
+  std::vector<std::unique_ptr<Client>> clients_;
+  uint32_t prefix_route_tokens_;
+  std::string token_;
+};
+
+}  // namespace kvcache
