@@ -1,5 +1,6 @@
 #include "kv_server.h"
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
@@ -12,8 +13,10 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu/quant_kernels.h"
@@ -320,7 +323,22 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
   // sending new work while the calls in flight drain.
   server_->GetHealthCheckService()->SetServingStatus(false);
   const absl::Time deadline = absl::Now() + grace;
-  server_->Shutdown(absl::ToChronoTime(deadline));
+  absl::Notification stopped;
+  std::thread stopper([&] {
+    server_->Shutdown(absl::ToChronoTime(deadline));
+    stopped.Notify();
+  });
+  // gRPC's Shutdown also waits, until the deadline, for every client to
+  // hang up after its GOAWAY, and an idle client that is not polling its
+  // connection never does. Once no call of ours is alive, nothing is left
+  // to drain: its idle connections are cut (cancelling no call of ours).
+  // The first wait lets clients that do read the GOAWAY close by themselves.
+  if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+    while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(10))) {
+      if (tenants_->calls_alive() == 0) grpc_server_cancel_all_calls(server_->c_server());
+    }
+  }
+  stopper.join();
   if (data_lane_) data_lane_->Shutdown(std::max(deadline - absl::Now(), absl::ZeroDuration()));
 }
 

@@ -9,6 +9,7 @@
 //
 //   load_bench --address=127.0.0.1:50051 --clients=64 --ops=10000
 //       --tokens=t1,t2,t3 --admin_token=ops
+//   load_bench --peers=r0=127.0.0.1:50051,r1=127.0.0.1:51051 ...   (a fleet)
 //
 // bench/run_load_bench.sh starts the server with a tokens file and records
 // its peak memory beside the budget.
@@ -26,8 +27,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kvcache_client.h"
+#include "sharded_client.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(std::string, peers, "",
+          "a fleet instead (client/sharded_client.h ParsePeers): each client's caches are placed "
+          "by rendezvous hashing and every call goes to the replica its id names");
 ABSL_FLAG(int, clients, 64, "concurrent clients, each with its own connection and cache");
 ABSL_FLAG(int, ops, 10000, "operations per client");
 ABSL_FLAG(double, seconds, 600, "time bound: clients stop early once it has passed");
@@ -61,6 +66,7 @@ struct Mirror {
 struct Tally {
   std::vector<double> micros[kOpCount];
   uint64_t failed = 0, corrupted = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;  // K/V bytes sent by Update, received by Fetch
   std::string first_failure;
 };
 
@@ -109,7 +115,16 @@ class Worker {
     const std::vector<std::string> tokens =
         absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',', absl::SkipEmpty());
     if (!tokens.empty()) options.token = tokens[index_ % tokens.size()];
-    client_ = Client::Connect(options);
+    if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
+      absl::StatusOr<std::vector<Replica>> replicas = ParsePeers(peers);
+      if (!Check(replicas.status(), "peers")) return;
+      absl::StatusOr<std::unique_ptr<ShardedClient>> fleet =
+          ShardedClient::Connect({.replicas = *replicas, .client = options});
+      if (!Check(fleet.status(), "fleet")) return;
+      fleet_ = *std::move(fleet);
+    } else {
+      client_ = Client::Connect(options);
+    }
     if (!Check(Replace(), "CreateCache")) return;
     const int ops = absl::GetFlag(FLAGS_ops);
     for (int i = 0; i < ops && Clock::now() < deadline; ++i) {
@@ -120,8 +135,8 @@ class Worker {
           std::chrono::duration<double, std::micro>(Clock::now() - start).count());
       if (!Check(status, kOpNames[op])) return;
     }
-    for (const auto& [id, mirror] : snapshots_) Check(client_->ReleaseSnapshot(id), "release");
-    Check(client_->DeleteCache(cache_id_), "DeleteCache");
+    for (const auto& [id, mirror] : snapshots_) Check(For(id).ReleaseSnapshot(id), "release");
+    Check(For(cache_id_).DeleteCache(cache_id_), "DeleteCache");
   }
 
  private:
@@ -146,26 +161,29 @@ class Worker {
       case kFetch:
         return Fetch();
       case kSnapshot: {
-        absl::StatusOr<v1::SnapshotInfo> info = client_->Snapshot(cache_id_, 0);
+        absl::StatusOr<v1::SnapshotInfo> info = For(cache_id_).Snapshot(cache_id_, 0);
         if (!info.ok()) return info.status();
         snapshots_.emplace_back(info->snapshot_id(), mirror_);
         return absl::OkStatus();
       }
       case kRestore: {
         const auto& [id, mirror] = snapshots_[rng_() % snapshots_.size()];
-        absl::StatusOr<v1::CacheInfo> info = client_->Restore(cache_id_, id, mirror.tokens());
+        absl::StatusOr<v1::CacheInfo> info = fleet_
+                                                 ? fleet_->Restore(cache_id_, id, mirror.tokens())
+                                                 : client_->Restore(cache_id_, id, mirror.tokens());
         if (!info.ok()) return info.status();
         mirror_ = mirror;
         return absl::OkStatus();
       }
       case kRelease: {
         const size_t at = rng_() % snapshots_.size();
-        absl::Status status = client_->ReleaseSnapshot(snapshots_[at].first);
+        absl::Status status = For(cache_id_).ReleaseSnapshot(snapshots_[at].first);
         snapshots_.erase(snapshots_.begin() + at);
         return status;
       }
       case kReplace: {
-        if (absl::Status status = client_->DeleteCache(cache_id_); !status.ok()) return status;
+        if (absl::Status status = For(cache_id_).DeleteCache(cache_id_); !status.ok())
+          return status;
         return Replace();
       }
       default:
@@ -173,8 +191,16 @@ class Worker {
     }
   }
 
+  // The client that calls about `id` go to: over a fleet, the replica the id
+  // names (looked up for every call, as a fleet's worker does).
+  Client& For(const std::string& id) { return fleet_ ? **fleet_->Owner(id) : *client_; }
+
   absl::Status Replace() {
-    absl::StatusOr<v1::CacheInfo> info = client_->CreateCache(Spec());
+    absl::StatusOr<v1::CacheInfo> info =
+        // A worker's caches go where its key says (as a session's would),
+        // so the snapshots it restores from live beside them.
+        fleet_ ? fleet_->CreateCache(Spec(), 0, absl::StrCat("worker-", index_))
+               : client_->CreateCache(Spec());
     if (!info.ok()) return info.status();
     cache_id_ = info->cache_id();
     mirror_ = Mirror();
@@ -207,8 +233,10 @@ class Worker {
                              reinterpret_cast<const std::byte*>(tensors[2 * layer + 1].data()),
                              tensors[2 * layer + 1].size())});
     }
-    absl::StatusOr<std::vector<v1::UpdateResponse>> acks = client_->Update(cache_id_, updates);
+    absl::StatusOr<std::vector<v1::UpdateResponse>> acks =
+        For(cache_id_).Update(cache_id_, updates);
     if (!acks.ok()) return acks.status();
+    tally_.bytes_in += 2 * kLayers * count * kHeads * kRow;
     for (const v1::UpdateResponse& ack : *acks) {
       if (ack.offset() != from + count) return absl::DataLossError("an ack's offset is wrong");
     }
@@ -217,8 +245,9 @@ class Worker {
 
   absl::Status Fetch() {
     for (uint32_t layer = 0; layer < kLayers; ++layer) {
-      absl::StatusOr<LayerHistory> history = client_->FetchLayer(cache_id_, "", layer);
+      absl::StatusOr<LayerHistory> history = For(cache_id_).FetchLayer(cache_id_, "", layer);
       if (!history.ok()) return history.status();
+      tally_.bytes_out += history->keys.size() + history->values.size();
       const std::string keys = Tensor(mirror_.keys[layer], 0, mirror_.tokens());
       const std::string values = Tensor(mirror_.values[layer], 0, mirror_.tokens());
       const auto same = [](const std::vector<std::byte>& got, const std::string& want) {
@@ -246,7 +275,8 @@ class Worker {
   const int index_;
   Tally& tally_;
   std::mt19937_64 rng_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<ShardedClient> fleet_;  // with --peers
+  std::unique_ptr<Client> client_;        // without
   std::string cache_id_;
   Mirror mirror_;
   std::vector<std::pair<std::string, Mirror>> snapshots_;
@@ -278,6 +308,8 @@ int Run() {
       all.micros[op].insert(all.micros[op].end(), tally.micros[op].begin(), tally.micros[op].end());
     }
     all.failed += tally.failed;
+    all.bytes_in += tally.bytes_in;
+    all.bytes_out += tally.bytes_out;
     all.corrupted += tally.corrupted;
     if (all.first_failure.empty()) all.first_failure = tally.first_failure;
   }
@@ -290,16 +322,29 @@ int Run() {
     std::printf("| %s | %zu | %.2f | %.2f | %.2f |\n", kOpNames[op], micros.size(),
                 Percentile(micros, 0.5) / 1e3, Percentile(micros, 0.99) / 1e3, max / 1e3);
   }
-  ClientOptions admin{.address = absl::GetFlag(FLAGS_address),
-                      .token = absl::GetFlag(FLAGS_admin_token)};
-  absl::StatusOr<v1::Stats> stats = Client::Connect(admin)->GetStats();
-  const int64_t pages_used = stats.ok() ? static_cast<int64_t>(stats->pages_used()) : -1;
+  // Pages in use after, summed over the fleet's replicas.
+  std::vector<std::string> addresses = {absl::GetFlag(FLAGS_address)};
+  if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
+    addresses.clear();
+    for (const Replica& replica : ParsePeers(peers).value()) addresses.push_back(replica.address);
+  }
+  absl::StatusOr<v1::Stats> stats;
+  int64_t pages_used = 0;
+  for (const std::string& address : addresses) {
+    ClientOptions admin{.address = address, .token = absl::GetFlag(FLAGS_admin_token)};
+    stats = Client::Connect(admin)->GetStats();
+    if (!stats.ok()) break;
+    pages_used += static_cast<int64_t>(stats->pages_used());
+  }
+  if (!stats.ok()) pages_used = -1;
   std::printf(
       "\n%d clients, %llu operations in %.1f s (%.0f / s); failed %llu, corrupted %llu; "
       "pages in use after: %lld\n",
       clients, static_cast<unsigned long long>(total), seconds, total / seconds,
       static_cast<unsigned long long>(all.failed), static_cast<unsigned long long>(all.corrupted),
       static_cast<long long>(pages_used));
+  std::printf("K/V bytes: %.1f MB/s in (Update), %.1f MB/s out (Fetch)\n",
+              all.bytes_in / seconds / 1e6, all.bytes_out / seconds / 1e6);
   if (stats.ok()) {
     std::printf("metadata budget: %llu MiB (held after: %llu bytes)\n",
                 static_cast<unsigned long long>(stats->max_metadata_bytes() >> 20),

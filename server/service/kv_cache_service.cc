@@ -17,6 +17,20 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
   return reactor;
 }
 
+// An admitted unary call's answer. It holds the call's Admitted until gRPC
+// is done sending it, so the call counts as alive (Tenants::calls_alive)
+// until then and a shutdown never cuts its answer off.
+class AnsweredUnary final : public grpc::ServerUnaryReactor {
+ public:
+  AnsweredUnary(Admitted call, const absl::Status& status) : call_(std::move(call)) {
+    Finish(ToGrpcStatus(status));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  Admitted call_;
+};
+
 // A streaming call refused before it starts (no tenant, or past a quota).
 template <typename Reactor>
 class Refused final : public Reactor {
@@ -44,7 +58,7 @@ absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext
     const absl::Status status = call->handlers().Name(*request, response);                        \
     if (status.ok()) Scope(*call, response);                                                      \
     call->Answering();                                                                            \
-    return FinishUnary(context, status);                                                          \
+    return new AnsweredUnary(*std::move(call), status);                                           \
   }
 
 KV_FOR_EACH_UNARY_RPC(KV_UNARY_RPC)

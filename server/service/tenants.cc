@@ -47,6 +47,7 @@ Admitted& Admitted::operator=(Admitted&& other) noexcept {
     Release();
     tenant_ = std::exchange(other.tenant_, nullptr);
     gauge_.store(other.gauge_.exchange(nullptr));
+    alive_ = std::exchange(other.alive_, nullptr);
   }
   return *this;
 }
@@ -57,8 +58,14 @@ void Admitted::Answering() const {
   }
 }
 
+void Admitted::CountAlive(std::atomic<uint32_t>* alive) {
+  alive->fetch_add(1);
+  alive_ = alive;
+}
+
 void Admitted::Release() {
   Answering();
+  if (alive_ != nullptr) std::exchange(alive_, nullptr)->fetch_sub(1);
   tenant_ = nullptr;
 }
 
@@ -167,7 +174,10 @@ absl::StatusOr<Admitted> Tenants::AdmitCall(absl::string_view authorization) {
   absl::StatusOr<Admitted> admitted =
       Admit(*tenant, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
             "max_requests_in_flight");
-  if (admitted.ok()) (*tenant)->calls_admitted.fetch_add(1, std::memory_order_relaxed);
+  if (admitted.ok()) {
+    (*tenant)->calls_admitted.fetch_add(1, std::memory_order_relaxed);
+    admitted->CountAlive(&calls_alive_);
+  }
   return admitted;
 }
 

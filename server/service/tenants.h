@@ -88,6 +88,8 @@ class Admitted {
   // destroys a call's reactor only after the client has its status). The
   // tenant stays reachable until this goes.
   void Answering() const;
+  // Counts the call in `alive` until this goes (when gRPC is done with it).
+  void CountAlive(std::atomic<uint32_t>* alive);
   Tenant& tenant() const { return *tenant_; }
   Handlers& handlers() const { return *tenant_->parts.handlers; }
   // Request and response bytes of the call or connection, for metrics.
@@ -103,6 +105,7 @@ class Admitted {
   Tenant* tenant_ = nullptr;
   // Taken once, by Answering or Release, whichever comes first.
   mutable std::atomic<std::atomic<uint32_t>*> gauge_{nullptr};
+  std::atomic<uint32_t>* alive_ = nullptr;  // CountAlive's; released by Release
 };
 
 class Tenants {
@@ -131,6 +134,9 @@ class Tenants {
   // the pool's use by everyone (pages used, tiers, evictions) only when it is
   // the only tenant or an admin, who sees every tenant's counts summed.
   void ScopeStats(const Tenant& tenant, v1::Stats& stats) const;
+  // gRPC calls admitted that gRPC has not yet finished with (their answer
+  // may still be on its way): a shutdown waits for these, not for clients.
+  uint32_t calls_alive() const { return calls_alive_.load(); }
   // Every tenant's engine, for server-wide work (eviction across tenants).
   std::vector<engine::Engine*> Engines() const;
   // Every tenant ever named (for metrics), in no set order. Tenants are never
@@ -157,6 +163,7 @@ class Tenants {
   std::vector<Tenant*> active_ ABSL_GUARDED_BY(mutex_);
   std::unique_ptr<TokenDirectory> tokens_ ABSL_GUARDED_BY(mutex_);
   Tenant* anonymous_ = nullptr;
+  std::atomic<uint32_t> calls_alive_{0};
 };
 
 }  // namespace kvcache::service
