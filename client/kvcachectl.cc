@@ -19,6 +19,11 @@
 //   kvcachectl saved                                         (the server's data dir)
 //   kvcachectl store SNAPSHOT_ID NAME [--metadata=k=v,...] | load-saved NAME
 //   kvcachectl download NAME FILE | delete-saved NAME
+// A fleet (client/sharded_client.h), --peers=NAME=HOST:PORT,... or dns:HOST:PORT:
+//   stats, caches, snapshots, prefixes, saved and health ask every replica;
+//   commands naming an id go to the replica the id names (restore from a
+//   snapshot of another replica copies it over); load, load-saved, download
+//   and delete-saved go to --replica=NAME.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -40,8 +45,14 @@
 #include "absl/strings/str_split.h"
 #include "http_get.h"
 #include "kvcache_client.h"
+#include "sharded_client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
+ABSL_FLAG(std::string, peers, "",
+          "a fleet instead of --server: NAME=HOST:PORT,... (or HOST:PORT, or dns:HOST:PORT)");
+ABSL_FLAG(std::string, replica, "",
+          "with --peers: the replica for load, load-saved, download, "
+          "delete-saved");
 ABSL_FLAG(bool, tls, false, "TLS to kvcached (kvcached --tls_cert), trusting the system's CAs");
 ABSL_FLAG(std::string, tls_ca, "", "TLS, trusting this PEM CA bundle (implies --tls)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS");
@@ -147,6 +158,9 @@ int Stats(kvcache::Client& client) {
   if (!stats.ok()) return Fail(stats.status());
   std::printf("device        %s (%s transfers)\n", stats->device().c_str(),
               stats->transfer_path().c_str());
+  if (!stats->replica_name().empty()) {
+    std::printf("replica       %s\n", stats->replica_name().c_str());
+  }
   std::printf("data lane     %s\n",
               stats->data_lane_address().empty() ? "off" : stats->data_lane_address().c_str());
   if (!stats->tenant().empty()) {
@@ -439,9 +453,64 @@ int Describe(kvcache::Client& client, const Args& args) {
 
 }  // namespace
 
+int OnServer(kvcache::Client& client, const Args& args);
+
+// A command over a fleet (--peers): see the file's comment.
+int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
+  absl::StatusOr<std::vector<kvcache::Replica>> replicas =
+      kvcache::ParsePeers(absl::GetFlag(FLAGS_peers));
+  if (!replicas.ok()) return Fail(replicas.status());
+  kvcache::ShardedClientOptions fleet_options{.replicas = *replicas, .client = options};
+  absl::StatusOr<std::unique_ptr<kvcache::ShardedClient>> fleet =
+      kvcache::ShardedClient::Connect(fleet_options);
+  if (!fleet.ok()) return Fail(fleet.status());
+  const std::string command = args[0];
+  const bool everywhere = command == "stats" || command == "caches" || command == "prefixes" ||
+                          command == "saved" || command == "health" ||
+                          (command == "snapshots" && args.size() == 1);
+  if (everywhere) {
+    int worst = 0;
+    for (size_t i = 0; i < (*fleet)->size(); ++i) {
+      std::printf("== replica %s (%s)\n", (*fleet)->replica(i).name.c_str(),
+                  (*fleet)->replica(i).address.c_str());
+      worst = std::max(worst, OnServer((*fleet)->client(i), args));
+    }
+    return worst;
+  }
+  if (command == "load" || command == "load-saved" || command == "download" ||
+      command == "delete-saved") {
+    const std::string wanted = absl::GetFlag(FLAGS_replica);
+    for (size_t i = 0; i < (*fleet)->size(); ++i) {
+      if ((*fleet)->replica(i).name == wanted) return OnServer((*fleet)->client(i), args);
+    }
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("replica: with --peers, ", command, " needs --replica=NAME of the fleet")));
+  }
+  if (command == "restore" && args.size() == 3 && absl::GetFlag(FLAGS_target) >= 0) {
+    auto cache = (*fleet)->Restore(args[1], args[2], absl::GetFlag(FLAGS_target));
+    if (!cache.ok()) return Fail(cache.status());
+    PrintCache(*cache);
+    return 0;
+  }
+  if (command == "renew") {
+    int worst = 0;
+    for (size_t i = 1; i < args.size(); ++i) {
+      absl::StatusOr<kvcache::Client*> owner = (*fleet)->Owner(args[i]);
+      worst = std::max(worst,
+                       owner.ok() ? OnServer(**owner, {args[0], args[i]}) : Fail(owner.status()));
+    }
+    return worst;
+  }
+  if (args.size() < 2) return OnServer((*fleet)->client(0), args);  // its usage message
+  absl::StatusOr<kvcache::Client*> owner = (*fleet)->Owner(args[1]);
+  if (!owner.ok()) return Fail(owner.status());
+  return OnServer(**owner, args);
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvcachectl [--server=ADDR] stats | caches | snapshots [CACHE] | snapshot CACHE [--from=N] "
+      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,...] stats | caches | snapshots [CACHE] | "
+      "snapshot CACHE [--from=N] "
       "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
       "SNAPSHOT "
       "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
@@ -465,7 +534,14 @@ int main(int argc, char** argv) {
   options->token = token;
   const std::string command = args[0];
   if (command == "metrics") return Metrics(args);
+  if (!absl::GetFlag(FLAGS_peers).empty()) return OnFleet(*options, args);
   auto client = kvcache::Client::Connect(*options);
+  return OnServer(*client, args);
+}
+
+int OnServer(kvcache::Client& server, const Args& args) {
+  const std::string command = args[0];
+  kvcache::Client* client = &server;
   if (command == "stats") return Stats(*client);
   if (command == "health") return Health(*client, args);
   if (command == "describe") return Describe(*client, args);
