@@ -169,7 +169,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   server->host_ = host_port.first;
   ASSIGN_OR_RETURN(server->device_, gpu::Device::Create(config.device));
   const gpu::DeviceDescription& device = server->device_->description();
-  const char* path = server->device_->direct_host_access() ? "direct" : "staging";
+  const char* path = server->device_->transfer_path_name();
   LogInfo("device: %s (%s), transfers: %s", device.name, device.type, path);
   gpu::PoolOptions pool_options = config.pool;
   server->data_dir_ = config.data_dir;

@@ -64,6 +64,29 @@ uint KeyToValueBits(uint key) {
   return ElementBits(bits16, 0u);
 }
 
+// a / b rounded to nearest, as the CPU reference (and mlx) divide. Vulkan lets
+// a shader's division be 2.5 ulp off (NVIDIA's is, measured on an H200), which
+// flips scales and quantized values; so the quotient is moved by its exact
+// remainder (fma(-q, b, a): exact where fma is fused, as on every device with
+// an FMA unit) until no neighbour is closer. A quotient of two floats never
+// lies exactly between two floats, so the closest is the rounded one.
+float Divide(float a, float b) {
+  precise float q = a / b;
+  if (isinf(q) || isnan(q) || q == 0.0) return q;
+  for (uint pass = 0u; pass < 4u; ++pass) {
+    precise float remainder = fma(-q, b, a);
+    if (remainder == 0.0) break;
+    // q's neighbour on the side of the exact quotient.
+    const bool upward = (remainder > 0.0) == (b > 0.0);
+    const int step = upward == (q > 0.0) ? 1 : -1;
+    precise float next = uintBitsToFloat(uint(int(floatBitsToUint(q)) + step));
+    precise float next_remainder = fma(-next, b, a);
+    if (abs(next_remainder) >= abs(remainder)) break;
+    q = next;
+  }
+  return q;
+}
+
 // mlx: scale from the range, then snapped so the larger-magnitude end is exact.
 Affine FitGroup(uint min_key, uint max_key) {
   const uint min_bits = KeyToValueBits(min_key);
@@ -71,13 +94,13 @@ Affine FitGroup(uint min_key, uint max_key) {
   const float w_min = uintBitsToFloat(min_bits);
   const float w_max = uintBitsToFloat(max_bits);
   const bool mask = (min_bits & 0x7FFFFFFFu) > (max_bits & 0x7FFFFFFFu);  // |w_min| > |w_max|
-  float scale = max((w_max - w_min) / float(kValueMask), 1e-7);
+  float scale = max(Divide(w_max - w_min, float(kValueMask)), 1e-7);
   scale = mask ? scale : -scale;
   const float edge = mask ? w_min : w_max;
-  const float q0 = roundEven(edge / scale);
+  const float q0 = roundEven(Divide(edge, scale));
   Affine affine = Affine(scale, 0.0);
   if (q0 != 0.0) {
-    affine.scale = edge / q0;
+    affine.scale = Divide(edge, q0);
     affine.bias = edge;
   }
   return affine;
@@ -88,7 +111,7 @@ uint PackInputWord(uint word, uint shift, Affine affine) {
   uint packed = 0u;
   for (uint e = 0u; e < kValuesPerInputWord; ++e) {
     const float value = uintBitsToFloat(ElementBits(word, e));
-    float q = roundEven((value - affine.bias) / affine.scale);
+    float q = roundEven(Divide(value - affine.bias, affine.scale));
     q = min(max(q, 0.0), float(kValueMask));
     packed |= uint(int(q)) << (shift + e * kBits);
   }

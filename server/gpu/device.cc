@@ -104,13 +104,18 @@ std::vector<DeviceDescription> Describe(const vk::raii::PhysicalDevices& physica
 }
 
 // Pages can live in host-mapped memory when a DEVICE_LOCAL | HOST_VISIBLE |
-// HOST_COHERENT type sits on a heap as large as the largest device-local heap:
-// true for lavapipe, integrated GPUs and resizable-BAR GPUs, false for the
-// 256 MiB BAR window of other discrete GPUs (which the staging ring serves).
-bool PagesCanBeHostMapped(const vk::PhysicalDeviceMemoryProperties& memory) {
-  constexpr vk::MemoryPropertyFlags kMappedPageFlags = vk::MemoryPropertyFlagBits::eDeviceLocal |
-                                                       vk::MemoryPropertyFlagBits::eHostVisible |
-                                                       vk::MemoryPropertyFlagBits::eHostCoherent;
+// HOST_COHERENT type (HOST_CACHED too when `cached`) sits on a heap as large as
+// the largest device-local heap. Cached: lavapipe and integrated GPUs, whose
+// pages are read and written through the mapping. Uncached: resizable-BAR
+// discrete GPUs, whose BAR the CPU writes fast (11-13 GB/s on an H200) but
+// reads one bus transaction at a time (58 MB/s there, against 6 GB/s through
+// the staging ring), so their pages are written through the mapping and read
+// through the ring. A GPU with a 256 MiB BAR window uses the ring both ways.
+bool PagesCanBeHostMapped(const vk::PhysicalDeviceMemoryProperties& memory, bool cached) {
+  vk::MemoryPropertyFlags flags = vk::MemoryPropertyFlagBits::eDeviceLocal |
+                                  vk::MemoryPropertyFlagBits::eHostVisible |
+                                  vk::MemoryPropertyFlagBits::eHostCoherent;
+  if (cached) flags |= vk::MemoryPropertyFlagBits::eHostCached;
   vk::DeviceSize largest_device_heap = 0;
   for (uint32_t i = 0; i < memory.memoryHeapCount; ++i) {
     if (memory.memoryHeaps[i].flags & vk::MemoryHeapFlagBits::eDeviceLocal) {
@@ -119,7 +124,7 @@ bool PagesCanBeHostMapped(const vk::PhysicalDeviceMemoryProperties& memory) {
   }
   for (uint32_t i = 0; i < memory.memoryTypeCount; ++i) {
     const vk::MemoryType& type = memory.memoryTypes[i];
-    if ((type.propertyFlags & kMappedPageFlags) == kMappedPageFlags &&
+    if ((type.propertyFlags & flags) == flags &&
         memory.memoryHeaps[type.heapIndex].size >= largest_device_heap) {
       return true;
     }
@@ -148,11 +153,15 @@ absl::StatusOr<std::unique_ptr<Device>> Device::Create(const DeviceOptions& opti
   RETURN_IF_ERROR(VkTry("create Vulkan instance", [&] { return device->InitInstance(); }));
   RETURN_IF_ERROR(VkTry("pick Vulkan device", [&] { return device->PickPhysicalDevice(); }));
   RETURN_IF_ERROR(VkTry("create Vulkan device", [&] { return device->InitLogicalDevice(); }));
-  LogInfo("Vulkan device %u: %s (%s, Vulkan %s), %s transfers", device->description_.index,
+  LogInfo("Vulkan device %u: %s (%s, Vulkan %s), transfers: %s", device->description_.index,
           device->description_.name, device->description_.type,
-          VersionString(device->description_.api_version),
-          device->direct_host_access_ ? "direct host-mapped" : "staged");
+          VersionString(device->description_.api_version), device->transfer_path_name());
   return device;
+}
+
+const char* Device::transfer_path_name() const {
+  if (direct_host_access_) return "direct";
+  return mapped_writes_ ? "mapped writes" : "staging";
 }
 
 absl::Status Device::InitInstance() {
@@ -190,8 +199,11 @@ absl::Status Device::PickPhysicalDevice() {
   }
   physical_device_ = std::make_unique<vk::raii::PhysicalDevice>(std::move(physical_devices[index]));
   max_storage_buffer_range_ = physical_device_->getProperties().limits.maxStorageBufferRange;
+  const vk::PhysicalDeviceMemoryProperties memory = physical_device_->getMemoryProperties();
+  const bool mappable = !options_.force_staging && PagesCanBeHostMapped(memory, /*cached=*/false);
   direct_host_access_ =
-      !options_.force_staging && PagesCanBeHostMapped(physical_device_->getMemoryProperties());
+      mappable && !options_.stage_reads && PagesCanBeHostMapped(memory, /*cached=*/true);
+  mapped_writes_ = mappable && !direct_host_access_;
   return absl::OkStatus();
 }
 

@@ -34,6 +34,10 @@ struct DeviceOptions {
   // mapping. This forces the staging ring + transfer commands that discrete
   // GPUs need, so CI exercises that path on lavapipe too.
   bool force_staging = false;
+  // Reads pages through the staging ring even where they are mapped with host
+  // caching (writes still go through the mapping): what a resizable-BAR GPU
+  // does, so CI exercises that path on lavapipe too.
+  bool stage_reads = false;
   CopyEngine copy_engine = CopyEngine::kCopyRegions;
 };
 
@@ -56,6 +60,12 @@ class Device {
   const DeviceOptions& options() const { return options_; }
   // True when pool pages are written and read through a host mapping.
   bool direct_host_access() const { return direct_host_access_; }
+  // True when pages are written through a host mapping but read through the
+  // staging ring: device memory the host can map but not read fast (the
+  // uncached BAR of a resizable-BAR GPU).
+  bool mapped_writes() const { return mapped_writes_; }
+  // "direct", "mapped writes" or "staging".
+  const char* transfer_path_name() const;
   uint64_t max_storage_buffer_range() const { return max_storage_buffer_range_; }
 
   // Validation-layer messages (warnings and errors) seen so far.
@@ -85,6 +95,7 @@ class Device {
   DeviceOptions options_;
   DeviceDescription description_;
   bool direct_host_access_ = false;
+  bool mapped_writes_ = false;
   uint64_t max_storage_buffer_range_ = 0;
   uint32_t queue_family_ = 0;
   std::unique_ptr<ValidationSink> validation_;

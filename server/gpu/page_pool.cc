@@ -4,6 +4,8 @@
 //           Write / Read / Copy are memcpy into, out of and between pages.
 //   staged  (device-local slabs): StagedTransfer moves the bytes through a
 //           staging ring with vkCmdCopyBuffer or the copy_runs shader.
+//   mapped writes (Device::mapped_writes): slabs mapped but uncached, so
+//           Write is memcpy into pages and the rest goes through the ring.
 #include "gpu/page_pool.h"
 
 #include <algorithm>
@@ -104,7 +106,7 @@ absl::Status PagePool::Impl::Write(absl::Span<const WriteRun> runs) {
   for (size_t i = 0; i < runs.size(); ++i) {
     RETURN_IF_ERROR(CheckRange("Write", i, runs[i].page, runs[i].offset, runs[i].bytes));
   }
-  if (staged_ == nullptr) {
+  if (pages.host_mapped()) {
     bool streamed = false;
     for (const WriteRun& run : runs) {
       std::byte* dst = pages.Locate(run.page).host + run.offset;

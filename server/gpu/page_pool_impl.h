@@ -26,7 +26,8 @@ class PagePool::Impl {
   Impl(const Device& device, const PagePlan& plan, QuantKernel quantize_kernel,
        std::unique_ptr<StagedTransfer> staged, std::unique_ptr<DiskPageStore> disk,
        DiskBudget* disk_budget)
-      : pages(device, plan, /*host_mapped=*/staged == nullptr, disk_budget),
+      : pages(device, plan, /*host_mapped=*/staged == nullptr || device.mapped_writes(),
+              disk_budget),
         quantizer(device, pages, {.kernel = quantize_kernel}),
         staged_(std::move(staged)),
         host_(plan.page_bytes, plan.max_host_pages),
@@ -67,7 +68,8 @@ class PagePool::Impl {
   absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> EvictionSlot();
   absl::Status DemoteOldestHostPage(uint32_t disk_slot, bool& demoted);
 
-  // Null on the direct path.
+  // Null on the direct path. With mapped writes, pages are mapped (Write
+  // copies into them) and this ring does everything else.
   const std::unique_ptr<StagedTransfer> staged_;
   HostPageStore host_;
   const std::unique_ptr<DiskPageStore> disk_;  // null: no disk tier

@@ -105,9 +105,9 @@ Quantizer::Quantizer(const Device& device, const PageAllocator& pages, Quantizer
     : device_(device),
       pages_(pages),
       options_(options),
-      on_host_(pages.host_mapped() && (options.kernel == QuantKernel::kHost ||
-                                       (options.kernel == QuantKernel::kAuto &&
-                                        device.description().type == "cpu"))) {}
+      on_host_(pages.host_mapped() && device.direct_host_access() &&
+               (options.kernel == QuantKernel::kHost ||
+                (options.kernel == QuantKernel::kAuto && device.description().type == "cpu"))) {}
 
 Quantizer::~Quantizer() = default;
 

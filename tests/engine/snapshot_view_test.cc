@@ -37,7 +37,7 @@ TEST_P(SnapshotViewTest, PiecesJoinToWhatReadCopies) {
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(cache.Step(1));  // the window wraps
   auto view = engine_->Freeze(cache.id(), "");
   ASSERT_TRUE(view.ok()) << view.status();
-  const bool host_visible = GetParam() == TransferPath::kDirect;
+  const bool host_visible = device().direct_host_access();
   for (uint32_t layer = 0; layer < 3; ++layer) {
     SCOPED_TRACE(layer);
     for (TokenRange range : (*view)->Ranges(layer, kEverything)) {

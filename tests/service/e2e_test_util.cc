@@ -23,7 +23,9 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.listen = "127.0.0.1:0";
   if (setup.data_lane) config.data_lane_listen = "127.0.0.1:0";
   config.device.enable_validation = true;
-  config.device.force_staging = setup.path != TransferPath::kDirect;
+  config.device.force_staging =
+      setup.path == TransferPath::kStagingRegions || setup.path == TransferPath::kStagingShader;
+  config.device.stage_reads = setup.path == TransferPath::kMappedWrites;
   config.device.copy_engine = setup.path == TransferPath::kStagingShader
                                   ? gpu::CopyEngine::kComputeShader
                                   : gpu::CopyEngine::kCopyRegions;

@@ -16,6 +16,8 @@ std::string TransferPathName(TransferPath path) {
     case TransferPath::kDirect: return "Direct";
     case TransferPath::kStagingRegions: return "StagingRegions";
     case TransferPath::kStagingShader: return "StagingShader";
+    case TransferPath::kMappedWrites:
+      return "MappedWrites";
   }
   return "Unknown";
 }
@@ -25,7 +27,9 @@ namespace {
 gpu::DeviceOptions OptionsFor(TransferPath path) {
   gpu::DeviceOptions options;
   options.enable_validation = true;
-  options.force_staging = path != TransferPath::kDirect;
+  options.force_staging =
+      path == TransferPath::kStagingRegions || path == TransferPath::kStagingShader;
+  options.stage_reads = path == TransferPath::kMappedWrites;
   options.copy_engine = path == TransferPath::kStagingShader ? gpu::CopyEngine::kComputeShader
                                                              : gpu::CopyEngine::kCopyRegions;
   return options;
@@ -43,6 +47,11 @@ gpu::Device* CreateOrDie(TransferPath path) {
       !(*device)->direct_host_access()) {
     ADD_FAILURE() << "the CPU device " << (*device)->description().name
                   << " should give direct host access to pages";
+  }
+  if (path == TransferPath::kMappedWrites && (*device)->description().type == "cpu" &&
+      !(*device)->mapped_writes()) {
+    ADD_FAILURE() << "the CPU device " << (*device)->description().name
+                  << " should map pages for writes";
   }
   return device->release();  // Lives until exit: Vulkan teardown at exit is fragile.
 }

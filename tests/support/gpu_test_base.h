@@ -19,14 +19,15 @@
 
 namespace kvcache::testing {
 
-// How a page pool moves bytes: the three paths every transfer test covers.
+// How a page pool moves bytes: the paths every transfer test covers.
 enum class TransferPath {
   kDirect,          // host-mapped pages, memcpy (lavapipe's natural path)
   kStagingRegions,  // force_staging, CopyEngine::kCopyRegions
   kStagingShader,   // force_staging, CopyEngine::kComputeShader
+  kMappedWrites,    // stage_reads: writes through the mapping, the rest staged
 };
 
-// "Direct", "StagingRegions", "StagingShader": test-name friendly.
+// "Direct", "StagingRegions", "StagingShader", "MappedWrites": test-name friendly.
 std::string TransferPathName(TransferPath path);
 // So googletest and ctest print the path's name, not its bytes.
 inline void PrintTo(TransferPath path, std::ostream* out) { *out << TransferPathName(path); }
@@ -34,7 +35,8 @@ inline void PrintTo(TransferPath path, std::ostream* out) { *out << TransferPath
 std::string QuantKernelName(gpu::QuantKernel kernel);
 
 inline constexpr TransferPath kAllTransferPaths[] = {
-    TransferPath::kDirect, TransferPath::kStagingRegions, TransferPath::kStagingShader};
+    TransferPath::kDirect, TransferPath::kStagingRegions, TransferPath::kStagingShader,
+    TransferPath::kMappedWrites};
 
 // The process-wide device for `path`, created on first use with validation on
 // and never destroyed. Creation failure is fatal (ADD_FAILURE, then abort).
