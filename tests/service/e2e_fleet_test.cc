@@ -430,8 +430,9 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
   Client& victim = fleet_->client(kVictim);
   absl::StatusOr<std::vector<v1::SavedFile>> listed;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);  // the channel's reconnect backoff
-  do listed = victim.ListSaved();
-  while (!listed.ok() && absl::Now() < deadline);
+  while (!(listed = victim.ListSaved()).ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));  // the channel fails fast until it reconnects
+  }
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_EQ(listed->size(), saved.size());
   for (const auto& [name, written] : saved) {
