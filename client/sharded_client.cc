@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -20,6 +21,10 @@
 
 namespace kvcache {
 namespace {
+
+// The lease of a copy made only to restore or publish from, released right
+// after: if this client dies in between, the copy goes within a minute.
+constexpr uint32_t kTransientCopyTtlSeconds = 60;
 
 // Host and port of "dns:host:port" ("[v6]:port" works too).
 absl::StatusOr<std::vector<Replica>> Resolve(absl::string_view host_port) {
@@ -120,17 +125,37 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   if (options.client.max_reconnect_backoff == absl::ZeroDuration()) {
     options.client.max_reconnect_backoff = absl::Seconds(2);
   }
-  std::vector<std::unique_ptr<Client>> clients;
-  std::set<std::string> names, addresses;
-  for (Replica& replica : options.replicas) {
-    ClientOptions client_options = options.client;
-    client_options.address = replica.address;
+  std::set<std::string> addresses;
+  for (const Replica& replica : options.replicas) {
     if (!addresses.insert(replica.address).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("replicas: ", replica.address, " is listed twice"));
     }
-    absl::StatusOr<std::string> name = AskName(client_options, options.connect_timeout);
-    if (!name.ok() && (!absl::IsUnavailable(name.status()) || replica.name.empty())) {
+  }
+  // Every replica is asked its name at once: a fleet with replicas down
+  // waits one connect_timeout, not one per replica.
+  std::vector<absl::StatusOr<std::string>> learned(options.replicas.size());
+  {
+    std::vector<std::thread> askers;
+    for (size_t i = 0; i < options.replicas.size(); ++i) {
+      askers.emplace_back([&, i] {
+        ClientOptions client_options = options.client;
+        client_options.address = options.replicas[i].address;
+        learned[i] = AskName(client_options, options.connect_timeout);
+      });
+    }
+    for (std::thread& asker : askers) asker.join();
+  }
+  std::vector<std::unique_ptr<Client>> clients;
+  std::set<std::string> names;
+  for (size_t i = 0; i < options.replicas.size(); ++i) {
+    Replica& replica = options.replicas[i];
+    const absl::StatusOr<std::string>& name = learned[i];
+    // A replica that is down (or does not answer in time) is accepted where
+    // its name is given: calls for its ids are UNAVAILABLE until it is back.
+    const bool down = !name.ok() && (absl::IsUnavailable(name.status()) ||
+                                     absl::IsDeadlineExceeded(name.status()));
+    if (!name.ok() && (!down || replica.name.empty())) {
       return absl::Status(name.status().code(),
                           absl::StrCat("replica at ", replica.address,
                                        ": cannot learn its name: ", name.status().message()));
@@ -144,6 +169,8 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
       return absl::InvalidArgumentError(
           absl::StrCat("replicas: two are named \"", replica.name, "\""));
     }
+    ClientOptions client_options = options.client;
+    client_options.address = replica.address;
     clients.push_back(Client::Connect(client_options));
   }
   return std::unique_ptr<ShardedClient>(new ShardedClient(std::move(options.replicas),
@@ -220,8 +247,18 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
     thread_local absl::BitGen random;
     key = absl::StrCat("random:", absl::Uniform<uint64_t>(random), absl::Uniform<uint64_t>(random));
   }
-  return FirstThatTakes<v1::CacheInfo>(
-      key, /*also_full=*/true, [&](Client& client) { return client.CreateCache(spec, ttl_seconds); });
+  absl::StatusOr<v1::CacheInfo> created = FirstThatTakes<v1::CacheInfo>(
+      key, /*also_full=*/true,
+      [&](Client& client) { return client.CreateCache(spec, ttl_seconds); });
+  // A replica restarted under another name at the same address makes ids
+  // that no call could be routed back to: refuse them here, not later.
+  if (created.ok() && !ReplicaOf(created->cache_id()).ok()) {
+    const std::string id = created->cache_id();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a replica answered with cache id \"", id.substr(0, 80),
+        "\", which names no replica of this fleet (restarted under another --replica_name?)"));
+  }
+  return created;
 }
 
 absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
@@ -250,7 +287,8 @@ absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
       last = published.status();
       continue;
     }
-    absl::StatusOr<v1::SnapshotInfo> copy = CopySnapshotTo(snapshot_id, index);
+    absl::StatusOr<v1::SnapshotInfo> copy =
+        CopySnapshotTo(snapshot_id, index, /*pinned=*/false, kTransientCopyTtlSeconds);
     if (!copy.ok() && absl::IsUnavailable(copy.status())) {
       last = copy.status();
       continue;
@@ -258,10 +296,9 @@ absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
     if (!copy.ok()) return copy.status();
     absl::StatusOr<v1::PublishPrefixResponse> published =
         clients_[index]->PublishPrefix(copy->snapshot_id(), tokens, ttl_seconds);
-    // The index holds a snapshot of its own: the copy has served its purpose.
-    absl::Status released = clients_[index]->ReleaseSnapshot(copy->snapshot_id());
-    if (!published.ok()) return published.status();
-    if (!released.ok()) return released;
+    // The index holds a snapshot of its own: the copy has served its purpose
+    // (where releasing it fails, its lease ends it).
+    clients_[index]->ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
     return published;
   }
   return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
@@ -277,14 +314,14 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::Restore(const std::string& cache_id
   absl::StatusOr<size_t> snapshot_owner = ReplicaOf(snapshot_id);
   if (!snapshot_owner.ok()) return snapshot_owner.status();
   if (*snapshot_owner == *cache_owner) return client.Restore(cache_id, snapshot_id, target_offset);
-  absl::StatusOr<v1::SnapshotInfo> copy = CopySnapshotTo(snapshot_id, *cache_owner);
+  absl::StatusOr<v1::SnapshotInfo> copy =
+      CopySnapshotTo(snapshot_id, *cache_owner, /*pinned=*/false, kTransientCopyTtlSeconds);
   if (!copy.ok()) return copy.status();
   absl::StatusOr<v1::CacheInfo> restored =
       client.Restore(cache_id, copy->snapshot_id(), target_offset);
-  // The cache now shares the copy's pages; the copy's own handle can go.
-  absl::Status released = client.ReleaseSnapshot(copy->snapshot_id());
-  if (!restored.ok()) return restored.status();
-  if (!released.ok()) return released;
+  // The cache now shares the copy's pages; the copy's own handle can go
+  // (where releasing it fails, its lease ends it).
+  client.ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
   return restored;
 }
 

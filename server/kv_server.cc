@@ -323,19 +323,27 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
   // sending new work while the calls in flight drain.
   server_->GetHealthCheckService()->SetServingStatus(false);
   const absl::Time deadline = absl::Now() + grace;
+  absl::Notification shutting_down;
   absl::Notification stopped;
   std::thread stopper([&] {
+    shutting_down.Notify();  // from here on gRPC accepts no new call
     server_->Shutdown(absl::ToChronoTime(deadline));
     stopped.Notify();
   });
   // gRPC's Shutdown also waits, until the deadline, for every client to
   // hang up after its GOAWAY, and an idle client that is not polling its
-  // connection never does. Once no call of ours is alive, nothing is left
-  // to drain: its idle connections are cut (cancelling no call of ours).
+  // connection never does. Once no call is in flight (none that gRPC has
+  // made, refused or admitted, and no admitted one still answering), nothing
+  // is left to drain: the idle connections are cut. Two polls 10 ms apart
+  // must agree, so a call that arrived just before the GOAWAY is seen.
   // The first wait lets clients that do read the GOAWAY close by themselves.
+  shutting_down.WaitForNotification();
   if (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+    int idle_polls = 0;
     while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(10))) {
-      if (tenants_->calls_alive() == 0) grpc_server_cancel_all_calls(server_->c_server());
+      const bool idle = rpc_observer_->calls_in_flight() == 0 && tenants_->calls_alive() == 0;
+      idle_polls = idle ? idle_polls + 1 : 0;
+      if (idle_polls >= 2) grpc_server_cancel_all_calls(server_->c_server());
     }
   }
   stopper.join();

@@ -164,7 +164,7 @@ absl::StatusOr<PublishedPrefix> Engine::PublishPrefix(const std::string& name_sp
     // index before the index had it.
     if (!snapshots_.Peek(entry.snapshot_id).has_value()) {
       prefixes_.Forget(entry.snapshot_id);
-      return absl::UnavailableError("snapshot_id: the new prefix entry was released at once");
+      return absl::NotFoundError("snapshot_id: released while it was being published");
     }
     // An earlier entry whose tokens all lead this one's answers nothing this
     // one does not (any_length: it restores at every shorter length too),

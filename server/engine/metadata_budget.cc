@@ -6,17 +6,20 @@
 #include "engine/host_bytes.h"
 #include "engine/layer_factory.h"
 #include "engine/page_table.h"
+#include "ids/replica_id.h"
 
 namespace kvcache::engine {
 namespace {
 
-// One handle's share of what names it, beyond its own objects: the 32-digit
-// id (a heap string) in its map, the map's slot (flat_hash_map keeps up to
+// One handle's share of what names it, beyond its own objects: the id (a
+// heap string of 32 digits, after "NAME:" where the replica is named; charged
+// at the longest name, so a budget holds as many handles on every replica) in
+// its map, the map's slot (flat_hash_map keeps up to
 // 8/7 slots per entry and doubles: 2.3 slots of 48 bytes at worst), the id's
 // copies in the lease queue (at most two: the live deadline and one stale one
 // being replaced), the registry's or engine's entry (lease, mutex, pointers)
 // and the shared_ptr's count beside it.
-constexpr uint64_t kIdBytes = HeapBlockBytes(33);
+constexpr uint64_t kIdBytes = HeapBlockBytes(ids::kMaxReplicaNameBytes + 1 + 32 + 1);
 constexpr uint64_t kHandleBytes =
     kIdBytes + 112 + 2 * (kIdBytes + 48) + HeapBlockBytes(kSharedCountBytes + 96);
 

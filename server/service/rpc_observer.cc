@@ -3,6 +3,7 @@
 #include <grpcpp/server_context.h>
 
 #include <algorithm>
+#include <string_view>
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
@@ -74,12 +75,37 @@ std::string RequestId(const grpc::ServerContextBase& context) {
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(bits));
 }
 
-// One per call: the clock starts when gRPC makes it (the call has arrived)
-// and stops when the status goes out.
+}  // namespace
+
+// Counts a call in RpcObserver::calls_in_flight for the interceptor's life,
+// except a health Watch: a stream that lasts as long as its client wants, so
+// there is nothing in it to drain.
+class CallCount {
+ public:
+  CallCount(RpcObserver& observer, std::string_view method)
+      : observer_(observer), counted_(method != "/grpc.health.v1.Health/Watch") {
+    if (counted_) observer_.calls_in_flight_.fetch_add(1);
+  }
+  ~CallCount() {
+    if (counted_) observer_.calls_in_flight_.fetch_sub(1);
+  }
+  CallCount(const CallCount&) = delete;
+  CallCount& operator=(const CallCount&) = delete;
+
+ private:
+  RpcObserver& observer_;
+  const bool counted_;
+};
+
+namespace {
+
+// One per call, made when the call arrives and destroyed when gRPC is done
+// with it: the clock stops when the status goes out.
 class CallInterceptor final : public grpc::experimental::Interceptor {
  public:
   CallInterceptor(RpcObserver& observer, grpc::experimental::ServerRpcInfo& info)
-      : observer_(observer),
+      : count_(observer, info.method() == nullptr ? "" : info.method()),
+        observer_(observer),
         info_(info),
         method_(observer.MethodIndex(info.method())),
         started_(absl::Now()) {}
@@ -96,6 +122,7 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   }
 
  private:
+  const CallCount count_;
   RpcObserver& observer_;
   grpc::experimental::ServerRpcInfo& info_;
   const size_t method_;

@@ -56,6 +56,10 @@ class RpcObserver {
   // A call's end: counted, and logged where it should be.
   void Finished(size_t method, const grpc::Status& status, double seconds,
                 const std::string& request_id, const grpc::ServerContextBase& context);
+  // Calls gRPC has made and not yet destroyed: every call, admitted or
+  // refused, from its arrival until gRPC is done with it (health Watch
+  // streams aside: they last as long as their clients want).
+  uint32_t calls_in_flight() const { return calls_in_flight_.load(); }
 
  private:
   static constexpr size_t kCodes = 17;  // grpc::StatusCode OK..UNAUTHENTICATED
@@ -73,6 +77,9 @@ class RpcObserver {
   absl::flat_hash_map<std::string, size_t> by_full_name_;  // "/pkg.Service/Method"
   std::unique_ptr<std::array<Series, kCodes>[]> series_;   // [method][code]
   absl::Mutex mutex_;
+  std::atomic<uint32_t> calls_in_flight_{0};
+
+  friend class CallCount;
 };
 
 }  // namespace kvcache::service

@@ -2,15 +2,22 @@
 // permutation, the same in every process, balanced, and moving only a lost
 // replica's keys) and the --peers syntax. tests/service/e2e_fleet_test.cc
 // runs the fleet itself.
+#include "sharded_client.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "rendezvous.h"
-#include "sharded_client.h"
 
 namespace kvcache {
 namespace {
@@ -94,6 +101,53 @@ TEST(ShardedClientTest, ConnectRefusesWhatCannotWork) {
   absl::StatusOr<std::unique_ptr<ShardedClient>> fleet = ShardedClient::Connect(down);
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   EXPECT_EQ((*fleet)->CreateCache(v1::CacheSpec()).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A loopback port whose kernel accepts connections that nobody ever answers:
+// a replica that hangs. Returns the socket (close it after) and its port.
+std::pair<int, int> SilentPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      listen(fd, 16) != 0 || getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    return {-1, 0};
+  }
+  return {fd, ntohs(address.sin_port)};
+}
+
+TEST(ShardedClientTest, ReplicasThatHangAreDownAndAskedAtOnce) {
+  std::vector<int> sockets;
+  const absl::Cleanup closed = [&sockets] {
+    for (int fd : sockets) close(fd);
+  };
+  std::vector<Replica> replicas;
+  for (int i = 0; i < 4; ++i) {
+    const auto [fd, port] = SilentPort();
+    ASSERT_GE(fd, 0);
+    sockets.push_back(fd);
+    replicas.push_back({.name = absl::StrCat("r", i), .address = absl::StrCat("127.0.0.1:", port)});
+  }
+  // Connects to the first `count` replicas; returns how long it took.
+  auto connect = [&](size_t count) -> absl::StatusOr<absl::Duration> {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<ShardedClient>> fleet = ShardedClient::Connect(
+        {.replicas = std::vector<Replica>(replicas.begin(), replicas.begin() + count),
+         .connect_timeout = absl::Seconds(1)});
+    if (!fleet.ok()) return fleet.status();
+    EXPECT_EQ((*fleet)->size(), count);
+    return absl::Now() - start;
+  };
+  // Named replicas that time out are down, as refused ones are.
+  const absl::StatusOr<absl::Duration> one = connect(1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  const absl::StatusOr<absl::Duration> four = connect(4);
+  ASSERT_TRUE(four.ok()) << four.status();
+  // Asked at once: four take about as long as one, not four times as long.
+  EXPECT_LT(*four, 2 * *one + absl::Milliseconds(500))
+      << "one replica: " << *one << ", four: " << *four;
 }
 
 }  // namespace
