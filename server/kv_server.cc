@@ -326,7 +326,8 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
   absl::Notification shutting_down;
   absl::Notification stopped;
   std::thread stopper([&] {
-    shutting_down.Notify();  // from here on gRPC accepts no new call
+    // Shutdown is about to begin; only the 50 ms wait below orders the polls after it.
+    shutting_down.Notify();
     server_->Shutdown(absl::ToChronoTime(deadline));
     stopped.Notify();
   });
