@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -136,15 +137,20 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   // waits one connect_timeout, not one per replica.
   std::vector<absl::StatusOr<std::string>> learned(options.replicas.size());
   {
-    std::vector<std::thread> askers;
+    std::vector<std::jthread> askers;  // joined when the block ends
+    askers.reserve(options.replicas.size());
     for (size_t i = 0; i < options.replicas.size(); ++i) {
-      askers.emplace_back([&, i] {
+      auto ask = [&, i] {
         ClientOptions client_options = options.client;
         client_options.address = options.replicas[i].address;
         learned[i] = AskName(client_options, options.connect_timeout);
-      });
+      };
+      try {
+        askers.emplace_back(ask);
+      } catch (const std::system_error&) {
+        ask();  // no thread to be had: this one asks, slower but the same
+      }
     }
-    for (std::thread& asker : askers) asker.join();
   }
   std::vector<std::unique_ptr<Client>> clients;
   std::set<std::string> names;
@@ -247,16 +253,24 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
     thread_local absl::BitGen random;
     key = absl::StrCat("random:", absl::Uniform<uint64_t>(random), absl::Uniform<uint64_t>(random));
   }
-  absl::StatusOr<v1::CacheInfo> created = FirstThatTakes<v1::CacheInfo>(
-      key, /*also_full=*/true,
-      [&](Client& client) { return client.CreateCache(spec, ttl_seconds); });
-  // A replica restarted under another name at the same address makes ids
-  // that no call could be routed back to: refuse them here, not later.
-  if (created.ok() && !ReplicaOf(created->cache_id()).ok()) {
+  Client* answered = nullptr;
+  absl::StatusOr<v1::CacheInfo> created =
+      FirstThatTakes<v1::CacheInfo>(key, /*also_full=*/true, [&](Client& client) {
+        answered = &client;
+        return client.CreateCache(spec, ttl_seconds);
+      });
+  if (!created.ok()) return created;
+  // A replica restarted under another name at the same address (or two
+  // addresses swapped) makes ids that later calls would route elsewhere:
+  // refuse them here, and delete the cache so it does not sit unreachable.
+  const absl::StatusOr<size_t> owner = ReplicaOf(created->cache_id());
+  if (!owner.ok() || clients_[*owner].get() != answered) {
     const std::string id = created->cache_id();
+    answered->DeleteCache(id).IgnoreError();  // a lease, if any, ends it otherwise
     return absl::FailedPreconditionError(absl::StrCat(
         "a replica answered with cache id \"", id.substr(0, 80),
-        "\", which names no replica of this fleet (restarted under another --replica_name?)"));
+        "\", which names another replica or none of this fleet (restarted under another "
+        "--replica_name, or peers listed at the wrong addresses?)"));
   }
   return created;
 }

@@ -69,11 +69,15 @@ uint KeyToValueBits(uint key) {
 // flips scales and quantized values; so the quotient is moved by its exact
 // remainder (fma(-q, b, a): exact where fma is fused, as on every device with
 // an FMA unit) until no neighbour is closer. A quotient of two floats never
-// lies exactly between two floats, so the closest is the rounded one.
+// lies exactly between two floats, so the closest is the rounded one. Each
+// pass moves one ulp; 2.5 ulp off can be 5 steps where the quotient crosses a
+// power of two (the ulp halves below it), so 6 passes. A driver whose fma is
+// not fused would fail the quantize tests against the CPU reference (they
+// compare every bit), which is how the H200's division was found.
 float Divide(float a, float b) {
   precise float q = a / b;
   if (isinf(q) || isnan(q) || q == 0.0) return q;
-  for (uint pass = 0u; pass < 4u; ++pass) {
+  for (uint pass = 0u; pass < 6u; ++pass) {
     precise float remainder = fma(-q, b, a);
     if (remainder == 0.0) break;
     // q's neighbour on the side of the exact quotient.

@@ -11,8 +11,8 @@ absl::Status AllocateAndBind(const Device& device, const BufferSpec& spec, Buffe
   out.buffer = vk::raii::Buffer(device.device(), vk::BufferCreateInfo({}, spec.bytes, spec.usage));
   const vk::MemoryRequirements needs = out.buffer.getMemoryRequirements();
   ASSIGN_OR_RETURN(const uint32_t memory_type,
-                   device.FindMemoryType(needs.memoryTypeBits, spec.required_memory,
-                                         spec.preferred_memory));
+                   device.FindMemoryType(needs.memoryTypeBits & spec.allowed_memory_types,
+                                         spec.required_memory, spec.preferred_memory));
   out.memory =
       vk::raii::DeviceMemory(device.device(), vk::MemoryAllocateInfo(needs.size, memory_type));
   out.buffer.bindMemory(*out.memory, 0);

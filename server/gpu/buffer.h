@@ -23,6 +23,8 @@ struct BufferSpec {
   vk::BufferUsageFlags usage;
   vk::MemoryPropertyFlags required_memory;
   vk::MemoryPropertyFlags preferred_memory;
+  // The memory types (a bit per index) the buffer may use at all.
+  uint32_t allowed_memory_types = UINT32_MAX;
   // Map the whole buffer for its lifetime (requires HOST_VISIBLE memory).
   bool host_mapped = false;
 };

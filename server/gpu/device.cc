@@ -103,15 +103,18 @@ std::vector<DeviceDescription> Describe(const vk::raii::PhysicalDevices& physica
   return descriptions;
 }
 
-// Pages can live in host-mapped memory when a DEVICE_LOCAL | HOST_VISIBLE |
-// HOST_COHERENT type (HOST_CACHED too when `cached`) sits on a heap as large as
-// the largest device-local heap. Cached: lavapipe and integrated GPUs, whose
+}  // namespace
+
+// Pages can live in host-mapped memory of a DEVICE_LOCAL | HOST_VISIBLE |
+// HOST_COHERENT type (HOST_CACHED too when `cached`) on a heap as large as the
+// largest device-local heap. Cached: lavapipe and integrated GPUs, whose
 // pages are read and written through the mapping. Uncached: resizable-BAR
 // discrete GPUs, whose BAR the CPU writes fast (11-13 GB/s on an H200) but
 // reads one bus transaction at a time (58 MB/s there, against 6 GB/s through
 // the staging ring), so their pages are written through the mapping and read
-// through the ring. A GPU with a 256 MiB BAR window uses the ring both ways.
-bool PagesCanBeHostMapped(const vk::PhysicalDeviceMemoryProperties& memory, bool cached) {
+// through the ring. A GPU with a 256 MiB BAR window uses the ring both ways:
+// its BAR type is never among these, even where it is the first such type.
+uint32_t HostMappablePageTypes(const vk::PhysicalDeviceMemoryProperties& memory, bool cached) {
   vk::MemoryPropertyFlags flags = vk::MemoryPropertyFlagBits::eDeviceLocal |
                                   vk::MemoryPropertyFlagBits::eHostVisible |
                                   vk::MemoryPropertyFlagBits::eHostCoherent;
@@ -122,17 +125,16 @@ bool PagesCanBeHostMapped(const vk::PhysicalDeviceMemoryProperties& memory, bool
       largest_device_heap = std::max(largest_device_heap, memory.memoryHeaps[i].size);
     }
   }
+  uint32_t types = 0;
   for (uint32_t i = 0; i < memory.memoryTypeCount; ++i) {
     const vk::MemoryType& type = memory.memoryTypes[i];
     if ((type.propertyFlags & flags) == flags &&
         memory.memoryHeaps[type.heapIndex].size >= largest_device_heap) {
-      return true;
+      types |= 1u << i;
     }
   }
-  return false;
+  return types;
 }
-
-}  // namespace
 
 absl::StatusOr<std::vector<DeviceDescription>> Device::List() {
   std::vector<DeviceDescription> descriptions;
@@ -200,10 +202,13 @@ absl::Status Device::PickPhysicalDevice() {
   physical_device_ = std::make_unique<vk::raii::PhysicalDevice>(std::move(physical_devices[index]));
   max_storage_buffer_range_ = physical_device_->getProperties().limits.maxStorageBufferRange;
   const vk::PhysicalDeviceMemoryProperties memory = physical_device_->getMemoryProperties();
-  const bool mappable = !options_.force_staging && PagesCanBeHostMapped(memory, /*cached=*/false);
-  direct_host_access_ =
-      mappable && !options_.stage_reads && PagesCanBeHostMapped(memory, /*cached=*/true);
-  mapped_writes_ = mappable && !direct_host_access_;
+  const uint32_t mappable =
+      options_.force_staging ? 0 : HostMappablePageTypes(memory, /*cached=*/false);
+  const uint32_t readable =
+      options_.force_staging || options_.stage_reads ? 0 : HostMappablePageTypes(memory, true);
+  direct_host_access_ = readable != 0;
+  mapped_writes_ = mappable != 0 && !direct_host_access_;
+  host_mapped_page_types_ = direct_host_access_ ? readable : mapped_writes_ ? mappable : 0;
   return absl::OkStatus();
 }
 

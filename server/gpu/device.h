@@ -48,6 +48,11 @@ struct DeviceDescription {
   uint32_t api_version;
 };
 
+// The memory types (a bit per index) where pages can live host-mapped:
+// DEVICE_LOCAL | HOST_VISIBLE | HOST_COHERENT (and HOST_CACHED when `cached`)
+// on a heap as large as the largest device-local heap.
+uint32_t HostMappablePageTypes(const vk::PhysicalDeviceMemoryProperties& memory, bool cached);
+
 class Device {
  public:
   static absl::StatusOr<std::vector<DeviceDescription>> List();
@@ -64,6 +69,9 @@ class Device {
   // staging ring: device memory the host can map but not read fast (the
   // uncached BAR of a resizable-BAR GPU).
   bool mapped_writes() const { return mapped_writes_; }
+  // The memory types (a bit per index) that host-mapped pages may use: those
+  // that made the choice above, so a slab never lands in a small BAR window.
+  uint32_t host_mapped_page_types() const { return host_mapped_page_types_; }
   // "direct", "mapped writes" or "staging".
   const char* transfer_path_name() const;
   uint64_t max_storage_buffer_range() const { return max_storage_buffer_range_; }
@@ -96,6 +104,7 @@ class Device {
   DeviceDescription description_;
   bool direct_host_access_ = false;
   bool mapped_writes_ = false;
+  uint32_t host_mapped_page_types_ = 0;
   uint64_t max_storage_buffer_range_ = 0;
   uint32_t queue_family_ = 0;
   std::unique_ptr<ValidationSink> validation_;

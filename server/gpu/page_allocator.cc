@@ -15,13 +15,15 @@ constexpr vk::BufferUsageFlags kSlabUsage = vk::BufferUsageFlagBits::eStorageBuf
                                             vk::BufferUsageFlagBits::eTransferSrc |
                                             vk::BufferUsageFlagBits::eTransferDst;
 
-BufferSpec SlabSpec(uint64_t bytes, bool host_mapped) {
+// Host-mapped slabs take only the memory types the device chose its transfer
+// path by (a large heap; cached where pages are read through the mapping).
+BufferSpec SlabSpec(const Device& device, uint64_t bytes, bool host_mapped) {
   using Flag = vk::MemoryPropertyFlagBits;
   if (host_mapped) {
     return {.bytes = bytes,
             .usage = kSlabUsage,
             .required_memory = Flag::eDeviceLocal | Flag::eHostVisible | Flag::eHostCoherent,
-            .preferred_memory = Flag::eHostCached,
+            .allowed_memory_types = device.host_mapped_page_types(),
             .host_mapped = true};
   }
   return {.bytes = bytes, .usage = kSlabUsage, .required_memory = Flag::eDeviceLocal};
@@ -278,7 +280,7 @@ absl::Status PageAllocator::AddSlabLocked() {
   const uint32_t first_page = slab_count_ * plan_.pages_per_slab;
   const uint32_t pages = std::min(plan_.pages_per_slab, plan_.max_pages - first_page);
   absl::StatusOr<std::unique_ptr<Buffer>> slab =
-      CreateBuffer(device_, SlabSpec(uint64_t{pages} * plan_.page_bytes, host_mapped_));
+      CreateBuffer(device_, SlabSpec(device_, uint64_t{pages} * plan_.page_bytes, host_mapped_));
   if (!slab.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot back page-pool slab ", slab_count_, ": ", slab.status().message()));

@@ -118,7 +118,10 @@ absl::Status PagePool::Impl::Write(absl::Span<const WriteRun> runs) {
         std::memcpy(dst, src, run.bytes);
       }
     }
-    if (streamed) StreamingStoresDone();
+    // Uncached mappings (mapped writes) are write-combined: even plain stores
+    // wait in the CPU's buffers until a fence, and the GPU may read the pages
+    // as soon as the caller's lock is released.
+    if (streamed || staged_ != nullptr) StreamingStoresDone();
     return absl::OkStatus();
   }
   std::vector<HostToDevice> writes;

@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "google/protobuf/descriptor.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "service/status_mapping.h"
 
 namespace kvcache::service {
 namespace {
@@ -75,15 +76,22 @@ std::string RequestId(const grpc::ServerContextBase& context) {
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(bits));
 }
 
+// Streams that last as long as their clients want, answering a question at a
+// time: nothing in them is left to drain when the server shuts down.
+bool NeverDrains(std::string_view method) {
+  return method == "/grpc.health.v1.Health/Watch" ||
+         method == "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo" ||
+         method == "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo";
+}
+
 }  // namespace
 
 // Counts a call in RpcObserver::calls_in_flight for the interceptor's life,
-// except a health Watch: a stream that lasts as long as its client wants, so
-// there is nothing in it to drain.
+// except the streams that never drain.
 class CallCount {
  public:
   CallCount(RpcObserver& observer, std::string_view method)
-      : observer_(observer), counted_(method != "/grpc.health.v1.Health/Watch") {
+      : observer_(observer), counted_(!NeverDrains(method)) {
     if (counted_) observer_.calls_in_flight_.fetch_add(1);
   }
   ~CallCount() {
@@ -111,10 +119,22 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
         started_(absl::Now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    // A single request gRPC could not parse arrives as no message at all (a
+    // stream's end looks the same, so streams are left to their handlers).
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        methods->GetRecvMessage() == nullptr) {
+      unparsed_ = observer_.SingleRequestType(method_);
+    }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::ServerContextBase& context = *info_.server_context();
       const std::string request_id = RequestId(context);
       methods->GetSendTrailingMetadata()->emplace(kRequestIdKey, request_id);
+      // grpc++ refuses such a request itself, UNIMPLEMENTED (callback unary
+      // methods) or INTERNAL, with no message; it is the client's bytes that
+      // are wrong, so say so.
+      if (unparsed_ != nullptr && !methods->GetSendStatus().ok()) {
+        methods->ModifySendStatus(ToGrpcStatus(UnparsableRequest(unparsed_->full_name())));
+      }
       observer_.Finished(method_, methods->GetSendStatus(),
                          absl::ToDoubleSeconds(absl::Now() - started_), request_id, context);
     }
@@ -127,6 +147,8 @@ class CallInterceptor final : public grpc::experimental::Interceptor {
   grpc::experimental::ServerRpcInfo& info_;
   const size_t method_;
   const absl::Time started_;
+  // The request's type when its bytes did not parse.
+  const google::protobuf::Descriptor* unparsed_ = nullptr;
 };
 
 class CallInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
@@ -160,6 +182,8 @@ RpcObserver::RpcObserver(prometheus::Registry& registry, RpcObserverOptions opti
     const std::string& name = service->method(i)->name();
     by_full_name_.emplace(absl::StrCat("/", service->full_name(), "/", name), labels_.size());
     labels_.push_back(name);
+    const google::protobuf::MethodDescriptor& method = *service->method(i);
+    single_request_types_.push_back(method.client_streaming() ? nullptr : method.input_type());
   }
   for (const std::string& full_name : options.extra_methods) {
     by_full_name_.emplace(full_name, labels_.size());

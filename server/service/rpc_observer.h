@@ -27,6 +27,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -53,12 +54,17 @@ class RpcObserver {
   // The index of `full_method` ("/pkg.Service/Method") among the known
   // methods; the last index is "unknown".
   size_t MethodIndex(const char* full_method) const;
+  // The request type of KvCacheService's method `method` when it takes one
+  // request (not a stream of them); null otherwise.
+  const google::protobuf::Descriptor* SingleRequestType(size_t method) const {
+    return method < single_request_types_.size() ? single_request_types_[method] : nullptr;
+  }
   // A call's end: counted, and logged where it should be.
   void Finished(size_t method, const grpc::Status& status, double seconds,
                 const std::string& request_id, const grpc::ServerContextBase& context);
   // Calls gRPC has made and not yet destroyed: every call, admitted or
-  // refused, from its arrival until gRPC is done with it (health Watch
-  // streams aside: they last as long as their clients want).
+  // refused, from its arrival until gRPC is done with it (health Watch and
+  // reflection streams aside: they last as long as their clients want).
   uint32_t calls_in_flight() const { return calls_in_flight_.load(); }
 
  private:
@@ -74,6 +80,7 @@ class RpcObserver {
   prometheus::Family<prometheus::Counter>& handled_;
   prometheus::Family<prometheus::Histogram>& duration_;
   std::vector<std::string> labels_;                        // by method index
+  std::vector<const google::protobuf::Descriptor*> single_request_types_;  // by method index
   absl::flat_hash_map<std::string, size_t> by_full_name_;  // "/pkg.Service/Method"
   std::unique_ptr<std::array<Series, kCodes>[]> series_;   // [method][code]
   absl::Mutex mutex_;

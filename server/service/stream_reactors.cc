@@ -6,15 +6,13 @@
 namespace kvcache::service {
 namespace {
 
-// The request as gRPC's serializer reads it, or its refusal, code for code.
+// The request as gRPC's serializer reads it.
 absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& raw_request) {
   grpc::ByteBuffer buffer = raw_request;  // shares the slices; Deserialize consumes it
   v1::FetchRequest request;
   const grpc::Status parsed =
       grpc::SerializationTraits<v1::FetchRequest>::Deserialize(&buffer, &request);
-  if (!parsed.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(parsed.error_code()), parsed.error_message());
-  }
+  if (!parsed.ok()) return UnparsableRequest(v1::FetchRequest::descriptor()->full_name());
   return request;
 }
 

@@ -1,6 +1,7 @@
 // Device listing and selection, memory types, and the status mapping.
 #include "gpu/device.h"
 
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -127,6 +128,78 @@ TEST(DeviceTest, FindsMemoryTypes) {
   EXPECT_TRUE(host.ok()) << host.status();
   const auto none = device.FindMemoryType(0u, vk::MemoryPropertyFlagBits::eDeviceLocal, {});
   EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+using Flag = vk::MemoryPropertyFlagBits;
+constexpr vk::MemoryPropertyFlags kBar =
+    Flag::eDeviceLocal | Flag::eHostVisible | Flag::eHostCoherent;
+constexpr vk::DeviceSize kGiB = vk::DeviceSize{1} << 30;
+
+// A memory table of `heaps` (size, device-local) and `types` (flags, heap).
+vk::PhysicalDeviceMemoryProperties MemoryTable(
+    std::vector<std::pair<vk::DeviceSize, bool>> heaps,
+    std::vector<std::pair<vk::MemoryPropertyFlags, uint32_t>> types) {
+  vk::PhysicalDeviceMemoryProperties memory;
+  memory.memoryHeapCount = heaps.size();
+  for (size_t i = 0; i < heaps.size(); ++i) {
+    memory.memoryHeaps[i].size = heaps[i].first;
+    if (heaps[i].second) memory.memoryHeaps[i].flags = vk::MemoryHeapFlagBits::eDeviceLocal;
+  }
+  memory.memoryTypeCount = types.size();
+  for (size_t i = 0; i < types.size(); ++i) {
+    memory.memoryTypes[i] = vk::MemoryType(types[i].first, types[i].second);
+  }
+  return memory;
+}
+
+// Shaped as an H200 with resizable BAR reports it: device-local, host types,
+// then the BAR type on the large heap. Pages map only there, uncached.
+TEST(HostMappablePageTypesTest, ResizableBarIsMappedForWritesOnly) {
+  const auto memory =
+      MemoryTable({{140 * kGiB, true}, {128 * kGiB, false}},
+                  {{Flag::eDeviceLocal, 0},
+                   {Flag::eHostVisible | Flag::eHostCoherent, 1},
+                   {Flag::eHostVisible | Flag::eHostCoherent | Flag::eHostCached, 1},
+                   {kBar, 0}});
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/false), 1u << 3);
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/true), 0u);
+}
+
+// A discrete GPU without resizable BAR shows its BAR as a 256 MiB heap, and
+// may list that type first: pages never map there.
+TEST(HostMappablePageTypesTest, SmallBarWindowIsNeverUsed) {
+  const auto memory = MemoryTable(
+      {{256 << 20, true}, {24 * kGiB, true}, {64 * kGiB, false}},
+      {{kBar, 0}, {Flag::eDeviceLocal, 1}, {Flag::eHostVisible | Flag::eHostCoherent, 2}});
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/false), 0u);
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/true), 0u);
+}
+
+// Unified memory (lavapipe, integrated GPUs): every cached type on the one
+// heap qualifies, for reads and for writes.
+TEST(HostMappablePageTypesTest, UnifiedMemoryIsMappedBothWays) {
+  const auto memory = MemoryTable(
+      {{16 * kGiB, true}}, {{Flag::eDeviceLocal, 0}, {kBar, 0}, {kBar | Flag::eHostCached, 0}});
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/false), (1u << 1) | (1u << 2));
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/true), 1u << 2);
+}
+
+// The test devices keep to the types their transfer path was chosen by.
+TEST(DeviceTest, HostMappedPagesUseOnlyTheChosenTypes) {
+  for (TransferPath path : testing::kAllTransferPaths) {
+    const Device& device = testing::TestDevice(path);
+    const vk::PhysicalDeviceMemoryProperties memory =
+        device.physical_device().getMemoryProperties();
+    const uint32_t chosen = device.host_mapped_page_types();
+    SCOPED_TRACE(device.transfer_path_name());
+    if (device.direct_host_access()) {
+      EXPECT_EQ(chosen, HostMappablePageTypes(memory, true));
+    } else if (device.mapped_writes()) {
+      EXPECT_EQ(chosen, HostMappablePageTypes(memory, false));
+    } else {
+      EXPECT_EQ(chosen, 0u);
+    }
+  }
 }
 
 // The layer must be live, or "no validation messages" would prove nothing.

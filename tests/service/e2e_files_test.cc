@@ -83,7 +83,7 @@ class E2eFilesTest : public ::testing::Test {
 };
 
 TEST_F(E2eFilesTest, ASavedSnapshotIsListedLoadedBackAndDeleted) {
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   const v1::SnapshotInfo snapshot = FilledSnapshot(37);  // the rotating layer has wrapped
   auto saved = client().SaveSnapshot(snapshot.snapshot_id(), "chat-1", {{"model", "tiny"}});
   ASSERT_TRUE(saved.ok()) << saved.status();
@@ -122,7 +122,7 @@ TEST_F(E2eFilesTest, ASavedSnapshotIsListedLoadedBackAndDeleted) {
 }
 
 TEST_F(E2eFilesTest, FilesStreamOutAndBackInAcrossManyMessages) {
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   // About 2.4 MiB of K/V: the streams cut it into several 1 MiB messages.
   const v1::SnapshotInfo snapshot = FilledSnapshot(600, /*heads=*/4, /*dim=*/128);
   v1::ExportSnapshotRequest by_id;
@@ -152,7 +152,7 @@ TEST_F(E2eFilesTest, FilesStreamOutAndBackInAcrossManyMessages) {
 }
 
 TEST_F(E2eFilesTest, BadRequestsAndDamagedFilesChangeNothing) {
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   const v1::SnapshotInfo snapshot = FilledSnapshot(12);
   const size_t snapshots = SnapshotCount();
   const auto expect_refused = [&](const absl::Status& status, absl::StatusCode code,
@@ -208,7 +208,7 @@ TEST_F(E2eFilesTest, BadRequestsAndDamagedFilesChangeNothing) {
 // A client that sends a whole file and then cancels gets no snapshot it
 // could not name: none is made, and no file is saved.
 TEST_F(E2eFilesTest, ACancelledImportMakesNothing) {
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   const v1::SnapshotInfo snapshot = FilledSnapshot(9);
   v1::ExportSnapshotRequest request;
   request.set_snapshot_id(snapshot.snapshot_id());
@@ -234,7 +234,7 @@ TEST_F(E2eFilesTest, ACancelledImportMakesNothing) {
 }
 
 TEST_F(E2eFilesTest, WithoutADataDirOnlyTheStreamsWork) {
-  Start(/*with_data_dir=*/false);
+  ASSERT_NO_FATAL_FAILURE(Start(/*with_data_dir=*/false));
   const v1::SnapshotInfo snapshot = FilledSnapshot(5);
   for (const absl::Status& status : {client().SaveSnapshot(snapshot.snapshot_id(), "x").status(),
                                      client().LoadSnapshot("x").status(),
@@ -252,7 +252,7 @@ TEST_F(E2eFilesTest, WithoutADataDirOnlyTheStreamsWork) {
 }
 
 TEST_F(E2eFilesTest, SavedFilesSurviveARestart) {
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   const v1::SnapshotInfo snapshot = FilledSnapshot(21);
   ASSERT_TRUE(client().SaveSnapshot(snapshot.snapshot_id(), "durable").ok());
   v1::ExportSnapshotRequest request;
@@ -262,7 +262,7 @@ TEST_F(E2eFilesTest, SavedFilesSurviveARestart) {
   server_->CleanUpAndCheck();
   server_.reset();
 
-  Start();
+  ASSERT_NO_FATAL_FAILURE(Start());
   auto listed = client().ListSaved();
   ASSERT_TRUE(listed.ok()) << listed.status();
   ASSERT_EQ(listed->size(), 1u);

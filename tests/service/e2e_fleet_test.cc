@@ -127,6 +127,8 @@ class KvcachedProcess {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
   bool running() const { return pid_ > 0; }
+  // The --replica_name flag of the next Start.
+  void set_replica_flag(std::string flag) { replica_flag_ = std::move(flag); }
   const std::string& name() const { return name_; }
   const std::string& address() const { return address_; }
 
@@ -330,6 +332,26 @@ TEST_F(E2eFleetTest, NamesAreLearnedAndChecked) {
   // A replica name kvcached will not take.
   KvcachedProcess bad("bad", absl::StrCat(root_, "/bad"), "--replica_name=a:b");
   EXPECT_FALSE(bad.Start());
+}
+
+// A replica restarted at its address under another replica's name answers a
+// create with an id that later calls would route to that other replica: the
+// fleet client refuses it and deletes the cache it cannot reach again.
+TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
+  ASSERT_EQ(replicas_[0]->Stop(), 0);
+  replicas_[0]->set_replica_flag("--replica_name=kvcached-1");
+  ASSERT_TRUE(replicas_[0]->Start());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);  // the channel's reconnect backoff
+  while (!fleet_->client(0).GetStats().ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));  // the channel fails fast until it reconnects
+  }
+  absl::StatusOr<v1::CacheInfo> created =
+      fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "renamed"));
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition) << created.status();
+  EXPECT_NE(created.status().message().find("--replica_name"), absl::string_view::npos);
+  absl::StatusOr<std::vector<v1::CacheInfo>> left = fleet_->client(0).ListCaches();
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_TRUE(left->empty()) << left->size() << " caches left on the renamed replica";
 }
 
 TEST_F(E2eFleetTest, RandomSequencesThroughTheFleetMatchTheReference) {

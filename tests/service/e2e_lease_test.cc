@@ -80,7 +80,7 @@ class E2eLeaseTest : public ::testing::Test {
 };
 
 TEST_F(E2eLeaseTest, HandlesNoCallNamesRunOutWhileUpdatesKeepTheirCacheAlive) {
-  Start(absl::Seconds(1));
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1)));
   auto cache = client().CreateCache(ProtoSpec(2, 2, 8), /*ttl_seconds=*/2);
   ASSERT_TRUE(cache.ok()) << cache.status();
   EXPECT_EQ(cache->ttl_seconds(), 2u);
@@ -124,7 +124,7 @@ TEST_F(E2eLeaseTest, HandlesNoCallNamesRunOutWhileUpdatesKeepTheirCacheAlive) {
 }
 
 TEST_F(E2eLeaseTest, FetchRestoreAndRenewLeaseRenew) {
-  Start(absl::Seconds(1));
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1)));
   auto cache = client().CreateCache(ProtoSpec(1, 2, 8), /*ttl_seconds=*/60);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(Step(client(), *cache).ok());
@@ -148,7 +148,7 @@ TEST_F(E2eLeaseTest, FetchRestoreAndRenewLeaseRenew) {
 }
 
 TEST_F(E2eLeaseTest, RenewLeaseRefusesBadIdsNamingThem) {
-  Start(absl::ZeroDuration());
+  ASSERT_NO_FATAL_FAILURE(Start(absl::ZeroDuration()));
   auto cache = client().CreateCache(ProtoSpec(1, 2, 8));
   ASSERT_TRUE(cache.ok()) << cache.status();
   EXPECT_FALSE(cache->has_expires_at()) << "no lease without a ttl";
@@ -168,7 +168,7 @@ TEST_F(E2eLeaseTest, RenewLeaseRefusesBadIdsNamingThem) {
 }
 
 TEST_F(E2eLeaseTest, PinsOutliveLeasesWithinTheirBudget) {
-  Start(absl::Seconds(1), /*max_pinned_bytes=*/64 << 10);
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1), /*max_pinned_bytes=*/64 << 10));
   auto cache = client().CreateCache(ProtoSpec(2, 2, 8), /*ttl_seconds=*/60);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(Step(client(), *cache).ok());

@@ -84,7 +84,7 @@ class E2eMetricsTest : public ::testing::Test {
 };
 
 TEST_F(E2eMetricsTest, CountsEveryCallByMethodAndCodeWithItsLatency) {
-  Start({});
+  ASSERT_NO_FATAL_FAILURE(Start({}));
   ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(server_->client().GetCache("no-such-cache").status().code(),
@@ -121,7 +121,7 @@ TEST_F(E2eMetricsTest, CountsEveryCallByMethodAndCodeWithItsLatency) {
 }
 
 TEST_F(E2eMetricsTest, BytesOfEachTransportAndWhatThePoolHolds) {
-  Start({});
+  ASSERT_NO_FATAL_FAILURE(Start({}));
   const std::string over_grpc = StepAndFetch(server_->client(), 40);
   std::unique_ptr<Client> lane_client = server_->Connect(/*dedicated=*/true, "auto");
   const std::string over_lane = StepAndFetch(*lane_client, 40);
@@ -167,7 +167,7 @@ TEST_F(E2eMetricsTest, EachTenantHasItsOwnSeries) {
   std::filesystem::create_directories(dir_);
   const std::string tokens = (dir_ / "tokens").string();
   std::ofstream(tokens) << "tenant=alice token=" << kAlice << "\ntenant=bob token=" << kBob << "\n";
-  Start({.tokens_file = tokens, .token = kAlice});
+  ASSERT_NO_FATAL_FAILURE(Start({.tokens_file = tokens, .token = kAlice}));
   std::unique_ptr<Client> bob = server_->ConnectAs(kBob);
   ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
   ASSERT_TRUE(server_->client().CreateCache(ProtoSpec(1, 2, 8)).ok());
@@ -190,7 +190,7 @@ TEST_F(E2eMetricsTest, EachTenantHasItsOwnSeries) {
 }
 
 TEST_F(E2eMetricsTest, HealthAnswersForTheCacheServiceByName) {
-  Start({});
+  ASSERT_NO_FATAL_FAILURE(Start({}));
   for (const char* service : {"kvcache.v1.KvCacheService", ""}) {
     absl::StatusOr<bool> serving = server_->client().Serving(service);
     ASSERT_TRUE(serving.ok()) << serving.status();
@@ -304,7 +304,7 @@ TEST_F(E2eMetricsTest, JsonLogLinesAreOneObjectEach) {
 }
 
 TEST_F(E2eMetricsTest, NoAccessLogUnlessAskedFor) {
-  Start({});
+  ASSERT_NO_FATAL_FAILURE(Start({}));
   ::testing::internal::CaptureStderr();
   EXPECT_EQ(GetStatsWithRequestId(server_->client(), "quiet-1"), "quiet-1");
   const std::string log = ::testing::internal::GetCapturedStderr();

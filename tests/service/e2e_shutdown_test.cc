@@ -1,6 +1,7 @@
 // Graceful shutdown: KvCacheServer::Shutdown(grace) lets a stream that keeps
 // moving finish, cancels streams that stall past the grace, and returns in
 // time either way; nothing acknowledged is lost and no page is left held.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -201,6 +202,43 @@ TEST_P(E2eShutdownTest, HealthTurnsNotServingWhenShutdownBegins) {
   stopper.join();
   ASSERT_TRUE(told) << "the watch ended without a word";
   EXPECT_EQ(seen.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
+// A health Watch and a reflection stream (grpcurl's, say) stay open as long
+// as their clients like; Shutdown does not wait the grace for them.
+TEST_P(E2eShutdownTest, StreamsThatNeverDrainDoNotHoldShutdown) {
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(server_->server().address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext watching;
+  grpc::health::v1::HealthCheckRequest request;
+  auto watch = health->Watch(&watching, request);
+  grpc::health::v1::HealthCheckResponse seen;
+  ASSERT_TRUE(watch->Read(&seen));
+
+  grpc::GenericStub generic(channel);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext reflecting;
+  auto reflection = generic.PrepareCall(
+      &reflecting, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &queue);
+  reflection->StartCall(reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool started = false;
+  ASSERT_TRUE(queue.Next(&tag, &started));
+  ASSERT_TRUE(started);
+  // The server has both streams once it answers a call made after them.
+  ASSERT_TRUE(client().GetStats().ok());
+
+  const absl::Duration took = TimedShutdown(absl::Seconds(20));
+  EXPECT_LT(took, absl::Seconds(5));
+  watching.TryCancel();
+  reflecting.TryCancel();
+  grpc::Status ended;
+  reflection->Finish(&ended, reinterpret_cast<void*>(2));
+  queue.Shutdown();
+  while (queue.Next(&tag, &started)) {
+  }
+  watch->Finish();
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, E2eShutdownTest, ::testing::ValuesIn(kE2ePaths), PathTestName);

@@ -179,21 +179,25 @@ std::vector<std::string> EveryRpcMethod() {
 
 grpc::StatusCode CallWithEmptyMessage(const std::string& address, const std::string& method,
                                       const std::string& authorization) {
+  return CallWithBytes(address, method, "", authorization).error_code();
+}
+
+grpc::Status CallWithBytes(const std::string& address, const std::string& method,
+                           const std::string& request, const std::string& authorization) {
   grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   if (!authorization.empty()) context.AddMetadata("authorization", authorization);
-  grpc::Slice no_bytes("");
-  grpc::ByteBuffer empty_request(&no_bytes, 1), response;  // an empty message
+  grpc::Slice bytes(request);
+  grpc::ByteBuffer message(&bytes, 1), response;
   absl::Notification done;
   grpc::Status status;
-  stub.UnaryCall(&context, method, grpc::StubOptions(), &empty_request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &message, &response, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
   done.WaitForNotification();
-  return status.error_code();
+  return status;
 }
 
 std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info) {

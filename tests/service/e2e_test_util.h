@@ -123,6 +123,9 @@ std::vector<std::string> EveryRpcMethod();
 // metadata where it is not empty.
 grpc::StatusCode CallWithEmptyMessage(const std::string& address, const std::string& method,
                                       const std::string& authorization = "");
+// The status of `method` called with `request` as its message's bytes.
+grpc::Status CallWithBytes(const std::string& address, const std::string& method,
+                           const std::string& request, const std::string& authorization = "");
 
 // One layer's update as the client sends it.
 LayerUpdate MakeLayerUpdate(const engine::CacheSpec& spec, uint32_t layer, const KvTensors& kv);

@@ -18,6 +18,7 @@
 #include "core/client_text.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
 
 namespace kvcache::testing {
@@ -307,6 +308,39 @@ TEST(E2eContractTest, EveryRpcOfTheProtoIsServed) {
   for (const std::string& method : methods) {
     EXPECT_NE(CallWithEmptyMessage(address, method), grpc::StatusCode::UNIMPLEMENTED) << method;
   }
+  server->CleanUpAndCheck();
+}
+
+// A single request whose bytes gRPC cannot parse answers INVALID_ARGUMENT
+// naming the request type (grpc++ alone says INTERNAL, with no message).
+TEST(E2eContractTest, UnparsableRequestsAreInvalidArgumentNamingTheirType) {
+  std::unique_ptr<TestServer> server = TestServer::Start(ServerSetup{});
+  ASSERT_NE(server, nullptr);
+  const std::string address = server->server().address();
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::KvCacheService::service_full_name());
+  const std::string cut_off(
+      "\x0a\x05"
+      "ab",
+      4);  // field 1: 5 bytes said, 2 there
+  int single = 0;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor& method = *service->method(i);
+    if (method.client_streaming()) continue;
+    ++single;
+    const grpc::Status status = CallWithBytes(
+        address, absl::StrCat("/", service->full_name(), "/", method.name()), cut_off);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method.name() << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(method.input_type()->full_name()));
+  }
+  EXPECT_GT(single, 25);
+  const std::string not_utf8("\x0a\x02\xff\xfe", 4);  // cache_id: two bytes that are not UTF-8
+  const grpc::Status status =
+      CallWithBytes(address, absl::StrCat("/", service->full_name(), "/GetCache"), not_utf8);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("UTF-8"));
   server->CleanUpAndCheck();
 }
 
