@@ -175,6 +175,17 @@ TEST(HostMappablePageTypesTest, SmallBarWindowIsNeverUsed) {
   EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/true), 0u);
 }
 
+// The case the mask is for: a 256 MiB BAR type listed before the large BAR
+// of the same GPU. Only the large one may hold pages.
+TEST(HostMappablePageTypesTest, ASmallBarListedFirstIsPassedOver) {
+  const auto memory = MemoryTable({{256 << 20, true}, {80 * kGiB, true}, {64 * kGiB, false}},
+                                  {{kBar, 0},
+                                   {Flag::eDeviceLocal, 1},
+                                   {Flag::eHostVisible | Flag::eHostCoherent, 2},
+                                   {kBar, 1}});
+  EXPECT_EQ(HostMappablePageTypes(memory, /*cached=*/false), 1u << 3);
+}
+
 // Unified memory (lavapipe, integrated GPUs): every cached type on the one
 // heap qualifies, for reads and for writes.
 TEST(HostMappablePageTypesTest, UnifiedMemoryIsMappedBothWays) {

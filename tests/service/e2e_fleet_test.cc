@@ -342,9 +342,11 @@ TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
   replicas_[0]->set_replica_flag("--replica_name=kvcached-1");
   ASSERT_TRUE(replicas_[0]->Start());
   const absl::Time deadline = absl::Now() + absl::Seconds(10);  // the channel's reconnect backoff
-  while (!fleet_->client(0).GetStats().ok() && absl::Now() < deadline) {
+  absl::StatusOr<v1::Stats> back;
+  while (!(back = fleet_->client(0).GetStats()).ok() && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));  // the channel fails fast until it reconnects
   }
+  ASSERT_TRUE(back.ok()) << back.status();
   absl::StatusOr<v1::CacheInfo> created =
       fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "renamed"));
   EXPECT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition) << created.status();
