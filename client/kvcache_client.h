@@ -110,7 +110,11 @@ class UpdateTransport;
 class Client {
  public:
   static std::unique_ptr<Client> Connect(const ClientOptions& options);
-  // Waits until the server answers (for start-up scripts and tests).
+  // Waits until the server answers (for start-up scripts and tests). Calls
+  // fail fast with UNAVAILABLE while it is unreachable, and keep failing for
+  // a while after it is back: grpc's sync API only notices a finished
+  // reconnect while some call waits (else its 5 s backup poller does), so a
+  // caller that expects a restarted server waits here.
   absl::Status WaitForReady(absl::Duration timeout);
 
   // ttl_seconds: the cache's lease (deleted once no call names it for that

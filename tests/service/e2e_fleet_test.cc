@@ -341,11 +341,10 @@ TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
   ASSERT_EQ(replicas_[0]->Stop(), 0);
   replicas_[0]->set_replica_flag("--replica_name=kvcached-1");
   ASSERT_TRUE(replicas_[0]->Start());
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);  // the channel's reconnect backoff
-  absl::StatusOr<v1::Stats> back;
-  while (!(back = fleet_->client(0).GetStats()).ok() && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));  // the channel fails fast until it reconnects
-  }
+  // Fail-fast calls alone would not drive the reconnect: only a waiting
+  // caller polls the connect grpc starts when its backoff ends.
+  ASSERT_TRUE(fleet_->client(0).WaitForReady(absl::Seconds(30)).ok());
+  absl::StatusOr<v1::Stats> back = fleet_->client(0).GetStats();
   ASSERT_TRUE(back.ok()) << back.status();
   absl::StatusOr<v1::CacheInfo> created =
       fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "renamed"));
@@ -452,11 +451,8 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
   // someone else's).
   ASSERT_TRUE(replicas_[kVictim]->Start());
   Client& victim = fleet_->client(kVictim);
-  absl::StatusOr<std::vector<v1::SavedFile>> listed;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);  // the channel's reconnect backoff
-  while (!(listed = victim.ListSaved()).ok() && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));  // the channel fails fast until it reconnects
-  }
+  ASSERT_TRUE(victim.WaitForReady(absl::Seconds(30)).ok());
+  absl::StatusOr<std::vector<v1::SavedFile>> listed = victim.ListSaved();
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_EQ(listed->size(), saved.size());
   for (const auto& [name, written] : saved) {
