@@ -196,6 +196,15 @@ int Stats(kvcache::Client& client) {
       (unsigned long long)stats->evictions(), (unsigned long long)stats->demotions(),
       (unsigned long long)stats->promotions_from_host(),
       (unsigned long long)stats->promotions_from_disk());
+  if (!stats->tenant().empty()) {
+    const auto quota = [](uint64_t used, uint64_t max) {
+      return Bytes(used) + (max == 0 ? "" : " of " + Bytes(max));
+    };
+    std::printf("tenant pages  device %s, host %s, disk %s\n",
+                quota(stats->tenant_device_bytes(), stats->tenant_max_device_bytes()).c_str(),
+                quota(stats->tenant_host_bytes(), stats->tenant_max_host_bytes()).c_str(),
+                quota(stats->tenant_disk_bytes(), stats->tenant_max_disk_bytes()).c_str());
+  }
   std::printf("prefixes      %s\n", PrefixTotals(*stats).c_str());
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -64,6 +65,8 @@ absl::StatusOr<uint64_t> DefaultDiskTierBytes(const std::string& data_dir,
 // What one tenant's calls run on, in the order it must go: handlers, then
 // the reaper (which calls into the engine), then the engine, then its files.
 struct TenantRuntime {
+  // The tenant's view of the pool, charging its pages to its account.
+  std::unique_ptr<gpu::PagePool> pool;
   std::unique_ptr<engine::SavedFileStore> saved_files;
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<engine::LeaseReaper> lease_reaper;
@@ -72,6 +75,8 @@ struct TenantRuntime {
     handlers.reset();
     lease_reaper.reset();
     engine.reset();
+    saved_files.reset();
+    pool.reset();
   }
 };
 
@@ -95,6 +100,28 @@ absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
                                                    "plaintext; --allow_plaintext_lane allows it"));
   }
   return true;
+}
+
+// A tenant's tier quotas in whole pages; INVALID_ARGUMENT for one under a page,
+// which would read as no limit.
+absl::StatusOr<gpu::AccountLimits> TierLimits(const TenantQuotas& quotas, uint64_t page_bytes) {
+  gpu::AccountLimits limits;
+  const struct {
+    const char* name;
+    uint64_t bytes;
+    uint32_t& pages;
+  } tiers[] = {{"max_device_bytes", quotas.max_device_bytes, limits.device_pages},
+               {"max_host_bytes", quotas.max_host_bytes, limits.host_pages},
+               {"max_disk_bytes", quotas.max_disk_bytes, limits.disk_pages}};
+  for (const auto& tier : tiers) {
+    if (tier.bytes == 0) continue;
+    if (tier.bytes < page_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          tier.name, " ", tier.bytes, " is less than one page (page_bytes ", page_bytes, ")"));
+    }
+    tier.pages = static_cast<uint32_t>(std::min<uint64_t>(tier.bytes / page_bytes, UINT32_MAX));
+  }
+  return limits;
 }
 
 }  // namespace
@@ -126,8 +153,15 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     options.max_snapshots = tenant->quotas.max_snapshots;
     // The pool is shared, so one tenant's idle snapshots make room for another's work.
     options.evict_elsewhere = [this](uint32_t pages) { return EvictAnyTenant(pages); };
+    ASSIGN_OR_RETURN(const gpu::AccountLimits limits,
+                     TierLimits(tenant->quotas, pool_->page_bytes()));
+    if (next_account_ == std::numeric_limits<gpu::AccountId>::max()) {
+      return absl::ResourceExhaustedError("tokens_file: more tenants than pool accounts");
+    }
+    runtime->pool = pool_->ForAccount(next_account_++, limits);
   }
-  runtime->engine = std::make_unique<engine::Engine>(*pool_, options);
+  runtime->engine =
+      std::make_unique<engine::Engine>(runtime->pool != nullptr ? *runtime->pool : *pool_, options);
   runtime->lease_reaper =
       std::make_unique<engine::LeaseReaper>(*runtime->engine, lease_check_interval_);
   runtime->handlers = std::make_unique<service::Handlers>(*runtime->engine, service_options_);

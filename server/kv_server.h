@@ -132,6 +132,8 @@ class KvCacheServer {
   std::unique_ptr<gpu::Device> device_;
   std::unique_ptr<DiskBudget> disk_budget_;  // null without a data dir
   std::unique_ptr<gpu::PagePool> pool_;
+  // The pool account of the next tenant made (each has its own; 0 is the pool's).
+  gpu::AccountId next_account_ = 1;
   std::string data_dir_;
   std::string tokens_file_;
   engine::EngineOptions engine_options_;

@@ -92,6 +92,12 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
     status = ParseLimit(line, key, value, quotas.max_pinned_bytes);
   } else if (key == "max_metadata_bytes") {
     status = ParseLimit(line, key, value, quotas.max_metadata_bytes);
+  } else if (key == "max_device_bytes") {
+    status = ParseLimit(line, key, value, quotas.max_device_bytes);
+  } else if (key == "max_host_bytes") {
+    status = ParseLimit(line, key, value, quotas.max_host_bytes);
+  } else if (key == "max_disk_bytes") {
+    status = ParseLimit(line, key, value, quotas.max_disk_bytes);
   } else if (key == "max_caches") {
     status = ParseLimit(line, key, value, quotas.max_caches);
   } else if (key == "max_snapshots") {

@@ -33,6 +33,11 @@ TokenDigest DigestToken(absl::string_view token);
 struct TenantQuotas {
   uint64_t max_pinned_bytes = 0;
   uint64_t max_metadata_bytes = 0;
+  // Bytes of pool pages the tenant's caches and snapshots may hold in each
+  // tier (a shared page counts once), whole pages of the server's page_bytes.
+  uint64_t max_device_bytes = 0;
+  uint64_t max_host_bytes = 0;
+  uint64_t max_disk_bytes = 0;
   uint64_t max_caches = 0;
   uint64_t max_snapshots = 0;
   uint32_t max_requests_in_flight = 0;

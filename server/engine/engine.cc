@@ -458,7 +458,8 @@ EngineStats Engine::Stats() const {
                     .max_pinned_bytes = options_.max_pinned_bytes,
                     .metadata_bytes = metadata_.used(),
                     .max_metadata_bytes = metadata_.max_bytes(),
-                    .prefixes = prefixes_.Stats()};
+                    .prefixes = prefixes_.Stats(),
+                    .account = pool_.account_usage()};
   stats.prefixes.dropped = prefixes_dropped_.load(std::memory_order_relaxed);
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();

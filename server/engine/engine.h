@@ -97,6 +97,8 @@ struct EngineStats {
   uint64_t metadata_bytes = 0;    // charged to caches, snapshots and the pool's tables
   uint64_t max_metadata_bytes = 0;
   PrefixStats prefixes;
+  // The pages this engine's account holds per tier (PagePool::ForAccount).
+  gpu::AccountUsage account;
 };
 
 // What PublishPrefix left in the index.

@@ -72,14 +72,16 @@ absl::StatusOr<CacheSnapshotPtr> Tiering::Acquire(const std::string& snapshot_id
     const uint64_t below_bytes = below.host + below.disk;
     const auto pages = static_cast<uint32_t>(
         std::max<uint64_t>(1, (below_bytes + pool_.page_bytes() - 1) / pool_.page_bytes()));
-    if (evict_elsewhere_ && evict_elsewhere_(pages) > 0) continue;
+    const bool quota = absl::StrContains(promoted.message(), gpu::kAccountExhausted);
+    if (!quota && evict_elsewhere_ && evict_elsewhere_(pages) > 0) continue;
     if (!drop_cached_ || drop_cached_(below_bytes) == 0) return promoted;
   }
 }
 
 bool Tiering::Relievable(const absl::Status& status, uint64_t refused) const {
   if (status.code() != absl::StatusCode::kResourceExhausted) return false;
-  if (absl::StrContains(status.message(), gpu::kPoolExhausted)) {
+  if (absl::StrContains(status.message(), gpu::kPoolExhausted) ||
+      absl::StrContains(status.message(), gpu::kAccountExhausted)) {
     return pool_.refused_allocations() != refused;  // this call's, not an old message
   }
   return absl::StartsWith(status.message(), kMetadataBudgetName);
@@ -109,9 +111,11 @@ absl::Status Tiering::PromoteLocked(const CacheSnapshot& snapshot) const {
     promoted = pool_.Promote(lower);
   }
   if (promoted.code() == absl::StatusCode::kResourceExhausted) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "pool_bytes: no room on the device to bring back the snapshot's ", lower.size(),
-        " evicted pages (", promoted.message(), "), and no more can leave it"));
+    const bool quota = absl::StrContains(promoted.message(), gpu::kAccountExhausted);
+    return absl::ResourceExhaustedError(
+        absl::StrCat(quota ? "max_device_bytes" : "pool_bytes",
+                     ": no room on the device to bring back the snapshot's ", lower.size(),
+                     " evicted pages (", promoted.message(), "), and no more can leave it"));
   }
   RETURN_IF_ERROR(promoted);
   snapshot.resident_epoch.store(pool_.eviction_epoch());
@@ -173,8 +177,10 @@ absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted) const {
 }
 
 absl::Status Tiering::NothingToEvict(const absl::Status& refused) {
+  // The tenant's quota names itself first already.
+  const bool quota = absl::StrContains(refused.message(), gpu::kAccountExhausted);
   return absl::ResourceExhaustedError(absl::StrCat(
-      "pool_bytes: ", refused.message(),
+      quota ? "" : "pool_bytes: ", refused.message(),
       "; no more pages can leave the device (the rest are held by caches, pinned snapshots or "
       "calls in flight, or host_bytes and disk_bytes are full)"));
 }

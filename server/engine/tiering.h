@@ -109,7 +109,11 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
     if (result.ok()) return result;
     const absl::Status status = StatusOf(result);
     if (!Relievable(status, refused)) return result;
-    const bool pool_refused = absl::StrContains(status.message(), gpu::kPoolExhausted);
+    // The shared pool's budget, or this engine's own share of it (its
+    // tenant's device quota, which only its own pages leaving relieves).
+    const bool quota_refused = absl::StrContains(status.message(), gpu::kAccountExhausted);
+    const bool pool_refused =
+        quota_refused || absl::StrContains(status.message(), gpu::kPoolExhausted);
     const uint32_t shortfall = pool_refused ? pool_.last_shortfall() : 0;
     if (round + 1 == kMaxEvictionRounds) return pool_refused ? NothingToEvict(status) : result;
     if (pool_refused && enabled()) {
@@ -118,7 +122,9 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
       if (*moved > 0) continue;
       // Other tenants' idle snapshots move to a lower tier before anything
       // of this engine's is dropped: nothing is lost by that.
-      if (evict_elsewhere_ && evict_elsewhere_(std::max(shortfall, 1u)) > 0) continue;
+      if (!quota_refused && evict_elsewhere_ && evict_elsewhere_(std::max(shortfall, 1u)) > 0) {
+        continue;
+      }
     }
     // Nothing more can leave the device (or the budget is not the pool's):
     // what the engine keeps only as a cache goes before a caller is refused.

@@ -91,7 +91,9 @@ PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool ho
       disk_budget_(disk_budget),
       refcounts_(new std::atomic<uint32_t>[max_ids_]),
       where_(new std::atomic<uint32_t>[max_ids_]),
-      slabs_(new std::unique_ptr<Buffer>[max_slabs_]) {
+      slabs_(new std::unique_ptr<Buffer>[max_slabs_]),
+      account_of_(new AccountId[max_ids_]()),
+      accounts_(1) {
   free_ids_.reserve(max_ids_);
   for (uint32_t id = max_ids_; id > 0; --id) {
     refcounts_[id - 1].store(0, std::memory_order_relaxed);
@@ -128,9 +130,50 @@ PoolStats PageAllocator::stats() const {
                    .promotions_from_disk = moves_[kDisk][kDevice]};
 }
 
-uint32_t PageAllocator::available_pages() const {
+uint32_t PageAllocator::available_pages(AccountId account) const {
   absl::MutexLock lock(&mutex_);
-  return AvailableLocked();
+  return std::min(AvailableLocked(), RoomLocked(Tier::kDevice, account));
+}
+
+void PageAllocator::SetAccountLimits(AccountId account, const AccountLimits& limits) {
+  absl::MutexLock lock(&mutex_);
+  AccountLocked(account).limits = limits;
+}
+
+AccountUsage PageAllocator::Usage(AccountId account) const {
+  absl::MutexLock lock(&mutex_);
+  if (account >= accounts_.size()) return {};
+  const Account& held = accounts_[account];
+  return {.device_pages = held.used[static_cast<int>(Tier::kDevice)],
+          .host_pages = held.used[static_cast<int>(Tier::kHost)],
+          .disk_pages = held.used[static_cast<int>(Tier::kDisk)],
+          .limits = held.limits};
+}
+
+AccountId PageAllocator::AccountOf(PageId page) const {
+  absl::MutexLock lock(&mutex_);
+  return account_of_[page];
+}
+
+bool PageAllocator::HasRoom(Tier tier, AccountId account) const {
+  absl::MutexLock lock(&mutex_);
+  return RoomLocked(tier, account) > 0;
+}
+
+PageAllocator::Account& PageAllocator::AccountLocked(AccountId account) {
+  if (account >= accounts_.size()) accounts_.resize(uint32_t{account} + 1);
+  return accounts_[account];
+}
+
+uint32_t PageAllocator::RoomLocked(Tier tier, AccountId account) const {
+  if (account >= accounts_.size()) return UINT32_MAX;
+  const Account& held = accounts_[account];
+  const int t = static_cast<int>(tier);
+  const uint32_t limit = tier == Tier::kDevice ? held.limits.device_pages
+                         : tier == Tier::kHost ? held.limits.host_pages
+                                               : held.limits.disk_pages;
+  if (limit == 0) return UINT32_MAX;
+  return limit > held.used[t] ? limit - held.used[t] : 0;
 }
 
 uint32_t PageAllocator::AvailableLocked() const {
@@ -138,8 +181,17 @@ uint32_t PageAllocator::AvailableLocked() const {
   return static_cast<uint32_t>(free_.size()) + unbacked;
 }
 
-absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
+absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out, AccountId account) {
   absl::MutexLock lock(&mutex_);
+  const uint32_t room = RoomLocked(Tier::kDevice, account);
+  if (count > room) {
+    last_shortfall_.store(count - room, std::memory_order_relaxed);
+    refused_.fetch_add(1, std::memory_order_release);
+    const uint32_t limit = accounts_[account].limits.device_pages;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_device_bytes: ", kAccountExhausted, ": ", count, " pages requested, ", room, " of ",
+        limit, " (", uint64_t{limit} * plan_.page_bytes, " bytes) left"));
+  }
   const uint32_t available = AvailableLocked();
   if (count > available) {
     last_shortfall_.store(count - available, std::memory_order_relaxed);
@@ -157,16 +209,39 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out) {
     free_ids_.pop_back();
     where_[page].store(Encode(Tier::kDevice, free_.back()), std::memory_order_relaxed);
     free_.pop_back();
+    account_of_[page] = account;
     refcounts_[page].store(1, std::memory_order_relaxed);
     out.push_back(page);
   }
+  AccountLocked(account).used[static_cast<int>(Tier::kDevice)] += count;
   peak_used_ = std::max(peak_used_, backed_pages_.load(std::memory_order_relaxed) -
                                         static_cast<uint32_t>(free_.size()));
   return absl::OkStatus();
 }
 
-absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out) {
+absl::Status PageAllocator::TakeDeviceSlots(absl::Span<const PageId> pages,
+                                            std::vector<uint32_t>& out) {
   absl::MutexLock lock(&mutex_);
+  const auto count = static_cast<uint32_t>(pages.size());
+  std::vector<std::pair<AccountId, uint32_t>> needs;  // few accounts: a short list
+  for (const PageId page : pages) {
+    const AccountId account = account_of_[page];
+    auto need = std::find_if(needs.begin(), needs.end(),
+                             [&](const auto& entry) { return entry.first == account; });
+    if (need == needs.end()) {
+      needs.emplace_back(account, 1);
+    } else {
+      ++need->second;
+    }
+  }
+  for (const auto& [account, need] : needs) {
+    const uint32_t room = RoomLocked(Tier::kDevice, account);
+    if (need > room) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_device_bytes: ", kAccountExhausted, ": ", need, " pages to bring back, ", room,
+          " of ", accounts_[account].limits.device_pages, " left"));
+    }
+  }
   if (count > AvailableLocked()) {
     return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
                                                      " pages to bring back, ", AvailableLocked(),
@@ -175,6 +250,9 @@ absl::Status PageAllocator::TakeDeviceSlots(uint32_t count, std::vector<uint32_t
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
   out.insert(out.end(), free_.end() - count, free_.end());
   free_.resize(free_.size() - count);
+  for (const auto& [account, need] : needs) {
+    AccountLocked(account).used[static_cast<int>(Tier::kDevice)] += need;
+  }
   peak_used_ = std::max(peak_used_, backed_pages_.load(std::memory_order_relaxed) -
                                         static_cast<uint32_t>(free_.size()));
   return absl::OkStatus();
@@ -192,10 +270,14 @@ std::vector<uint32_t>& PageAllocator::FreeSlotsLocked(Tier tier) {
   return disk_free_;
 }
 
-std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
+std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier, AccountId account) {
   absl::MutexLock lock(&mutex_);
+  return TakeSlotLocked(tier, account);
+}
+
+std::optional<uint32_t> PageAllocator::TakeSlotLocked(Tier tier, AccountId account) {
   std::vector<uint32_t>& free = FreeSlotsLocked(tier);
-  if (free.empty()) return std::nullopt;
+  if (free.empty() || RoomLocked(tier, account) == 0) return std::nullopt;
   if (tier == Tier::kDisk && disk_budget_ != nullptr && !disk_charged_[free.back()]) {
     // Saved files may hold the rest of disk_bytes.
     if (!disk_budget_->TryCharge(plan_.page_bytes)) return std::nullopt;
@@ -203,15 +285,17 @@ std::optional<uint32_t> PageAllocator::TakeSlot(Tier tier) {
   }
   const uint32_t slot = free.back();
   free.pop_back();
+  ++AccountLocked(account).used[static_cast<int>(tier)];
   return slot;
 }
 
-void PageAllocator::ReturnSlot(Tier tier, uint32_t slot) {
+void PageAllocator::ReturnSlot(Tier tier, uint32_t slot, AccountId account) {
   absl::MutexLock lock(&mutex_);
-  FreeSlotLocked(tier, slot);
+  FreeSlotLocked(tier, slot, account);
 }
 
-void PageAllocator::FreeSlotLocked(Tier tier, uint32_t slot) {
+void PageAllocator::FreeSlotLocked(Tier tier, uint32_t slot, AccountId account) {
+  --AccountLocked(account).used[static_cast<int>(tier)];
   if (tier == Tier::kDisk && disk_budget_ != nullptr && discard_disk_slot_ != nullptr &&
       discard_disk_slot_(slot)) {
     disk_budget_->Credit(plan_.page_bytes);
@@ -228,7 +312,7 @@ void PageAllocator::SetDiskDiscard(std::function<bool(uint32_t)> discard) {
 void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
   absl::MutexLock lock(&mutex_);
   const uint32_t old = where_[page].load(std::memory_order_relaxed);
-  FreeSlotLocked(TierOf(old), SlotOfWord(old));
+  FreeSlotLocked(TierOf(old), SlotOfWord(old), account_of_[page]);
   where_[page].store(Encode(tier, slot), std::memory_order_release);
   // Only a disk tier ever asks which host page came first.
   if (tier == Tier::kHost && plan_.max_disk_pages > 0) {
@@ -249,17 +333,25 @@ void PageAllocator::DropStaleArrivalsLocked() {
   host_arrivals_.swap(live);
 }
 
-std::optional<std::pair<PageId, uint32_t>> PageAllocator::RetainOldestHostPage() {
+std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote() {
   absl::MutexLock lock(&mutex_);
   while (!host_arrivals_.empty()) {
     const auto [page, slot] = host_arrivals_.front();
-    host_arrivals_.pop_front();
     // Checked and retained under the lock that frees ids: a page freed (its
     // count at zero, its id perhaps reused) since it arrived is passed over.
-    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot) &&
-        TryRetain(page)) {
-      return std::make_pair(page, slot);
+    if (where_[page].load(std::memory_order_relaxed) != Encode(Tier::kHost, slot)) {
+      host_arrivals_.pop_front();
+      continue;
     }
+    const AccountId account = account_of_[page];
+    const std::optional<uint32_t> disk_slot = TakeSlotLocked(Tier::kDisk, account);
+    if (!disk_slot.has_value()) return std::nullopt;
+    host_arrivals_.pop_front();
+    if (!TryRetain(page)) {
+      FreeSlotLocked(Tier::kDisk, *disk_slot, account);
+      continue;
+    }
+    return Demotion{.page = page, .host_slot = slot, .disk_slot = *disk_slot};
   }
   return std::nullopt;
 }
@@ -271,7 +363,7 @@ void PageAllocator::CountMoves(Tier from, Tier to, uint32_t pages) {
 
 void PageAllocator::FreeLocked(PageId page) {
   const uint32_t word = where_[page].load(std::memory_order_relaxed);
-  FreeSlotLocked(TierOf(word), SlotOfWord(word));
+  FreeSlotLocked(TierOf(word), SlotOfWord(word), account_of_[page]);
   where_[page].store(kNowhere, std::memory_order_relaxed);
   free_ids_.push_back(page);
 }

@@ -18,6 +18,12 @@
 //   Relocate: a page's bytes moved to another tier (PagePool::Evict, Promote):
 //             its id stays, its slot changes.
 //
+// Accounts (PagePool::ForAccount): each allocated id records its account, and
+// each account counts the slots it uses per tier. A slot is charged when it
+// is taken (Allocate, TakeSlot, TakeDeviceSlots), so a batch of moves planned
+// together cannot pass a limit, and uncharged when freed (ReturnSlot, the
+// old slot in Relocate, the page's slot at count zero).
+//
 // Slab s holds device slots [s * pages_per_slab, min((s + 1) * pages_per_slab,
 // max_pages)). With no lower tiers, ids and device slots coincide.
 // Thread-safe; reference counting is lock-free except the push at zero.
@@ -36,6 +42,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "gpu/buffer.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
@@ -76,9 +83,16 @@ class PageAllocator {
   bool host_mapped() const { return host_mapped_; }
   uint32_t max_ids() const { return max_ids_; }
   PoolStats stats() const;
-  uint32_t available_pages() const;
+  uint32_t available_pages(AccountId account) const;
 
-  absl::Status Allocate(uint32_t count, std::vector<PageId>& out);
+  void SetAccountLimits(AccountId account, const AccountLimits& limits);
+  AccountUsage Usage(AccountId account) const;
+  // Only for held pages.
+  AccountId AccountOf(PageId page) const;
+  // Whether `account` may take another slot of `tier`.
+  bool HasRoom(Tier tier, AccountId account) const;
+
+  absl::Status Allocate(uint32_t count, std::vector<PageId>& out, AccountId account);
   uint64_t refused_allocations() const { return refused_.load(std::memory_order_acquire); }
   uint32_t last_shortfall() const { return last_shortfall_.load(std::memory_order_acquire); }
   void Retain(PageId page);
@@ -95,28 +109,48 @@ class PageAllocator {
   uint32_t SlotOf(PageId page) const;
 
   // Tier moves (PagePool::Evict, Promote), serialised by their caller.
-  // `count` free device slots, backing slabs as needed; all or none.
-  absl::Status TakeDeviceSlots(uint32_t count, std::vector<uint32_t>& out);
+  // A free device slot for each of `pages` (in order), backing slabs as
+  // needed, each charged to its page's account; all or none.
+  absl::Status TakeDeviceSlots(absl::Span<const PageId> pages, std::vector<uint32_t>& out);
   PageLocation LocateSlot(uint32_t device_slot) const;
-  // A free host or disk slot, if the tier has one.
-  std::optional<uint32_t> TakeSlot(Tier tier);
-  void ReturnSlot(Tier tier, uint32_t slot);
+  // A free host or disk slot, if the tier has one and `account` room in it.
+  std::optional<uint32_t> TakeSlot(Tier tier, AccountId account);
+  void ReturnSlot(Tier tier, uint32_t slot, AccountId account);
   // The page's bytes now live in `slot` of `tier`; its old slot is freed.
   void Relocate(PageId page, Tier tier, uint32_t slot);
-  // The host page that went there first and is still there, with its slot,
-  // retained (the caller releases it once moved); none when no host page is
-  // left. Only kept when there is a disk tier to move it to.
-  std::optional<std::pair<PageId, uint32_t>> RetainOldestHostPage();
+  // The host page that went there first and is still there, retained (the
+  // caller releases it once moved), with its host slot and a disk slot taken
+  // for it; none when no host page is left, or when the disk tier or the
+  // page's account has no room there (the page stays first in line). Only
+  // kept when there is a disk tier to move it to.
+  struct Demotion {
+    PageId page;
+    uint32_t host_slot;
+    uint32_t disk_slot;
+  };
+  std::optional<Demotion> TakeOldestHostPageToDemote();
   void CountMoves(Tier from, Tier to, uint32_t pages);
   // How a freed disk slot's space goes back to the file system (true: it
   // did); until it does, the slot stays charged to the disk budget.
   void SetDiskDiscard(std::function<bool(uint32_t)> discard);
 
  private:
+  // What the account keeps per tier: its limits and the slots it holds.
+  struct Account {
+    AccountLimits limits;
+    uint32_t used[3] = {};
+  };
+
   uint32_t AvailableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  // How many more slots of `tier` the account may take (UINT32_MAX: no limit).
+  uint32_t RoomLocked(Tier tier, AccountId account) const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  Account& AccountLocked(AccountId account) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  std::optional<uint32_t> TakeSlotLocked(Tier tier, AccountId account)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Frees a page whose count reached zero: its id and its slot.
   void FreeLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  void FreeSlotLocked(Tier tier, uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  void FreeSlotLocked(Tier tier, uint32_t slot, AccountId account)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   std::vector<uint32_t>& FreeSlotsLocked(Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void DropStaleArrivalsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Allocates the next slab and pushes its pages onto the free list.
@@ -139,6 +173,8 @@ class PageAllocator {
   // their pages; readers of a backed page's slot need no lock.
   const std::unique_ptr<std::unique_ptr<Buffer>[]> slabs_;
   std::atomic<uint32_t> backed_pages_{0};
+  // The account of each allocated id.
+  const std::unique_ptr<AccountId[]> account_of_ ABSL_PT_GUARDED_BY(mutex_);
 
   mutable absl::Mutex mutex_;
   uint32_t slab_count_ ABSL_GUARDED_BY(mutex_) = 0;
@@ -154,6 +190,7 @@ class PageAllocator {
   // leaves or is freed: checked against where_ when popped).
   std::deque<std::pair<PageId, uint32_t>> host_arrivals_ ABSL_GUARDED_BY(mutex_);
   uint64_t moves_[3][3] ABSL_GUARDED_BY(mutex_) = {};  // [from tier][to tier], pages
+  std::vector<Account> accounts_ ABSL_GUARDED_BY(mutex_);  // by AccountId, grown on use
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint32_t> last_shortfall_{0};
 };

@@ -277,12 +277,20 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Device& device,
     ASSIGN_OR_RETURN(disk, DiskPageStore::Create(options.disk_path, plan.page_bytes));
   }
   return std::unique_ptr<PagePool>(
-      new PagePool(std::make_unique<Impl>(device, plan, options.quantize_kernel, std::move(staged),
-                                          std::move(disk), options.disk_budget)));
+      new PagePool(std::make_shared<Impl>(device, plan, options.quantize_kernel, std::move(staged),
+                                          std::move(disk), options.disk_budget),
+                   kPoolAccount));
 }
 
-PagePool::PagePool(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PagePool::PagePool(std::shared_ptr<Impl> impl, AccountId account)
+    : impl_(std::move(impl)), account_(account) {}
 PagePool::~PagePool() = default;
+
+std::unique_ptr<PagePool> PagePool::ForAccount(AccountId account, const AccountLimits& limits) {
+  impl_->pages.SetAccountLimits(account, limits);
+  return std::unique_ptr<PagePool>(new PagePool(impl_, account));
+}
+AccountUsage PagePool::account_usage() const { return impl_->pages.Usage(account_); }
 
 uint64_t PagePool::page_bytes() const {
   return impl_->pages.plan().page_bytes;
@@ -293,12 +301,10 @@ PoolStats PagePool::stats() const {
 bool PagePool::quantizes_on_host() const {
   return impl_->quantizer.on_host();
 }
-uint32_t PagePool::available_pages() const {
-  return impl_->pages.available_pages();
-}
+uint32_t PagePool::available_pages() const { return impl_->pages.available_pages(account_); }
 
 absl::Status PagePool::Allocate(uint32_t count, std::vector<PageId>& out) {
-  return impl_->pages.Allocate(count, out);
+  return impl_->pages.Allocate(count, out, account_);
 }
 void PagePool::Retain(PageId page) {
   impl_->pages.Retain(page);

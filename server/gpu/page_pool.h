@@ -61,6 +61,31 @@ struct PoolOptions {
   DiskBudget* disk_budget = nullptr;
 };
 
+// Accounts: who pages are charged to (a tenant each). A page is charged to
+// the account of the view that allocated it (PagePool::ForAccount), in
+// whichever tier it is, until it is freed. Account 0, the pool's own view,
+// has no limits.
+using AccountId = uint16_t;
+inline constexpr AccountId kPoolAccount = 0;
+
+// Most pages an account may hold in each tier; 0: no limit of its own.
+struct AccountLimits {
+  uint32_t device_pages = 0;
+  uint32_t host_pages = 0;
+  uint32_t disk_pages = 0;
+};
+
+struct AccountUsage {
+  uint32_t device_pages = 0;
+  uint32_t host_pages = 0;
+  uint32_t disk_pages = 0;
+  AccountLimits limits;
+};
+
+// What an Allocate past its account's device limit says, after the quota's
+// name (max_device_bytes, as the tokens file calls it).
+inline constexpr char kAccountExhausted[] = "the tenant's device quota is used up";
+
 // Copies `bytes` bytes from host memory into page `page` at byte `offset`.
 struct WriteRun {
   PageId page;
@@ -127,11 +152,21 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
+  // A view of this pool whose allocations are charged to `account`, held
+  // within `limits`: Allocate past the device limit is RESOURCE_EXHAUSTED
+  // naming it, and Evict and Promote keep each page's account within its
+  // host, disk and device limits. Everything else (pages, tiers, stats) is
+  // the pool's, shared. `account` is the caller's to keep unique.
+  std::unique_ptr<PagePool> ForAccount(AccountId account, const AccountLimits& limits);
+  // What this view's account holds per tier, and its limits.
+  AccountUsage account_usage() const;
+
   uint64_t page_bytes() const;
   PoolStats stats() const;
   // True when Quantize / Dequantize run the native CPU kernels (QuantKernel).
   bool quantizes_on_host() const;
-  // Pages that Allocate could still hand out (free list plus unbacked budget).
+  // Pages that Allocate could still hand out (free list plus unbacked
+  // budget, and within the account's device limit).
   uint32_t available_pages() const;
 
   // Appends `count` fresh pages (reference count 1, contents undefined) to `out`.
@@ -194,8 +229,9 @@ class PagePool {
 
  private:
   class Impl;
-  explicit PagePool(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  PagePool(std::shared_ptr<Impl> impl, AccountId account);
+  std::shared_ptr<Impl> impl_;
+  const AccountId account_;
 };
 
 }  // namespace kvcache::gpu

@@ -63,10 +63,12 @@ class PagePool::Impl {
   // Whole device slots to and from host memory, by either path.
   absl::Status ReadSlots(absl::Span<const std::pair<uint32_t, std::byte*>> reads);
   absl::Status WriteSlots(absl::Span<const std::pair<uint32_t, const std::byte*>> writes);
-  // Where the next evicted page goes: a free host slot, one made free by
-  // moving the oldest host page to disk, or a disk slot; none when full.
-  absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> EvictionSlot();
-  absl::Status DemoteOldestHostPage(uint32_t disk_slot, bool& demoted);
+  // Where the next evicted page of `account` goes: a free host slot, one made
+  // free by moving the oldest host page to disk, or a disk slot, within the
+  // account's limits; none when full.
+  absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> EvictionSlot(AccountId account);
+  // Moves the oldest host page to disk; false when none can go.
+  absl::StatusOr<bool> DemoteOldestHostPage();
 
   // Null on the direct path. With mapped writes, pages are mapped (Write
   // copies into them) and this ring does everything else.

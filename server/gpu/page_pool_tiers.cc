@@ -52,41 +52,42 @@ absl::Status PagePool::Impl::WriteSlots(
   return staged_->Write(copies);
 }
 
-absl::Status PagePool::Impl::DemoteOldestHostPage(uint32_t disk_slot, bool& demoted) {
-  demoted = false;
+absl::StatusOr<bool> PagePool::Impl::DemoteOldestHostPage() {
   // Held for the move, so it cannot be freed (and its id reused) meanwhile.
-  const std::optional<std::pair<PageId, uint32_t>> oldest = pages.RetainOldestHostPage();
-  if (!oldest.has_value()) return absl::OkStatus();
-  const auto [page, host_slot] = *oldest;
-  absl::Status written = disk_->Write(disk_slot, host_.Slot(host_slot));
+  const std::optional<PageAllocator::Demotion> oldest = pages.TakeOldestHostPageToDemote();
+  if (!oldest.has_value()) return false;
+  absl::Status written = disk_->Write(oldest->disk_slot, host_.Slot(oldest->host_slot));
   if (written.ok()) {
-    pages.Relocate(page, Tier::kDisk, disk_slot);
+    pages.Relocate(oldest->page, Tier::kDisk, oldest->disk_slot);
     pages.CountMoves(Tier::kHost, Tier::kDisk, 1);
-    demoted = true;
+  } else {
+    pages.ReturnSlot(Tier::kDisk, oldest->disk_slot, pages.AccountOf(oldest->page));
   }
-  pages.Release(page);
-  return written;
+  pages.Release(oldest->page);
+  if (!written.ok()) return written;
+  return true;
 }
 
-absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::EvictionSlot() {
-  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost)) {
+absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::EvictionSlot(
+    AccountId account) {
+  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost, account)) {
     return std::make_pair(Tier::kHost, *slot);
   }
   if (disk_ == nullptr) return std::nullopt;
-  std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk);
-  if (!disk_slot.has_value()) return std::nullopt;
-  bool demoted = false;
-  const absl::Status status = DemoteOldestHostPage(*disk_slot, demoted);
-  if (!status.ok() || !demoted) {
-    // No host page left to demote (no host tier, or every one freed meanwhile):
-    // the evicted page goes straight to disk.
-    if (status.ok()) return std::make_pair(Tier::kDisk, *disk_slot);
-    pages.ReturnSlot(Tier::kDisk, *disk_slot);
-    return status;
+  // Host memory is full but the account may use more of it: its oldest page
+  // moves down to make room (when that page's account has room on disk).
+  if (pages.HasRoom(Tier::kHost, account)) {
+    ASSIGN_OR_RETURN(const bool demoted, DemoteOldestHostPage());
+    if (demoted) {
+      if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost, account)) {
+        return std::make_pair(Tier::kHost, *slot);
+      }
+    }
   }
-  // The demoted page's host slot is free now.
-  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost)) {
-    return std::make_pair(Tier::kHost, *slot);
+  // No host room for it (no host tier, its quota there used up, or nothing
+  // could move down): the evicted page goes straight to disk.
+  if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kDisk, account)) {
+    return std::make_pair(Tier::kDisk, *slot);
   }
   return std::nullopt;
 }
@@ -107,17 +108,20 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
   for (size_t i = 0; i < victims.size(); ++i) {
     const PageId page = victims[i];
     if (pages.Where(page) != Tier::kDevice) continue;
+    const AccountId account = pages.AccountOf(page);
     if (i < straight_to_disk) {
-      if (std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk)) {
+      if (std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk, account)) {
         planned.emplace_back(page, std::make_pair(Tier::kDisk, *disk_slot));
         continue;
       }
     }
-    absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> slot = EvictionSlot();
+    absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> slot = EvictionSlot(account);
     if (!slot.ok()) {
       status = slot.status();
       break;
     }
+    // Neither tier has room for this page (or its account's share of them):
+    // the pages after it are as old or newer, and move no more easily.
     if (!slot->has_value()) break;
     planned.emplace_back(page, **slot);
   }
@@ -140,7 +144,7 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
       pages.Relocate(page, Tier::kHost, slot.second);
       ++moved;
     } else {
-      pages.ReturnSlot(Tier::kHost, slot.second);
+      pages.ReturnSlot(Tier::kHost, slot.second, pages.AccountOf(page));
     }
   }
   pages.CountMoves(Tier::kDevice, Tier::kHost, moved);
@@ -154,7 +158,7 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
     if (wrote.ok()) wrote = disk_->Write(disk_slots[i], bounce.data());
     if (!wrote.ok()) {
       status.Update(wrote);
-      pages.ReturnSlot(Tier::kDisk, disk_slots[i]);
+      pages.ReturnSlot(Tier::kDisk, disk_slots[i], pages.AccountOf(to_disk[i]));
       continue;
     }
     pages.Relocate(to_disk[i], Tier::kDisk, disk_slots[i]);
@@ -181,7 +185,7 @@ absl::Status PagePool::Impl::Promote(absl::Span<const PageId> promoted) {
   lower.erase(std::unique(lower.begin(), lower.end()), lower.end());
   if (lower.empty()) return absl::OkStatus();
   std::vector<uint32_t> device_slots;
-  RETURN_IF_ERROR(pages.TakeDeviceSlots(lower.size(), device_slots));
+  RETURN_IF_ERROR(pages.TakeDeviceSlots(lower, device_slots));
   // From host memory: straight into the device slots, in one batch.
   std::vector<std::pair<uint32_t, const std::byte*>> host_writes;
   std::vector<size_t> from_disk;
@@ -207,7 +211,9 @@ absl::Status PagePool::Impl::Promote(absl::Span<const PageId> promoted) {
     if (status.ok()) status = WriteSlots(writes);
   }
   if (!status.ok()) {
-    for (const uint32_t slot : device_slots) pages.ReturnSlot(Tier::kDevice, slot);
+    for (size_t i = 0; i < lower.size(); ++i) {
+      pages.ReturnSlot(Tier::kDevice, device_slots[i], pages.AccountOf(lower[i]));
+    }
     return status;
   }
   uint32_t from_host = 0;

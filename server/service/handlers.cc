@@ -308,6 +308,13 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_prefix_hits(stats.prefixes.hits);
   response->set_prefix_matched_tokens(stats.prefixes.matched_tokens);
   response->set_prefix_entries_dropped(stats.prefixes.dropped);
+  const uint64_t page_bytes = stats.pool.page_bytes;
+  response->set_tenant_device_bytes(stats.account.device_pages * page_bytes);
+  response->set_tenant_host_bytes(stats.account.host_pages * page_bytes);
+  response->set_tenant_disk_bytes(stats.account.disk_pages * page_bytes);
+  response->set_tenant_max_device_bytes(stats.account.limits.device_pages * page_bytes);
+  response->set_tenant_max_host_bytes(stats.account.limits.host_pages * page_bytes);
+  response->set_tenant_max_disk_bytes(stats.account.limits.disk_pages * page_bytes);
   return absl::OkStatus();
 }
 

@@ -211,6 +211,116 @@ TEST_P(PageTiersTest, ASecondPoolCannotTakeTheSameDiskTierFile) {
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
 }
 
+// Accounts (one per tenant): each holds its pages within its own limits per
+// tier, whatever the pool as a whole still has.
+TEST_P(PageTiersTest, AnAccountAllocatesWithinItsDeviceLimitOnly) {
+  auto pool = MakeTieredPool(8, 0, 0);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.device_pages = 3});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> held;
+  ASSERT_TRUE(limited->Allocate(2, held).ok());
+  EXPECT_EQ(limited->available_pages(), 1u);
+  const uint64_t refused = limited->refused_allocations();
+  const absl::Status past = limited->Allocate(2, held);
+  EXPECT_EQ(past.code(), absl::StatusCode::kResourceExhausted) << past;
+  EXPECT_THAT(std::string(past.message()), ::testing::StartsWith("max_device_bytes: "));
+  EXPECT_THAT(std::string(past.message()), ::testing::HasSubstr(kAccountExhausted));
+  EXPECT_EQ(held.size(), 2u) << "a refused allocation added pages";
+  EXPECT_EQ(limited->refused_allocations(), refused + 1);
+  EXPECT_EQ(limited->last_shortfall(), 1u);
+  // The pool's other 6 pages are the other account's to take.
+  std::vector<PageId> others;
+  ASSERT_TRUE(free->Allocate(6, others).ok());
+  EXPECT_EQ(limited->available_pages(), 0u);
+  EXPECT_EQ(limited->account_usage().device_pages, 2u);
+  EXPECT_EQ(free->account_usage().device_pages, 6u);
+  EXPECT_EQ(limited->account_usage().limits.device_pages, 3u);
+  // Pages freed go back to the account that held them, wherever released.
+  pool->Release(others.back());
+  others.pop_back();
+  ASSERT_TRUE(limited->Allocate(1, held).ok());
+  EXPECT_EQ(limited->Allocate(1, held).code(), absl::StatusCode::kResourceExhausted);
+  for (PageId page : held) pool->Release(page);
+  for (PageId page : others) pool->Release(page);
+  EXPECT_EQ(limited->account_usage().device_pages, 0u);
+  EXPECT_EQ(free->account_usage().device_pages, 0u);
+  ExpectAllFree(*pool);
+}
+
+TEST_P(PageTiersTest, EvictionAndPromotionKeepEachAccountWithinItsLimits) {
+  auto pool = MakeTieredPool(8, 4, 4);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited =
+      pool->ForAccount(1, {.device_pages = 4, .host_pages = 1, .disk_pages = 1});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> pages;
+  ASSERT_TRUE(limited->Allocate(4, pages).ok());
+  const auto contents = Fill(*pool, pages);
+  // One page fits its host share, one its disk share; the rest stay.
+  EXPECT_EQ(pool->Evict(pages).value_or(0), 2u);
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kHost);
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[2]), Tier::kDevice);
+  AccountUsage usage = limited->account_usage();
+  EXPECT_EQ(usage.device_pages, 2u);
+  EXPECT_EQ(usage.host_pages, 1u);
+  EXPECT_EQ(usage.disk_pages, 1u);
+  // The other account's pages take the host memory left, unbounded.
+  std::vector<PageId> others;
+  ASSERT_TRUE(free->Allocate(3, others).ok());
+  Fill(*pool, others);
+  EXPECT_EQ(pool->Evict(others).value_or(0), 3u);
+  EXPECT_EQ(free->account_usage().host_pages, 3u);
+  // Back to the device only within its device share: two new pages fill it.
+  std::vector<PageId> fresh;
+  ASSERT_TRUE(limited->Allocate(2, fresh).ok());
+  const absl::Status promoted = pool->Promote(pages);
+  EXPECT_EQ(promoted.code(), absl::StatusCode::kResourceExhausted) << promoted;
+  EXPECT_THAT(std::string(promoted.message()), ::testing::StartsWith("max_device_bytes: "));
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kHost) << "a refused promotion moved a page";
+  for (PageId page : fresh) pool->Release(page);
+  ASSERT_TRUE(pool->Promote(pages).ok());
+  for (size_t i = 0; i < pages.size(); ++i) EXPECT_EQ(ReadPage(*pool, pages[i]), contents[i]) << i;
+  usage = limited->account_usage();
+  EXPECT_EQ(usage.device_pages, 4u);
+  EXPECT_EQ(usage.host_pages + usage.disk_pages, 0u);
+  for (PageId page : pages) pool->Release(page);
+  for (PageId page : others) pool->Release(page);
+  EXPECT_EQ(free->account_usage().host_pages, 0u);
+  ExpectAllFree(*pool);
+}
+
+// Host memory full: its oldest page moves to disk only where that page's own
+// account has room there; otherwise the newcomer goes to disk instead.
+TEST_P(PageTiersTest, ADemotionNeedsRoomOnDiskInTheDemotedPagesAccount) {
+  auto pool = MakeTieredPool(8, 1, 4);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.disk_pages = 1});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> pages;
+  ASSERT_TRUE(limited->Allocate(3, pages).ok());
+  const auto contents = Fill(*pool, pages);
+  ASSERT_EQ(pool->Evict({pages[0]}).value_or(0), 1u);
+  ASSERT_EQ(pool->Evict({pages[1]}).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kDisk);  // moved down for pages[1]
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kHost);
+  // Its disk share is used up: pages[1] cannot move down, so pages[2] stays.
+  EXPECT_EQ(pool->Evict({pages[2]}).value_or(9), 0u);
+  EXPECT_EQ(pool->Where(pages[2]), Tier::kDevice);
+  // Another account's page passes it and goes to disk itself.
+  std::vector<PageId> other;
+  ASSERT_TRUE(free->Allocate(1, other).ok());
+  ASSERT_EQ(pool->Evict(other).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(other[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kHost);
+  ASSERT_TRUE(pool->Promote(pages).ok());
+  for (size_t i = 0; i < pages.size(); ++i) EXPECT_EQ(ReadPage(*pool, pages[i]), contents[i]) << i;
+  for (PageId page : pages) pool->Release(page);
+  pool->Release(other[0]);
+  ExpectAllFree(*pool);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, PageTiersTest, ::testing::ValuesIn(kAllTransferPaths),
                          [](const auto& info) { return TransferPathName(info.param); });
 

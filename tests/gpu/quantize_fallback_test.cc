@@ -44,7 +44,7 @@ TEST_P(QuantizeFallbackTest, AtomicScalesMatchTheReferenceAndSpareNeighbours) {
                            /*host_mapped=*/true);
   gpu::Quantizer quantizer(device(), pages, {.subgroup_shuffle = false});
   std::vector<PageId> ids;
-  ASSERT_TRUE(pages.Allocate(1, ids).ok());
+  ASSERT_TRUE(pages.Allocate(1, ids, gpu::kPoolAccount).ok());
   std::byte* page = pages.Locate(ids[0]).host;
   std::mt19937_64 rng(21);
   for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {

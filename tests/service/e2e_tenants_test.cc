@@ -67,6 +67,21 @@ class E2eTenantsTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
+  // The server again, on the tokens file as it is now: a device of 128 pages
+  // of 8 KiB (16 tokens each), 512 pages of host memory below it.
+  void RestartSmallWithAHostTier() {
+    alice_.reset();
+    bob_.reset();
+    server_.reset();
+    server_ = TestServer::Start({.budget_bytes = 1 << 20,
+                                 .host_bytes = 4 << 20,
+                                 .tokens_file = tokens_file(),
+                                 .token = kAlice});
+    ASSERT_NE(server_, nullptr);
+    alice_ = server_->ConnectAs(kAlice);
+    bob_ = server_->ConnectAs(kBob);
+  }
+
   std::string tokens_file() const { return (dir_ / "tokens").string(); }
   void WriteTokens(const std::string& text) { std::ofstream(tokens_file()) << text; }
 
@@ -474,14 +489,7 @@ TEST_F(E2eTenantsTest, LaneConnectionsStopAtTheTenantsQuota) {
 // work moves them to host memory (alice loses nothing: her bytes come back
 // when she reads them), instead of bob being refused.
 TEST_F(E2eTenantsTest, OneTenantsIdleSnapshotsMakeRoomForAnothers) {
-  server_.reset();
-  server_ = TestServer::Start({.budget_bytes = 1 << 20,  // 128 pages of 8 KiB, 16 tokens each
-                               .host_bytes = 4 << 20,
-                               .tokens_file = tokens_file(),
-                               .token = kAlice});
-  ASSERT_NE(server_, nullptr);
-  alice_ = server_->ConnectAs(kAlice);
-  bob_ = server_->ConnectAs(kBob);
+  ASSERT_NO_FATAL_FAILURE(RestartSmallWithAHostTier());
   std::vector<std::pair<std::string, LayerHistory>> alices;  // snapshot, layer 1 as written
   for (int i = 0; i < 2; ++i) {  // 2 x 2 layers x 32 pages: the whole device
     const auto [cache, snapshot] = CacheWithSnapshot(*alice_, 512);
@@ -505,6 +513,80 @@ TEST_F(E2eTenantsTest, OneTenantsIdleSnapshotsMakeRoomForAnothers) {
     EXPECT_TRUE(read->keys == written.keys && read->values == written.values)
         << "alice's bytes changed on their way through host memory";
   }
+}
+
+// A tenant's tier quotas bound its pages in each tier: past its device share
+// its own idle snapshots move down, then its calls are refused naming the
+// quota, while the pool still has room for the others.
+TEST_F(E2eTenantsTest, TierQuotasBoundATenantsPagesInEachTier) {
+  constexpr uint64_t kQuota = 32 * 8192;  // 32 pages: a cache of 256 tokens
+  WriteTokens(absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob,
+                           "\ntenant=ops token=", kOps, " admin\ntenant=carol token=", kCarol,
+                           " max_device_bytes=", kQuota, " max_host_bytes=", kQuota, "\n"));
+  ASSERT_NO_FATAL_FAILURE(RestartSmallWithAHostTier());
+  std::unique_ptr<Client> carol = server_->ConnectAs(kCarol);
+  const auto usage = [&] {
+    absl::StatusOr<v1::Stats> stats = carol->GetStats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? std::make_pair(stats->tenant_device_bytes(), stats->tenant_host_bytes())
+                      : std::make_pair(uint64_t{0}, uint64_t{0});
+  };
+
+  const auto [first_cache, first] = CacheWithSnapshot(*carol, 256);
+  ASSERT_TRUE(carol->DeleteCache(first_cache).ok());
+  absl::StatusOr<LayerHistory> first_written = carol->FetchLayer("", first, 1);
+  ASSERT_TRUE(first_written.ok()) << first_written.status();
+  // The first snapshot fills the device share; the second moves it down.
+  const auto [second_cache, second] = CacheWithSnapshot(*carol, 256);
+  EXPECT_EQ(usage(), std::make_pair(kQuota, kQuota));
+  absl::StatusOr<v1::Stats> stats = carol->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->tenant_max_device_bytes(), kQuota);
+  EXPECT_EQ(stats->tenant_max_host_bytes(), kQuota);
+  EXPECT_EQ(stats->tenant_max_disk_bytes(), 0u);
+
+  // Its live cache holds the whole device share: more is refused, nothing changed.
+  RefCache reference(spec_);
+  const absl::Status more = StepBoth(*carol, second_cache, reference, 16, rng_);
+  EXPECT_EQ(more.code(), Code::kResourceExhausted) << more;
+  EXPECT_THAT(more.message(), HasSubstr("max_device_bytes"));
+  EXPECT_EQ(carol->GetCache(second_cache)->offset(), 256u);
+  // The pool is not full: another tenant fills 64 pages more.
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 512);
+  ASSERT_FALSE(bob_snapshot.empty());
+
+  // Host memory has room, but not in carol's share of it: her idle second
+  // snapshot cannot move down for a third.
+  ASSERT_TRUE(carol->DeleteCache(second_cache).ok());
+  absl::StatusOr<LayerHistory> second_written = carol->FetchLayer("", second, 1);
+  ASSERT_TRUE(second_written.ok()) << second_written.status();
+  absl::StatusOr<v1::CacheInfo> third = carol->CreateCache(ToWireSpec(spec_));
+  ASSERT_TRUE(third.ok());
+  const absl::Status refused = StepBoth(*carol, third->cache_id(), reference, 256, rng_);
+  EXPECT_EQ(refused.code(), Code::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_device_bytes"));
+  EXPECT_EQ(carol->GetCache(third->cache_id())->offset(), 0u);
+  EXPECT_EQ(usage(), std::make_pair(kQuota, kQuota));
+  // With the first released, the second moves down and the third fits.
+  ASSERT_TRUE(carol->ReleaseSnapshot(first).ok());
+  RefCache again(spec_);
+  EXPECT_TRUE(StepBoth(*carol, third->cache_id(), again, 256, rng_).ok());
+  EXPECT_EQ(usage(), std::make_pair(kQuota, kQuota));
+  // Reading the second brings it back within the share the third left.
+  ASSERT_TRUE(carol->DeleteCache(third->cache_id()).ok());
+  absl::StatusOr<LayerHistory> read = carol->FetchLayer("", second, 1);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(read->keys == second_written->keys && read->values == second_written->values);
+  ReleaseAll(*carol);
+  EXPECT_EQ(usage(), std::make_pair(uint64_t{0}, uint64_t{0}));
+  // A quota under one page would read as none: the file is refused naming it.
+  std::ifstream in(tokens_file());
+  const std::string tokens((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  WriteTokens(absl::StrCat(tokens, "tenant=dave token=dave-token-0123456789abcdef ",
+                           "max_host_bytes=4096\n"));
+  const absl::Status reloaded = server_->server().ReloadTokens();
+  EXPECT_EQ(reloaded.code(), Code::kInvalidArgument) << reloaded;
+  EXPECT_THAT(reloaded.message(), HasSubstr("max_host_bytes 4096 is less than one page"));
 }
 
 // A reload rotates alice's token: the old one is refused from the next call,
