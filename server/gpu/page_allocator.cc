@@ -335,20 +335,34 @@ void PageAllocator::DropStaleArrivalsLocked() {
 
 std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote() {
   absl::MutexLock lock(&mutex_);
-  while (!host_arrivals_.empty()) {
-    const auto [page, slot] = host_arrivals_.front();
+  // A page whose account has no room left on disk stays, and is passed over:
+  // one tenant's full disk share must not keep the others' pages from moving
+  // down. The scan is bounded; past it, nothing moves this time.
+  uint32_t passed_over = 0;
+  for (auto entry = host_arrivals_.begin();
+       entry != host_arrivals_.end() && passed_over < kMaxPassedOver;) {
+    const auto [page, slot] = *entry;
     // Checked and retained under the lock that frees ids: a page freed (its
-    // count at zero, its id perhaps reused) since it arrived is passed over.
+    // count at zero, its id perhaps reused) since it arrived is dropped.
     if (where_[page].load(std::memory_order_relaxed) != Encode(Tier::kHost, slot)) {
-      host_arrivals_.pop_front();
+      entry = host_arrivals_.erase(entry);
       continue;
     }
     const AccountId account = account_of_[page];
+    if (RoomLocked(Tier::kDisk, account) == 0) {
+      ++passed_over;
+      ++entry;
+      continue;
+    }
+    // None when the disk tier itself is full: no other page could go either.
     const std::optional<uint32_t> disk_slot = TakeSlotLocked(Tier::kDisk, account);
     if (!disk_slot.has_value()) return std::nullopt;
-    host_arrivals_.pop_front();
+    entry = host_arrivals_.erase(entry);
     if (!TryRetain(page)) {
-      FreeSlotLocked(Tier::kDisk, *disk_slot, account);
+      // Back on the free list as it was taken: still charged to the disk
+      // budget, so the next demotion need not win that room again.
+      disk_free_.push_back(*disk_slot);
+      --AccountLocked(account).used[static_cast<int>(Tier::kDisk)];
       continue;
     }
     return Demotion{.page = page, .host_slot = slot, .disk_slot = *disk_slot};

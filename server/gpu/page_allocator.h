@@ -120,9 +120,11 @@ class PageAllocator {
   void Relocate(PageId page, Tier tier, uint32_t slot);
   // The host page that went there first and is still there, retained (the
   // caller releases it once moved), with its host slot and a disk slot taken
-  // for it; none when no host page is left, or when the disk tier or the
-  // page's account has no room there (the page stays first in line). Only
-  // kept when there is a disk tier to move it to.
+  // for it; none when no host page is left or the disk tier is full. Pages
+  // whose account has no room left on disk keep their place in line and are
+  // passed over (at most kMaxPassedOver of them). Only kept when there is a
+  // disk tier to move it to.
+  static constexpr uint32_t kMaxPassedOver = 64;
   struct Demotion {
     PageId page;
     uint32_t host_slot;
@@ -173,8 +175,8 @@ class PageAllocator {
   // their pages; readers of a backed page's slot need no lock.
   const std::unique_ptr<std::unique_ptr<Buffer>[]> slabs_;
   std::atomic<uint32_t> backed_pages_{0};
-  // The account of each allocated id.
-  const std::unique_ptr<AccountId[]> account_of_ ABSL_PT_GUARDED_BY(mutex_);
+  // The account of each allocated id; read and written under mutex_ only.
+  const std::unique_ptr<AccountId[]> account_of_;
 
   mutable absl::Mutex mutex_;
   uint32_t slab_count_ ABSL_GUARDED_BY(mutex_) = 0;

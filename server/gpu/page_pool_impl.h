@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "gpu/page_allocator.h"
 #include "gpu/page_pool.h"
@@ -76,6 +77,10 @@ class PagePool::Impl {
   HostPageStore host_;
   const std::unique_ptr<DiskPageStore> disk_;  // null: no disk tier
   std::atomic<uint64_t> eviction_epoch_{0};
+  // Evict and Promote one at a time across the whole pool. Each engine (one
+  // per tenant) serialises its own, but an eviction may demote any account's
+  // oldest host page, which another engine's Promote may be reading.
+  absl::Mutex tier_mutex_;
 };
 
 }  // namespace kvcache::gpu

@@ -1,7 +1,7 @@
 // Moving pages between tiers. A page keeps its id and count; only its slot
 // changes (PageAllocator::Relocate), so every table that holds it, shared or
-// not, sees it move once. The caller serialises Evict and Promote against each
-// other and against every access to the pages they move.
+// not, sees it move once. Evict and Promote run one at a time (tier_mutex_);
+// the caller serialises them against every access to the pages they move.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -93,6 +93,7 @@ absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::Evictio
 }
 
 absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims) {
+  absl::MutexLock lock(&tier_mutex_);
   const uint64_t page_bytes = pages.plan().page_bytes;
   eviction_epoch_.fetch_add(1, std::memory_order_acq_rel);
   // Plan every destination first, so the device reads go out in one batch.
@@ -175,6 +176,7 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
 }
 
 absl::Status PagePool::Impl::Promote(absl::Span<const PageId> promoted) {
+  absl::MutexLock lock(&tier_mutex_);
   const uint64_t page_bytes = pages.plan().page_bytes;
   std::vector<PageId> lower;
   for (const PageId page : promoted) {

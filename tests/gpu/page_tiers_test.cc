@@ -321,6 +321,40 @@ TEST_P(PageTiersTest, ADemotionNeedsRoomOnDiskInTheDemotedPagesAccount) {
   ExpectAllFree(*pool);
 }
 
+// The oldest host page cannot move down (its account's disk share is used
+// up): the next oldest goes instead, so one tenant's full share does not
+// send every other tenant's evictions straight to disk.
+TEST_P(PageTiersTest, APageThatCannotMoveDownDoesNotHoldUpTheOthers) {
+  auto pool = MakeTieredPool(8, 2, 4);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.disk_pages = 1});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> mine;
+  std::vector<PageId> others;
+  ASSERT_TRUE(limited->Allocate(2, mine).ok());
+  ASSERT_TRUE(free->Allocate(3, others).ok());
+  Fill(*pool, mine);
+  const auto contents = Fill(*pool, others);
+  for (PageId page : {mine[0], others[0], mine[1], others[1]}) {
+    ASSERT_EQ(pool->Evict({page}).value_or(0), 1u);
+  }
+  // mine[0] and others[0] moved down in turn; mine[1] is now the oldest host
+  // page, and its account's one disk page is taken.
+  EXPECT_EQ(pool->Where(mine[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(others[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(mine[1]), Tier::kHost);
+  EXPECT_EQ(pool->Where(others[1]), Tier::kHost);
+  ASSERT_EQ(pool->Evict({others[2]}).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(mine[1]), Tier::kHost) << "passed over: its account has no disk room";
+  EXPECT_EQ(pool->Where(others[1]), Tier::kDisk) << "the next oldest moved down instead";
+  EXPECT_EQ(pool->Where(others[2]), Tier::kHost);
+  ASSERT_TRUE(pool->Promote(others).ok());
+  for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(ReadPage(*pool, others[i]), contents[i]);
+  for (PageId page : mine) pool->Release(page);
+  for (PageId page : others) pool->Release(page);
+  ExpectAllFree(*pool);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, PageTiersTest, ::testing::ValuesIn(kAllTransferPaths),
                          [](const auto& info) { return TransferPathName(info.param); });
 

@@ -545,15 +545,19 @@ TEST_F(E2eTenantsTest, TierQuotasBoundATenantsPagesInEachTier) {
   EXPECT_EQ(stats->tenant_max_host_bytes(), kQuota);
   EXPECT_EQ(stats->tenant_max_disk_bytes(), 0u);
 
-  // Its live cache holds the whole device share: more is refused, nothing changed.
+  // The pool is not full: another tenant fills 64 pages more, and leaves
+  // them idle in a snapshot.
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 512);
+  ASSERT_FALSE(bob_snapshot.empty());
+  ASSERT_TRUE(bob_->DeleteCache(bob_cache).ok());
+  // Carol's live cache holds her whole device share: more is refused,
+  // nothing changed, and bob's idle pages stay (moving them gives her no room).
   RefCache reference(spec_);
   const absl::Status more = StepBoth(*carol, second_cache, reference, 16, rng_);
   EXPECT_EQ(more.code(), Code::kResourceExhausted) << more;
   EXPECT_THAT(more.message(), HasSubstr("max_device_bytes"));
   EXPECT_EQ(carol->GetCache(second_cache)->offset(), 256u);
-  // The pool is not full: another tenant fills 64 pages more.
-  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 512);
-  ASSERT_FALSE(bob_snapshot.empty());
+  EXPECT_EQ(bob_->GetStats()->tenant_host_bytes(), 0u);
 
   // Host memory has room, but not in carol's share of it: her idle second
   // snapshot cannot move down for a third.
@@ -567,6 +571,7 @@ TEST_F(E2eTenantsTest, TierQuotasBoundATenantsPagesInEachTier) {
   EXPECT_THAT(refused.message(), HasSubstr("max_device_bytes"));
   EXPECT_EQ(carol->GetCache(third->cache_id())->offset(), 0u);
   EXPECT_EQ(usage(), std::make_pair(kQuota, kQuota));
+  EXPECT_EQ(bob_->GetStats()->tenant_host_bytes(), 0u);
   // With the first released, the second moves down and the third fits.
   ASSERT_TRUE(carol->ReleaseSnapshot(first).ok());
   RefCache again(spec_);
