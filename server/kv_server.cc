@@ -20,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "gpu/device.h"
 #include "gpu/quant_kernels.h"
 #include "ids/replica_id.h"
 #include "service/data_lane.h"

@@ -12,7 +12,7 @@
 #include "core/tokens_file.h"
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
-#include "gpu/device.h"
+#include "gpu/device_options.h"
 #include "gpu/page_pool.h"
 #include "metrics_exporter.h"
 #include "prometheus/registry.h"

@@ -8,11 +8,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/time/time.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "gpu/device.h"
 #include "kv_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");

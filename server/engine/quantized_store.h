@@ -18,7 +18,7 @@
 #include "engine/cache_spec.h"
 #include "engine/layer.h"
 #include "engine/page_table.h"
-#include "gpu/quantizer.h"
+#include "gpu/quant_job.h"
 
 namespace kvcache::engine {
 

@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "core/disk_budget.h"
-#include "gpu/device.h"
+#include "gpu/device_options.h"
 
 namespace kvcache::gpu {
 

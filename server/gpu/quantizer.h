@@ -28,32 +28,11 @@
 #include "gpu/command_runner.h"
 #include "gpu/page_allocator.h"
 #include "gpu/quant_format.h"
+#include "gpu/quant_job.h"
 #include "gpu/quant_kernels.h"
 #include "gpu/quant_pipelines.h"
 
 namespace kvcache::gpu {
-
-struct QuantRun {
-  PageId page;
-  uint64_t wq_offset;      // in the page; the slab offset must be 4-byte aligned
-  uint64_t scales_offset;  // in the page; aligned to the dtype's size
-  uint64_t biases_offset;  // likewise
-  uint64_t first_row;      // in the job's tensor
-  uint32_t rows;
-};
-
-// The input tensor comes in pieces that read as their concatenation.
-struct QuantizeJob {
-  QuantFormat format;
-  absl::Span<const absl::Span<const std::byte>> input;
-  absl::Span<const QuantRun> runs;
-};
-
-struct DequantizeJob {
-  QuantFormat format;
-  absl::Span<const QuantRun> runs;
-  absl::Span<std::byte> output;
-};
 
 struct QuantizerOptions {
   // Shaders or native CPU kernels (PoolOptions::quantize_kernel).

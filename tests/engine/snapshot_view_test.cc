@@ -9,6 +9,7 @@
 #include "engine/cache.h"
 #include "engine/layer.h"
 #include "engine_test_util.h"
+#include "gpu/device.h"
 #include "gtest/gtest.h"
 #include "hybrid_test_fixture.h"
 

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
+#include "gpu/device.h"
 #include "gtest/gtest.h"
 #include "support/gpu_test_base.h"
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "chunked_recurrent_test_util.h"
+#include "gpu/device.h"
 #include "reference_quantized.h"
 #include "reference_recurrent.h"
 #include "wire_forms_util.h"

@@ -8,6 +8,7 @@
 #include "absl/base/const_init.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "gpu/device.h"
 
 namespace kvcache::testing {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu/device.h"
+#include "gpu/device_options.h"
 #include "gpu/page_pool.h"
 #include "gtest/gtest.h"
 
