@@ -187,8 +187,10 @@ absl::StatusOr<v1::CacheInfo> Client::GetCache(const std::string& cache_id) {
   return Unary<v1::CacheInfo>(*this, KV_UNARY(GetCache, request));
 }
 
-absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches() {
-  auto response = Unary<v1::ListCachesResponse>(*this, KV_UNARY(ListCaches, v1::ListCachesRequest()));
+absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches(const std::string& tenant) {
+  v1::ListCachesRequest request;
+  request.set_tenant(tenant);
+  auto response = Unary<v1::ListCachesResponse>(*this, KV_UNARY(ListCaches, request));
   if (!response.ok()) return response.status();
   return std::vector<v1::CacheInfo>(response->caches().begin(), response->caches().end());
 }
@@ -248,9 +250,11 @@ absl::Status Client::ReleaseSnapshot(const std::string& snapshot_id) {
   return Unary<v1::ReleaseSnapshotResponse>(*this, KV_UNARY(ReleaseSnapshot, request)).status();
 }
 
-absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::string& cache_id) {
+absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::string& cache_id,
+                                                                    const std::string& tenant) {
   v1::ListSnapshotsRequest request;
   request.set_cache_id(cache_id);
+  request.set_tenant(tenant);
   auto response = Unary<v1::ListSnapshotsResponse>(*this, KV_UNARY(ListSnapshots, request));
   if (!response.ok()) return response.status();
   return std::vector<v1::SnapshotInfo>(response->snapshots().begin(), response->snapshots().end());
@@ -285,6 +289,14 @@ absl::StatusOr<v1::SnapshotInfo> Client::SetPinned(const std::string& snapshot_i
   request.set_snapshot_id(snapshot_id);
   request.set_pinned(pinned);
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(SetPinned, request));
+}
+
+absl::StatusOr<v1::EvictSnapshotsResponse> Client::EvictSnapshots(uint64_t bytes,
+                                                                  const std::string& tenant) {
+  v1::EvictSnapshotsRequest request;
+  request.set_bytes(bytes);
+  request.set_tenant(tenant);
+  return Unary<v1::EvictSnapshotsResponse>(*this, KV_UNARY(EvictSnapshots, request));
 }
 
 absl::StatusOr<v1::PublishPrefixResponse> Client::PublishPrefix(const std::string& snapshot_id,

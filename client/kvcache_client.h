@@ -121,7 +121,9 @@ class Client {
   // long); 0 takes the server's default.
   absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds = 0);
   absl::StatusOr<v1::CacheInfo> GetCache(const std::string& cache_id);
-  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches();
+  // Every cache of the caller's tenant; an admin token may name another
+  // tenant (as the tokens file names it).
+  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches(const std::string& tenant = "");
   absl::Status DeleteCache(const std::string& cache_id);
 
   // Opens an Update stream for one cache (see UpdateStream).
@@ -159,7 +161,9 @@ class Client {
   absl::StatusOr<v1::SplitSnapshotResponse> SplitSnapshot(const std::string& snapshot_id,
                                                           uint64_t at);
   absl::Status ReleaseSnapshot(const std::string& snapshot_id);
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "");
+  // Snapshots of `cache_id` (all when empty); `tenant` as for ListCaches.
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "",
+                                                              const std::string& tenant = "");
   absl::StatusOr<v1::Stats> GetStats();
   // The standard gRPC health check (grpc.health.v1) of `service`: true when
   // it is SERVING, false when NOT_SERVING (kvcached draining); "" asks about
@@ -171,6 +175,10 @@ class Client {
                                                     absl::Span<const std::string> snapshot_ids);
   // Pinned: never evicted, never expires (within the server's max_pinned_bytes).
   absl::StatusOr<v1::SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
+  // Moves up to `bytes` of idle snapshots' device pages (0: all that can
+  // move) to host memory or disk now; `tenant` as for ListCaches.
+  absl::StatusOr<v1::EvictSnapshotsResponse> EvictSnapshots(uint64_t bytes,
+                                                            const std::string& tenant = "");
 
   // Prompt-cache files, in mlx-lm's save_prompt_cache layout. In the server's
   // data dir: save a snapshot (it must start at 0) as `name`, load one back

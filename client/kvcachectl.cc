@@ -70,6 +70,9 @@ ABSL_FLAG(std::vector<std::string>, metadata, {},
           "save, store: user metadata as key=value,... (mlx-lm writes \"model\")");
 ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
           "metrics: kvcached's Prometheus endpoint (kvcached --metrics_listen)");
+ABSL_FLAG(std::string, tenant, "",
+          "caches, snapshots, evict: another tenant's (an admin token only; as the tokens file "
+          "names it)");
 ABSL_FLAG(std::string, name, "", "load: also keep the file in the server's data dir as NAME");
 
 namespace {
@@ -229,7 +232,7 @@ int Prefixes(kvcache::Client& client) {
 }
 
 int Caches(kvcache::Client& client) {
-  auto caches = client.ListCaches();
+  auto caches = client.ListCaches(absl::GetFlag(FLAGS_tenant));
   if (!caches.ok()) return Fail(caches.status());
   std::printf("%-32s  %6s  %8s  %-9s  %10s  %-8s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE",
               "SIZE", "EXPIRES", "MODEL");
@@ -238,11 +241,26 @@ int Caches(kvcache::Client& client) {
 }
 
 int Snapshots(kvcache::Client& client, const Args& args) {
-  auto snapshots = client.ListSnapshots(args.size() > 1 ? args[1] : "");
+  auto snapshots =
+      client.ListSnapshots(args.size() > 1 ? args[1] : "", absl::GetFlag(FLAGS_tenant));
   if (!snapshots.ok()) return Fail(snapshots.status());
   std::printf("%-32s  %-32s  %-20s  %10s  %-8s  %-6s  %s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE",
               "EXPIRES", "PIN", "WHERE");
   for (const auto& snapshot : *snapshots) PrintSnapshot(snapshot);
+  return 0;
+}
+
+// evict [BYTES]: idle snapshots' device pages down a tier now (all without BYTES).
+int Evict(kvcache::Client& client, const Args& args) {
+  uint64_t bytes = 0;
+  if (args.size() > 2 || (args.size() == 2 && !absl::SimpleAtoi(args[1], &bytes))) {
+    return Fail(absl::InvalidArgumentError("usage: evict [BYTES] [--tenant=NAME]"));
+  }
+  auto evicted = client.EvictSnapshots(bytes, absl::GetFlag(FLAGS_tenant));
+  if (!evicted.ok()) return Fail(evicted.status());
+  std::printf("moved %llu pages (%s) off the device\n",
+              static_cast<unsigned long long>(evicted->pages_moved()),
+              Bytes(evicted->bytes_moved()).c_str());
   return 0;
 }
 
@@ -475,7 +493,7 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
   if (!fleet.ok()) return Fail(fleet.status());
   const std::string command = args[0];
   const bool everywhere = command == "stats" || command == "caches" || command == "prefixes" ||
-                          command == "saved" || command == "health" ||
+                          command == "saved" || command == "health" || command == "evict" ||
                           (command == "snapshots" && args.size() == 1);
   if (everywhere) {
     int worst = 0;
@@ -518,7 +536,8 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,...] stats | caches | snapshots [CACHE] | "
+      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,...] stats | caches [--tenant=NAME] | "
+      "snapshots [CACHE] [--tenant=NAME] | evict [BYTES] [--tenant=NAME] | "
       "snapshot CACHE [--from=N] "
       "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
       "SNAPSHOT "
@@ -557,6 +576,7 @@ int OnServer(kvcache::Client& server, const Args& args) {
   if (command == "caches") return Caches(*client);
   if (command == "snapshots") return Snapshots(*client, args);
   if (command == "snapshot") return Snapshot(*client, args);
+  if (command == "evict") return Evict(*client, args);
   if (command == "restore") return Restore(*client, args);
   if (command == "release") return Release(*client, args);
   if (command == "pin") return Pin(*client, args, true);

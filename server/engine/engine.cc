@@ -449,6 +449,17 @@ uint64_t Engine::ExpireCaches() {
   return count;
 }
 
+absl::StatusOr<uint32_t> Engine::EvictIdleBytes(uint64_t bytes) {
+  if (!tiering_.enabled()) {
+    return absl::FailedPreconditionError(
+        "host_bytes: this server has no lower tier to evict to (start kvcached with --host_bytes, "
+        "or --data_dir and --disk_bytes)");
+  }
+  const uint64_t page_bytes = pool_.page_bytes();
+  const uint64_t pages = bytes == 0 ? UINT32_MAX : (bytes + page_bytes - 1) / page_bytes;
+  return tiering_.EvictIdle(static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX)));
+}
+
 EngineStats Engine::Stats() const {
   EngineStats stats{.pool = pool_.stats(),
                     .snapshots = snapshots_.size(),

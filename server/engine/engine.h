@@ -351,6 +351,12 @@ class Engine {
   // batch), least recently used first; how many moved. For other engines
   // over the same pool (EngineOptions::evict_elsewhere).
   absl::StatusOr<uint32_t> EvictIdlePages(uint32_t pages) { return tiering_.Evict(pages); }
+  // An operator's eviction (the EvictSnapshots RPC): moves up to `bytes` of
+  // idle, unpinned snapshots' device pages (0: every one that can move) to a
+  // lower tier, least recently used first, so the device has room before
+  // it is needed. FAILED_PRECONDITION naming host_bytes when the server has
+  // no lower tier. Returns how many pages moved.
+  absl::StatusOr<uint32_t> EvictIdleBytes(uint64_t bytes);
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }
   const EngineOptions& options() const { return options_; }

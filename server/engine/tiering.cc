@@ -127,9 +127,17 @@ absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages) const {
   return EvictLocked(pages);
 }
 
-absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted) const {
+absl::StatusOr<uint32_t> Tiering::EvictIdle(uint32_t pages) const {
+  absl::MutexLock lock(&mutex_);
+  return EvictLocked(pages, /*batch=*/false);
+}
+
+absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch) const {
   if (!enabled()) return 0;
-  wanted = std::max(wanted, std::max<uint32_t>(1, pool_.stats().max_pages / kEvictionBatchDivisor));
+  if (batch) {
+    wanted =
+        std::max(wanted, std::max<uint32_t>(1, pool_.stats().max_pages / kEvictionBatchDivisor));
+  }
   absl::flat_hash_map<const LayerSnapshot*, Holders> layers;
   absl::flat_hash_map<const void*, ChunkHolders> chunks;
   absl::flat_hash_map<PageId, Holders> pages;

@@ -70,13 +70,19 @@ class Tiering {
   // Evicts up to `pages` pages (at least a batch, to spread the cost of
   // choosing); returns how many moved.
   absl::StatusOr<uint32_t> Evict(uint32_t pages) const;
+  // What an operator asks for: moves up to `pages` pages of idle, unpinned
+  // snapshots down a tier, least recently used first, and no more (no batch);
+  // returns how many moved.
+  absl::StatusOr<uint32_t> EvictIdle(uint32_t pages) const;
 
  private:
   // A call that allocates page by page may need a round per page it lacks;
   // each round moves at least a batch, so this bounds the retries, not the room.
   static constexpr int kMaxEvictionRounds = 64;
 
-  absl::StatusOr<uint32_t> EvictLocked(uint32_t pages) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Moves up to `wanted` pages; a batch at least when `batch`.
+  absl::StatusOr<uint32_t> EvictLocked(uint32_t wanted, bool batch = true) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status PromoteLocked(const CacheSnapshot& snapshot) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // All its pages on the device (remembered per eviction epoch).

@@ -338,6 +338,14 @@ absl::Status Handlers::RenewLease(const v1::RenewLeaseRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status Handlers::EvictSnapshots(const v1::EvictSnapshotsRequest& request,
+                                      v1::EvictSnapshotsResponse* response) {
+  ASSIGN_OR_RETURN(const uint32_t moved, engine_.EvictIdleBytes(request.bytes()));
+  response->set_pages_moved(moved);
+  response->set_bytes_moved(uint64_t{moved} * engine_.pool().page_bytes());
+  return absl::OkStatus();
+}
+
 absl::Status Handlers::SetPinned(const v1::SetPinnedRequest& request, v1::SnapshotInfo* response) {
   RETURN_IF_ERROR(RequireId("snapshot_id", request.snapshot_id()));
   ASSIGN_OR_RETURN(const engine::SnapshotInfo info,

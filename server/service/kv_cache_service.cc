@@ -55,7 +55,9 @@ absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext
       grpc::CallbackServerContext* context, const v1::Request* request, v1::Response* response) { \
     absl::StatusOr<Admitted> call = Admit(*context);                                              \
     if (!call.ok()) return FinishUnary(context, call.status());                                   \
-    const absl::Status status = call->handlers().Name(*request, response);                        \
+    const absl::StatusOr<Handlers*> handlers = HandlersFor(*call, *request);                      \
+    const absl::Status status =                                                                   \
+        handlers.ok() ? (*handlers)->Name(*request, response) : handlers.status();                \
     if (status.ok()) Scope(*call, response);                                                      \
     call->Answering();                                                                            \
     return new AnsweredUnary(*std::move(call), status);                                           \

@@ -60,6 +60,16 @@ class KvCacheService final : public KvCacheServiceBase {
   template <typename Response>
   void Scope(const Admitted&, Response*) {}
   void Scope(const Admitted& call, v1::Stats* stats) { tenants_.ScopeStats(call.tenant(), *stats); }
+  // Whose handlers answer: a request with a `tenant` field may name another
+  // tenant (an admin's may; Tenants::HandlersFor); others act as the caller.
+  template <typename Request>
+  absl::StatusOr<Handlers*> HandlersFor(const Admitted& call, const Request& request) const {
+    if constexpr (requires { request.tenant(); }) {
+      return tenants_.HandlersFor(call, request.tenant());
+    } else {
+      return &call.handlers();
+    }
+  }
 
   Tenants& tenants_;
 };

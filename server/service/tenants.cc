@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "core/client_text.h"
 #include "core/log.h"
 
 namespace kvcache::service {
@@ -220,6 +221,20 @@ void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
   totals.set_max_metadata_bytes(max_metadata);
   totals.set_server_wide(true);
   stats = std::move(totals);
+}
+
+absl::StatusOr<Handlers*> Tenants::HandlersFor(const Admitted& call,
+                                               absl::string_view tenant) const {
+  if (tenant.empty() || tenant == call.tenant().name) return &call.handlers();
+  if (!call.tenant().admin.load()) {
+    return absl::PermissionDeniedError("tenant: only an admin token may name another tenant");
+  }
+  absl::ReaderMutexLock lock(&mutex_);
+  const auto found = by_name_.find(tenant);
+  if (found == by_name_.end()) {
+    return absl::NotFoundError(absl::StrCat("tenant: no tenant is named ", Quoted(tenant)));
+  }
+  return found->second->parts.handlers;
 }
 
 std::vector<const Tenant*> Tenants::All() const {

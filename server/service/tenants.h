@@ -130,6 +130,12 @@ class Tenants {
   // naming max_lane_connections past the tenant's limit).
   absl::StatusOr<Admitted> AdmitLane(absl::string_view token);
 
+  // The handlers a call acts through when its request names `tenant`: the
+  // caller's own for "" or its own name; another tenant's only for an admin
+  // (NOT_FOUND naming tenant when none has that name); PERMISSION_DENIED
+  // naming tenant for anyone else, whether or not that tenant exists.
+  absl::StatusOr<Handlers*> HandlersFor(const Admitted& call, absl::string_view tenant) const;
+
   // GetStats as `tenant` may see it: its own caches, snapshots and prefixes;
   // the pool's use by everyone (pages used, tiers, evictions) only when it is
   // the only tenant or an admin, who sees every tenant's counts summed.

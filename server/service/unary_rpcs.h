@@ -29,6 +29,7 @@
   X(GetStats, GetStatsRequest, Stats)                                    \
   X(RenewLease, RenewLeaseRequest, RenewLeaseResponse)                   \
   X(SetPinned, SetPinnedRequest, SnapshotInfo)                           \
+  X(EvictSnapshots, EvictSnapshotsRequest, EvictSnapshotsResponse)       \
   X(SaveSnapshot, SaveSnapshotRequest, SavedFile)                        \
   X(LoadSnapshot, LoadSnapshotRequest, LoadSnapshotResponse)             \
   X(ListSaved, ListSavedRequest, ListSavedResponse)                      \

@@ -593,6 +593,117 @@ TEST_F(E2eTenantsTest, TierQuotasBoundATenantsPagesInEachTier) {
   EXPECT_EQ(reloaded.code(), Code::kInvalidArgument) << reloaded;
   EXPECT_THAT(reloaded.message(), HasSubstr("max_host_bytes 4096 is less than one page"));
 }
+// An admin token lists another tenant's caches and snapshots by its name
+// (as the tokens file names it); anyone else naming a tenant other than
+// itself is refused the same way whether or not that tenant exists.
+TEST_F(E2eTenantsTest, OnlyAnAdminNamesAnotherTenant) {
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 32);
+  const auto [alice_cache, alice_snapshot] = CacheWithSnapshot(*alice_, 32);
+  ASSERT_FALSE(bob_snapshot.empty());
+  ASSERT_FALSE(alice_snapshot.empty());
+  std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
+
+  absl::StatusOr<std::vector<v1::CacheInfo>> bobs_caches = ops->ListCaches("bob");
+  ASSERT_TRUE(bobs_caches.ok()) << bobs_caches.status();
+  ASSERT_EQ(bobs_caches->size(), 1u);
+  EXPECT_EQ((*bobs_caches)[0].cache_id(), bob_cache);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> bobs_snapshots = ops->ListSnapshots("", "bob");
+  ASSERT_TRUE(bobs_snapshots.ok()) << bobs_snapshots.status();
+  ASSERT_EQ(bobs_snapshots->size(), 1u);
+  EXPECT_EQ((*bobs_snapshots)[0].snapshot_id(), bob_snapshot);
+  absl::StatusOr<std::vector<v1::CacheInfo>> ops_own = ops->ListCaches();
+  ASSERT_TRUE(ops_own.ok()) << ops_own.status();
+  EXPECT_TRUE(ops_own->empty()) << "an admin's own list is still its own";
+  absl::StatusOr<std::vector<v1::CacheInfo>> alice_by_name = alice_->ListCaches("alice");
+  ASSERT_TRUE(alice_by_name.ok()) << alice_by_name.status();
+  ASSERT_EQ(alice_by_name->size(), 1u);
+  EXPECT_EQ((*alice_by_name)[0].cache_id(), alice_cache);
+
+  for (const char* other : {"bob", "ops", "nobody"}) {
+    SCOPED_TRACE(other);
+    const absl::Status caches = alice_->ListCaches(other).status();
+    EXPECT_EQ(caches.code(), Code::kPermissionDenied);
+    EXPECT_THAT(caches.message(), HasSubstr("tenant"));
+    EXPECT_EQ(alice_->ListSnapshots("", other).status(), caches);
+    EXPECT_EQ(alice_->EvictSnapshots(0, other).status(), caches);
+  }
+  const absl::Status unknown = ops->ListCaches("nobody").status();
+  EXPECT_EQ(unknown.code(), Code::kNotFound);
+  EXPECT_THAT(unknown.message(), HasSubstr("tenant"));
+}
+
+// EvictSnapshots moves the caller's idle snapshots off the device now, no
+// more pages than asked, never a page that a live cache or a pinned snapshot
+// holds and never another tenant's; an admin evicts another tenant's by
+// name. What moved reads back byte for byte.
+TEST_F(E2eTenantsTest, EvictSnapshotsMovesOnlyTheTenantsIdleSnapshotsDown) {
+  ASSERT_NO_FATAL_FAILURE(RestartSmallWithAHostTier());
+  const auto [alice_cache, alice_snapshot] = CacheWithSnapshot(*alice_, 64);
+  const auto [pinned_cache, pinned_snapshot] = CacheWithSnapshot(*alice_, 64);
+  const auto [live_cache, live_snapshot] = CacheWithSnapshot(*alice_, 64);
+  const auto [bob_cache, bob_snapshot] = CacheWithSnapshot(*bob_, 64);
+  ASSERT_FALSE(bob_snapshot.empty());
+  absl::StatusOr<LayerHistory> written = alice_->FetchLayer("", alice_snapshot, 1);
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_TRUE(alice_->SetPinned(pinned_snapshot, true).ok());
+  for (const std::string& cache : {alice_cache, pinned_cache}) {
+    ASSERT_TRUE(alice_->DeleteCache(cache).ok());
+  }
+  ASSERT_TRUE(alice_->ReleaseSnapshot(live_snapshot).ok());  // the live cache stays
+  ASSERT_TRUE(bob_->DeleteCache(bob_cache).ok());
+  auto where = [](Client& client, const std::string& snapshot_id) {
+    absl::StatusOr<std::vector<v1::SnapshotInfo>> all = client.ListSnapshots();
+    EXPECT_TRUE(all.ok()) << all.status();
+    for (const v1::SnapshotInfo& info : all.ok() ? *all : std::vector<v1::SnapshotInfo>()) {
+      if (info.snapshot_id() == snapshot_id) return info;
+    }
+    ADD_FAILURE() << "no snapshot " << snapshot_id;
+    return v1::SnapshotInfo();
+  };
+  const uint64_t snapshot_bytes = where(*alice_, alice_snapshot).device_bytes();
+  ASSERT_GT(snapshot_bytes, 8192u) << "the snapshot should span several 8 KiB pages";
+
+  absl::StatusOr<v1::EvictSnapshotsResponse> one = alice_->EvictSnapshots(1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->pages_moved(), 1u);
+  EXPECT_EQ(one->bytes_moved(), 8192u);
+  EXPECT_EQ(where(*alice_, alice_snapshot).host_bytes(), 8192u);
+  absl::StatusOr<v1::EvictSnapshotsResponse> rest = alice_->EvictSnapshots(0);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(rest->bytes_moved() + one->bytes_moved(), snapshot_bytes);
+  EXPECT_EQ(where(*alice_, alice_snapshot).device_bytes(), 0u);
+  EXPECT_EQ(where(*alice_, pinned_snapshot).host_bytes(), 0u) << "a pinned snapshot moved";
+  EXPECT_EQ(where(*bob_, bob_snapshot).host_bytes(), 0u) << "another tenant's snapshot moved";
+  absl::StatusOr<v1::EvictSnapshotsResponse> nothing = alice_->EvictSnapshots(0);
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_EQ(nothing->pages_moved(), 0u) << "a live cache's pages moved";
+
+  absl::StatusOr<v1::EvictSnapshotsResponse> bobs =
+      server_->ConnectAs(kOps)->EvictSnapshots(0, "bob");
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_GT(bobs->pages_moved(), 0u);
+  EXPECT_EQ(where(*bob_, bob_snapshot).device_bytes(), 0u);
+
+  absl::StatusOr<LayerHistory> read = alice_->FetchLayer("", alice_snapshot, 1);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(read->keys == written->keys && read->values == written->values)
+      << "the evicted snapshot's bytes changed";
+  ASSERT_TRUE(alice_->SetPinned(pinned_snapshot, false).ok());
+}
+
+// A server with no tier below the device has nowhere to evict to.
+TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTier) {
+  alice_.reset();
+  bob_.reset();
+  server_.reset();
+  server_ = TestServer::Start({.tokens_file = tokens_file(), .token = kAlice});
+  ASSERT_NE(server_, nullptr);
+  alice_ = server_->ConnectAs(kAlice);
+  bob_ = server_->ConnectAs(kBob);
+  const absl::Status refused = alice_->EvictSnapshots(0).status();
+  EXPECT_EQ(refused.code(), Code::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("host_bytes"));
+}
 
 // A reload rotates alice's token: the old one is refused from the next call,
 // the new one finds everything alice held; a tenant left out of the file
