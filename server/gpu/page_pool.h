@@ -188,7 +188,9 @@ class PagePool {
   uint32_t max_page_ids() const;
 
   // Tiers. Where a held page is now. Pages only move by Evict and Promote,
-  // which the caller must not run concurrently with each other or with any
+  // which run one at a time across the pool and every account's view of it
+  // (an eviction for one tenant may demote a host page that another's
+  // Promote is reading). The caller must not run them concurrently with any
   // read, write or copy of the pages they move (the engine's tier lock);
   // reference counting may go on meanwhile. Both keep page ids, counts and
   // bytes: the holders of a page see it move once, wherever it is shared.
