@@ -456,7 +456,9 @@ absl::StatusOr<uint32_t> Engine::EvictIdleBytes(uint64_t bytes) {
         "or --data_dir and --disk_bytes)");
   }
   const uint64_t page_bytes = pool_.page_bytes();
-  const uint64_t pages = bytes == 0 ? UINT32_MAX : (bytes + page_bytes - 1) / page_bytes;
+  // Rounded up without bytes + page_bytes - 1, which wraps near 2^64.
+  const uint64_t pages =
+      bytes == 0 ? UINT32_MAX : bytes / page_bytes + (bytes % page_bytes != 0 ? 1 : 0);
   return tiering_.EvictIdle(static_cast<uint32_t>(std::min<uint64_t>(pages, UINT32_MAX)));
 }
 

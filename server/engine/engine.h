@@ -355,7 +355,8 @@ class Engine {
   // idle, unpinned snapshots' device pages (0: every one that can move) to a
   // lower tier, least recently used first, so the device has room before
   // it is needed. FAILED_PRECONDITION naming host_bytes when the server has
-  // no lower tier. Returns how many pages moved.
+  // no lower tier; RESOURCE_EXHAUSTED naming it when the tiers below are
+  // full. Returns how many pages moved (0: nothing idle on the device).
   absl::StatusOr<uint32_t> EvictIdleBytes(uint64_t bytes);
   EngineStats Stats() const;
   gpu::PagePool& pool() { return pool_; }

@@ -129,10 +129,17 @@ absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages) const {
 
 absl::StatusOr<uint32_t> Tiering::EvictIdle(uint32_t pages) const {
   absl::MutexLock lock(&mutex_);
-  return EvictLocked(pages, /*batch=*/false);
+  uint32_t chosen = 0;
+  ASSIGN_OR_RETURN(const uint32_t moved, EvictLocked(pages, /*batch=*/false, &chosen));
+  if (moved == 0 && chosen > 0) {
+    return absl::ResourceExhaustedError(
+        "host_bytes: idle snapshots' pages have nowhere to go: host_bytes and disk_bytes are "
+        "full, or the tenant's max_host_bytes and max_disk_bytes");
+  }
+  return moved;
 }
 
-absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch) const {
+absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch, uint32_t* chosen) const {
   if (!enabled()) return 0;
   if (batch) {
     wanted =
@@ -179,6 +186,7 @@ absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch) const
           if (pool_.TryRetain(candidates[i].second)) victims.push_back(candidates[i].second);
         }
       });
+  if (chosen != nullptr) *chosen = static_cast<uint32_t>(victims.size());
   absl::StatusOr<uint32_t> moved = pool_.Evict(victims);
   for (const PageId page : victims) pool_.Release(page);
   return moved;

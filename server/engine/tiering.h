@@ -72,7 +72,8 @@ class Tiering {
   absl::StatusOr<uint32_t> Evict(uint32_t pages) const;
   // What an operator asks for: moves up to `pages` pages of idle, unpinned
   // snapshots down a tier, least recently used first, and no more (no batch);
-  // returns how many moved.
+  // returns how many moved. RESOURCE_EXHAUSTED naming host_bytes when some
+  // could move but no tier below (or the account's share of it) had room.
   absl::StatusOr<uint32_t> EvictIdle(uint32_t pages) const;
 
  private:
@@ -80,8 +81,10 @@ class Tiering {
   // each round moves at least a batch, so this bounds the retries, not the room.
   static constexpr int kMaxEvictionRounds = 64;
 
-  // Moves up to `wanted` pages; a batch at least when `batch`.
-  absl::StatusOr<uint32_t> EvictLocked(uint32_t wanted, bool batch = true) const
+  // Moves up to `wanted` pages; a batch at least when `batch`. `chosen`, when
+  // given, is how many were eligible to move.
+  absl::StatusOr<uint32_t> EvictLocked(uint32_t wanted, bool batch = true,
+                                       uint32_t* chosen = nullptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status PromoteLocked(const CacheSnapshot& snapshot) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);

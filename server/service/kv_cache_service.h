@@ -35,6 +35,34 @@ using KvCacheServiceBase =
                 v1::KvCacheService::WithCallbackMethod_ImportSnapshot>::type;
 #undef KV_WITH_UNARY_METHOD
 
+// Which calls reach past their caller: those whose request names a tenant
+// act on that tenant's objects (an admin token's only), and an admin-only
+// call names why it is (EvictSnapshots makes room below the device by moving
+// any tenant's oldest host pages to disk). Every other call acts as its
+// caller; HandlersFor checks that this list and the requests' fields agree.
+template <typename Request>
+struct CallReach {
+  static constexpr bool kNamesTenant = false;
+  static constexpr const char* kAdminOnly = nullptr;
+};
+template <>
+struct CallReach<v1::ListCachesRequest> {
+  static constexpr bool kNamesTenant = true;
+  static constexpr const char* kAdminOnly = nullptr;
+};
+template <>
+struct CallReach<v1::ListSnapshotsRequest> {
+  static constexpr bool kNamesTenant = true;
+  static constexpr const char* kAdminOnly = nullptr;
+};
+template <>
+struct CallReach<v1::EvictSnapshotsRequest> {
+  static constexpr bool kNamesTenant = true;
+  static constexpr const char* kAdminOnly =
+      "EvictSnapshots needs an admin token: making room below the device may move other "
+      "tenants' pages from host memory to disk";
+};
+
 class KvCacheService final : public KvCacheServiceBase {
  public:
   explicit KvCacheService(Tenants& tenants) : tenants_(tenants) {}
@@ -60,12 +88,15 @@ class KvCacheService final : public KvCacheServiceBase {
   template <typename Response>
   void Scope(const Admitted&, Response*) {}
   void Scope(const Admitted& call, v1::Stats* stats) { tenants_.ScopeStats(call.tenant(), *stats); }
-  // Whose handlers answer: a request with a `tenant` field may name another
-  // tenant (an admin's may; Tenants::HandlersFor); others act as the caller.
+  // Whose handlers answer (CallReach below; Tenants::HandlersFor).
   template <typename Request>
   absl::StatusOr<Handlers*> HandlersFor(const Admitted& call, const Request& request) const {
-    if constexpr (requires { request.tenant(); }) {
-      return tenants_.HandlersFor(call, request.tenant());
+    using Reach = CallReach<Request>;
+    static_assert(
+        Reach::kNamesTenant == requires { request.tenant(); },
+        "a request with a tenant field must be listed in CallReach, and only those");
+    if constexpr (Reach::kNamesTenant) {
+      return tenants_.HandlersFor(call, request.tenant(), Reach::kAdminOnly);
     } else {
       return &call.handlers();
     }

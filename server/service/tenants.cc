@@ -223,10 +223,18 @@ void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
   stats = std::move(totals);
 }
 
-absl::StatusOr<Handlers*> Tenants::HandlersFor(const Admitted& call,
-                                               absl::string_view tenant) const {
+absl::StatusOr<Handlers*> Tenants::HandlersFor(const Admitted& call, absl::string_view tenant,
+                                               const char* admin_only) const {
+  const bool admin = call.tenant().admin.load();
+  if (admin_only != nullptr && authenticates() && !admin) {
+    return absl::PermissionDeniedError(admin_only);
+  }
   if (tenant.empty() || tenant == call.tenant().name) return &call.handlers();
-  if (!call.tenant().admin.load()) {
+  if (!authenticates()) {
+    return absl::FailedPreconditionError(
+        "tenant: this server has no tenants (it runs without --tokens_file)");
+  }
+  if (!admin) {
     return absl::PermissionDeniedError("tenant: only an admin token may name another tenant");
   }
   absl::ReaderMutexLock lock(&mutex_);

@@ -133,8 +133,12 @@ class Tenants {
   // The handlers a call acts through when its request names `tenant`: the
   // caller's own for "" or its own name; another tenant's only for an admin
   // (NOT_FOUND naming tenant when none has that name); PERMISSION_DENIED
-  // naming tenant for anyone else, whether or not that tenant exists.
-  absl::StatusOr<Handlers*> HandlersFor(const Admitted& call, absl::string_view tenant) const;
+  // naming tenant for anyone else, whether or not that tenant exists, and
+  // FAILED_PRECONDITION on a server without tenants. A call with
+  // `admin_only` set (the reason) is PERMISSION_DENIED for a tenant that is
+  // not an admin, whatever it names; without tenants the one caller is.
+  absl::StatusOr<Handlers*> HandlersFor(const Admitted& call, absl::string_view tenant,
+                                        const char* admin_only = nullptr) const;
 
   // GetStats as `tenant` may see it: its own caches, snapshots and prefixes;
   // the pool's use by everyone (pages used, tiers, evictions) only when it is

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -619,23 +620,34 @@ TEST_F(E2eTenantsTest, OnlyAnAdminNamesAnotherTenant) {
   ASSERT_EQ(alice_by_name->size(), 1u);
   EXPECT_EQ((*alice_by_name)[0].cache_id(), alice_cache);
 
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ops_by_name = ops->ListSnapshots("", "ops");
+  ASSERT_TRUE(ops_by_name.ok()) << ops_by_name.status();
+  EXPECT_TRUE(ops_by_name->empty());
+
   for (const char* other : {"bob", "ops", "nobody"}) {
     SCOPED_TRACE(other);
     const absl::Status caches = alice_->ListCaches(other).status();
     EXPECT_EQ(caches.code(), Code::kPermissionDenied);
     EXPECT_THAT(caches.message(), HasSubstr("tenant"));
     EXPECT_EQ(alice_->ListSnapshots("", other).status(), caches);
-    EXPECT_EQ(alice_->EvictSnapshots(0, other).status(), caches);
   }
-  const absl::Status unknown = ops->ListCaches("nobody").status();
-  EXPECT_EQ(unknown.code(), Code::kNotFound);
-  EXPECT_THAT(unknown.message(), HasSubstr("tenant"));
+  for (const std::string& any : {"", "alice", "bob", "nobody"}) {
+    const absl::Status evict = alice_->EvictSnapshots(0, any).status();
+    EXPECT_EQ(evict.code(), Code::kPermissionDenied) << any;
+    EXPECT_THAT(evict.message(), HasSubstr("admin")) << any;
+  }
+  for (const absl::Status& unknown :
+       {ops->ListCaches("nobody").status(), ops->ListSnapshots("", "nobody").status(),
+        ops->EvictSnapshots(0, "nobody").status()}) {
+    EXPECT_EQ(unknown.code(), Code::kNotFound) << unknown;
+    EXPECT_THAT(unknown.message(), HasSubstr("tenant"));
+  }
 }
 
-// EvictSnapshots moves the caller's idle snapshots off the device now, no
-// more pages than asked, never a page that a live cache or a pinned snapshot
-// holds and never another tenant's; an admin evicts another tenant's by
-// name. What moved reads back byte for byte.
+// EvictSnapshots (an admin's) moves the named tenant's idle snapshots off
+// the device now, no more pages than asked, never a page that a live cache
+// or a pinned snapshot holds and never another tenant's. What moved reads
+// back byte for byte.
 TEST_F(E2eTenantsTest, EvictSnapshotsMovesOnlyTheTenantsIdleSnapshotsDown) {
   ASSERT_NO_FATAL_FAILURE(RestartSmallWithAHostTier());
   const auto [alice_cache, alice_snapshot] = CacheWithSnapshot(*alice_, 64);
@@ -663,23 +675,25 @@ TEST_F(E2eTenantsTest, EvictSnapshotsMovesOnlyTheTenantsIdleSnapshotsDown) {
   const uint64_t snapshot_bytes = where(*alice_, alice_snapshot).device_bytes();
   ASSERT_GT(snapshot_bytes, 8192u) << "the snapshot should span several 8 KiB pages";
 
-  absl::StatusOr<v1::EvictSnapshotsResponse> one = alice_->EvictSnapshots(1);
+  std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
+  absl::StatusOr<v1::EvictSnapshotsResponse> one = ops->EvictSnapshots(1, "alice");
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_EQ(one->pages_moved(), 1u);
   EXPECT_EQ(one->bytes_moved(), 8192u);
   EXPECT_EQ(where(*alice_, alice_snapshot).host_bytes(), 8192u);
-  absl::StatusOr<v1::EvictSnapshotsResponse> rest = alice_->EvictSnapshots(0);
+  absl::StatusOr<v1::EvictSnapshotsResponse> rest = ops->EvictSnapshots(0, "alice");
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(rest->bytes_moved() + one->bytes_moved(), snapshot_bytes);
   EXPECT_EQ(where(*alice_, alice_snapshot).device_bytes(), 0u);
   EXPECT_EQ(where(*alice_, pinned_snapshot).host_bytes(), 0u) << "a pinned snapshot moved";
   EXPECT_EQ(where(*bob_, bob_snapshot).host_bytes(), 0u) << "another tenant's snapshot moved";
-  absl::StatusOr<v1::EvictSnapshotsResponse> nothing = alice_->EvictSnapshots(0);
+  absl::StatusOr<v1::EvictSnapshotsResponse> nothing = ops->EvictSnapshots(0, "alice");
   ASSERT_TRUE(nothing.ok()) << nothing.status();
   EXPECT_EQ(nothing->pages_moved(), 0u) << "a live cache's pages moved";
 
+  // Every byte there is, without wrapping to none.
   absl::StatusOr<v1::EvictSnapshotsResponse> bobs =
-      server_->ConnectAs(kOps)->EvictSnapshots(0, "bob");
+      ops->EvictSnapshots(std::numeric_limits<uint64_t>::max(), "bob");
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   EXPECT_GT(bobs->pages_moved(), 0u);
   EXPECT_EQ(where(*bob_, bob_snapshot).device_bytes(), 0u);
@@ -691,8 +705,29 @@ TEST_F(E2eTenantsTest, EvictSnapshotsMovesOnlyTheTenantsIdleSnapshotsDown) {
   ASSERT_TRUE(alice_->SetPinned(pinned_snapshot, false).ok());
 }
 
-// A server with no tier below the device has nowhere to evict to.
-TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTier) {
+// Past the tenant's share of host memory (and with no disk), an eviction
+// that has pages to move but nowhere to put them says so.
+TEST_F(E2eTenantsTest, EvictSnapshotsIntoFullTiersIsRefusedNamingThem) {
+  WriteTokens(absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob,
+                           "\ntenant=ops token=", kOps, " admin\ntenant=carol token=", kCarol,
+                           " max_host_bytes=8192\n"));
+  ASSERT_NO_FATAL_FAILURE(RestartSmallWithAHostTier());
+  std::unique_ptr<Client> carol = server_->ConnectAs(kCarol);
+  std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
+  const auto [cache, snapshot] = CacheWithSnapshot(*carol, 64);
+  ASSERT_TRUE(carol->DeleteCache(cache).ok());
+  absl::StatusOr<v1::EvictSnapshotsResponse> first = ops->EvictSnapshots(0, "carol");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->pages_moved(), 1u) << "carol's host share is one page";
+  const absl::Status full = ops->EvictSnapshots(0, "carol").status();
+  EXPECT_EQ(full.code(), Code::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("host_bytes"));
+  ASSERT_TRUE(carol->ReleaseSnapshot(snapshot).ok());
+}
+
+// A server with no tier below the device has nowhere to evict to; one
+// without a tokens file has one caller, who may evict but name no tenant.
+TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTierAndTenantsNeedATokensFile) {
   alice_.reset();
   bob_.reset();
   server_.reset();
@@ -700,9 +735,23 @@ TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTier) {
   ASSERT_NE(server_, nullptr);
   alice_ = server_->ConnectAs(kAlice);
   bob_ = server_->ConnectAs(kBob);
-  const absl::Status refused = alice_->EvictSnapshots(0).status();
+  const absl::Status refused = server_->ConnectAs(kOps)->EvictSnapshots(0).status();
   EXPECT_EQ(refused.code(), Code::kFailedPrecondition);
   EXPECT_THAT(refused.message(), HasSubstr("host_bytes"));
+
+  alice_.reset();
+  bob_.reset();
+  server_.reset();
+  server_ = TestServer::Start({.budget_bytes = 1 << 20, .host_bytes = 4 << 20});
+  ASSERT_NE(server_, nullptr);
+  absl::StatusOr<v1::EvictSnapshotsResponse> anonymous = server_->client().EvictSnapshots(0);
+  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  EXPECT_EQ(anonymous->pages_moved(), 0u);
+  const absl::Status named = server_->client().ListCaches("bob").status();
+  EXPECT_EQ(named.code(), Code::kFailedPrecondition);
+  EXPECT_THAT(named.message(), HasSubstr("tenant"));
+  server_->CleanUpAndCheck();  // TearDown's tenants are not this server's
+  server_.reset();
 }
 
 // A reload rotates alice's token: the old one is refused from the next call,
