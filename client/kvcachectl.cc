@@ -13,6 +13,9 @@
 // Operators:
 //   kvcachectl health [SERVICE]        (grpc.health.v1; exit 0 only when SERVING)
 //   kvcachectl metrics [FILTER...] --metrics=HOST:PORT         (kvcached --metrics_listen)
+//   kvcachectl kv-events [FROM] [--json] --kv_events_replay=tcp://HOST:PORT
+//       (the KV events a replica still buffers, from batch FROM: what a
+//       vLLM-style router has been told)
 // Prompt-cache files (mlx-lm save_prompt_cache layout):
 //   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
 //   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
@@ -44,6 +47,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "http_get.h"
+#include "kv_event_replay.h"
 #include "kvcache_client.h"
 #include "sharded_client.h"
 
@@ -70,6 +74,9 @@ ABSL_FLAG(std::vector<std::string>, metadata, {},
           "save, store: user metadata as key=value,... (mlx-lm writes \"model\")");
 ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
           "metrics: kvcached's Prometheus endpoint (kvcached --metrics_listen)");
+ABSL_FLAG(std::string, kv_events_replay, "tcp://127.0.0.1:5558",
+          "kv-events: the replica's --kv_events_replay_endpoint");
+ABSL_FLAG(bool, json, false, "kv-events: each batch whole, as JSON");
 ABSL_FLAG(std::string, tenant, "",
           "caches, snapshots, evict: another tenant's (an admin token only; as the tokens file "
           "names it)");
@@ -459,6 +466,27 @@ int Metrics(const Args& args) {
   return 0;
 }
 
+// A line per buffered event (--json: per batch,
+// {"sequence":N,"batch":[ts,[event...],rank]}).
+int KvEvents(const Args& args) {
+  uint64_t from = 0;
+  if (args.size() > 2 || (args.size() == 2 && !absl::SimpleAtoi(args[1], &from))) {
+    return Fail(absl::InvalidArgumentError("usage: kv-events [FROM_SEQUENCE]"));
+  }
+  absl::StatusOr<std::vector<kvcache::KvEventBatch>> batches =
+      kvcache::ReplayKvEvents(absl::GetFlag(FLAGS_kv_events_replay), from, absl::Seconds(5));
+  if (!batches.ok()) return Fail(batches.status());
+  for (const kvcache::KvEventBatch& batch : *batches) {
+    if (absl::GetFlag(FLAGS_json)) {
+      std::printf("{\"sequence\":%llu,\"batch\":%s}\n",
+                  static_cast<unsigned long long>(batch.sequence), batch.json.c_str());
+      continue;
+    }
+    for (const std::string& line : batch.summary) std::printf("%s\n", line.c_str());
+  }
+  return 0;
+}
+
 // Every field of a cache, or of a snapshot, by its id.
 int Describe(kvcache::Client& client, const Args& args) {
   if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: describe ID"));
@@ -562,6 +590,7 @@ int main(int argc, char** argv) {
   options->token = token;
   const std::string command = args[0];
   if (command == "metrics") return Metrics(args);
+  if (command == "kv-events") return KvEvents(args);
   if (!absl::GetFlag(FLAGS_peers).empty()) return OnFleet(*options, args);
   auto client = kvcache::Client::Connect(*options);
   return OnServer(*client, args);

@@ -144,6 +144,7 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     LogInfo("data dir %s: %d saved files", dir, runtime->saved_files->List().size());
   }
   if (tenant != nullptr) {
+    options.block_event_salt = tenant->name;
     // A tenant's quota where it has one, never above the server's own limit.
     const auto tighter = [](uint64_t server, uint64_t quota) {
       return server == 0 ? quota : quota == 0 ? server : std::min(server, quota);
@@ -275,6 +276,19 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                               .transfer_path = path,
                               .data_lane_address = server->advertised_lane_address(),
                               .replica_name = config.replica_name};
+  server->metrics_registry_ = std::make_shared<prometheus::Registry>();
+  if (!config.kv_events.endpoint.empty()) {
+    ASSIGN_OR_RETURN(server->kv_events_,
+                     KvEventPublisher::Start(config.kv_events, *server->metrics_registry_));
+    server->engine_options_.block_events = server->kv_events_.get();
+    server->engine_options_.block_event_tokens = config.kv_events.block_tokens;
+    LogInfo("KV events (vLLM's, %s, blocks of %d tokens) on %s%s",
+            config.kv_events.format == KvEventFormat::kMap ? "map" : "array",
+            config.kv_events.block_tokens, server->kv_events_->endpoint(),
+            server->kv_events_->replay_endpoint().empty()
+                ? ""
+                : absl::StrCat(", replays on ", server->kv_events_->replay_endpoint()));
+  }
   RETURN_IF_ERROR(server->StartTenants());
   server->service_ = std::make_unique<service::KvCacheService>(*server->tenants_);
 
@@ -317,7 +331,6 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
 // endpoint.
 absl::Status KvCacheServer::ObserveCalls(const std::string& listen, bool access_log,
                                          grpc::ServerBuilder& builder) {
-  metrics_registry_ = std::make_shared<prometheus::Registry>();
   rpc_observer_ = std::make_unique<service::RpcObserver>(
       *metrics_registry_,
       service::RpcObserverOptions{

@@ -14,6 +14,7 @@
 #include "engine/lease_reaper.h"
 #include "gpu/device_options.h"
 #include "gpu/page_pool.h"
+#include "kv_events.h"
 #include "metrics_exporter.h"
 #include "prometheus/registry.h"
 #include "service/handlers.h"
@@ -83,6 +84,9 @@ struct ServerConfig {
   // A log line per gRPC call (service/rpc_observer.h); failures are logged
   // either way.
   bool access_log = false;
+  // vLLM-style KV events of every tenant's prefix entries (kv_events.h); off
+  // without an endpoint.
+  KvEventsConfig kv_events;
 };
 
 class KvCacheServer {
@@ -96,6 +100,11 @@ class KvCacheServer {
   std::string data_lane_address() const;
   // What Stats names: data_lane_advertise, else data_lane_address.
   std::string advertised_lane_address() const;
+  // Where KV events and their replays are published; empty when off.
+  std::string kv_events_endpoint() const { return kv_events_ ? kv_events_->endpoint() : ""; }
+  std::string kv_events_replay_endpoint() const {
+    return kv_events_ ? kv_events_->replay_endpoint() : "";
+  }
   // The Prometheus endpoint's host:port; empty when it is off.
   std::string metrics_address() const { return metrics_ ? metrics_->address() : ""; }
   // Null when the lane is off.
@@ -143,6 +152,8 @@ class KvCacheServer {
   // interceptor refers to them, so they are declared before it.
   std::shared_ptr<prometheus::Registry> metrics_registry_;
   std::unique_ptr<service::RpcObserver> rpc_observer_;
+  // Every tenant's prefix index sends to it until the index goes.
+  std::unique_ptr<KvEventPublisher> kv_events_;
   // Each tenant's engine and handlers; declared after the pool and before
   // the gRPC server and the lane, which stop before it goes.
   std::unique_ptr<service::Tenants> tenants_;

@@ -81,6 +81,22 @@ ABSL_FLAG(bool, allow_plaintext_lane, false,
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port of a Prometheus endpoint (GET /metrics); empty: none. It shows tenant "
           "names and counts, never tokens, ids or data");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "publish which prefix blocks this replica stores and drops as vLLM's KV events "
+          "(BlockStored, BlockRemoved, AllBlocksCleared; msgpack over a ZMQ PUB socket bound "
+          "here, e.g. tcp://127.0.0.1:5557) for KV-aware routers (Dynamo, llm-d); empty: none. "
+          "They carry prompts' token ids");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "ZMQ ROUTER endpoint answering replay requests for missed KV event batches "
+          "(e.g. tcp://127.0.0.1:5558); empty: none");
+ABSL_FLAG(std::string, kv_events_topic, "", "ZMQ topic of every KV event batch");
+ABSL_FLAG(uint32_t, kv_events_block_size, 16,
+          "tokens per block in KV events (the router's vLLM --block-size)");
+ABSL_FLAG(std::string, kv_events_format, "map",
+          "map (events as named-field maps: vLLM since mid 2026) or array (positional: "
+          "older vLLM)");
+ABSL_FLAG(bool, kv_events_allow_remote, false,
+          "let the KV event endpoints bind a non-loopback address");
 ABSL_FLAG(bool, access_log, false,
           "log a line per gRPC call (request id, method, code, duration, peer)");
 ABSL_FLAG(std::string, log_format, "text",
@@ -126,6 +142,18 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
                 .key_file = absl::GetFlag(FLAGS_tls_key),
                 .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca)};
   config.allow_plaintext_lane = absl::GetFlag(FLAGS_allow_plaintext_lane);
+  config.kv_events = {.endpoint = absl::GetFlag(FLAGS_kv_events_endpoint),
+                      .replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint),
+                      .topic = absl::GetFlag(FLAGS_kv_events_topic),
+                      .block_tokens = absl::GetFlag(FLAGS_kv_events_block_size),
+                      .allow_remote = absl::GetFlag(FLAGS_kv_events_allow_remote)};
+  const std::string kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
+  if (kv_events_format != "map" && kv_events_format != "array") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_events_format: \"", kv_events_format.substr(0, 16), "\" is neither map nor array"));
+  }
+  config.kv_events.format =
+      kv_events_format == "map" ? kvcache::KvEventFormat::kMap : kvcache::KvEventFormat::kArray;
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");
   }

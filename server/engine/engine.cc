@@ -38,7 +38,12 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
                                          .id_prefix = options_.id_prefix,
                                          .on_drop = [this](absl::Span<const std::string> ids) {
                                            prefixes_.ForgetAny(ids);
-                                         }}) {}
+                                         }}) {
+  if (options_.block_events != nullptr) {
+    prefixes_.SendBlockEvents(options_.block_events, options_.block_event_tokens,
+                              options_.block_event_salt);
+  }
+}
 
 Engine::~Engine() {
   {

@@ -9,8 +9,8 @@
 namespace kvcache::service {
 namespace {
 
-// Every caller shares one namespace until tenants exist; the engine keys
-// entries by it already.
+// Each tenant has an engine, and so a prefix index, of its own: within one,
+// every caller shares the namespace.
 const std::string& CallerNamespace() {
   static const std::string* const kShared = new std::string();
   return *kShared;

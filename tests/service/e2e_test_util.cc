@@ -47,6 +47,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.lane_opening_timeout = setup.lane_opening_timeout;
   config.metrics_listen = setup.metrics_listen;
   config.access_log = setup.access_log;
+  config.kv_events = setup.kv_events;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

@@ -63,6 +63,8 @@ struct ServerSetup {
   // The server's --metrics_listen (empty: no endpoint) and --access_log.
   std::string metrics_listen;
   bool access_log = false;
+  // The server's --kv_events_* (no endpoint: no events).
+  KvEventsConfig kv_events;
 };
 
 class TestServer {

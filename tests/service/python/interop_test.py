@@ -8,7 +8,9 @@ plain Python mirror, then stops the server with SIGTERM and expects exit code 0
 and no validation message in its log. Everything runs twice: in plaintext, and
 with TLS (certificates made by openssl for the run) through grpcio's TLS and
 Python's own ssl module on the data lane, which must refuse plaintext and a
-client that trusts another CA.
+client that trusts another CA. A router's side of the KV events, written the
+way vLLM's example subscriber is (pyzmq, msgpack), reads a published prefix's
+blocks, live and replayed.
 
 The stubs are generated with protoc and grpc_python_plugin: the protoc bundled
 in Debian's python3-grpc-tools (1.14) predates proto3 `optional` fields.
@@ -31,7 +33,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
+
+import msgpack
+import zmq
 
 ARGS = None
 pb = None  # kvcache.v1.kvcache_pb2, once generated
@@ -423,6 +429,91 @@ class InteropTlsTest(InteropTest):
             Lane(address, b"KVLANE02", stranger)
         lane = self.open_lane(address, b"KVLANE02")  # still served
         lane.sock.close()
+
+
+class KvEventsTest(unittest.TestCase):
+    """kvcached's KV events, read as a vLLM KV-event subscriber reads them."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Kvcached(["--kv_events_endpoint=tcp://127.0.0.1:*",
+                               "--kv_events_replay_endpoint=tcp://127.0.0.1:*",
+                               "--kv_events_topic=kv-events"])
+        line = next(line for line in cls.server.log if "KV events" in line)
+        cls.endpoint, cls.replay_endpoint = re.findall(r"tcp://127\.0\.0\.1:\d+", line)
+        cls.channel = grpc.insecure_channel(cls.server.address, options=CHANNEL_OPTIONS)
+        grpc.channel_ready_future(cls.channel).result(timeout=30)
+        cls.stub = pb_grpc.KvCacheServiceStub(cls.channel)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.channel.close()
+        if cls.server.stop() != 0:
+            raise AssertionError("kvcached failed:\n" + "".join(cls.server.log))
+
+    def replay(self, replay, start):
+        """[(sequence, batch)] from `start`, asked as vLLM's subscriber asks, from
+        a DEALER (a REQ socket would read the first batch only)."""
+        replay.send_multipart([b"", start.to_bytes(8, "big")])
+        batches = []
+        while True:
+            self.assertTrue(replay.poll(5000), "no answer to a replay")
+            _, sequence, payload = replay.recv_multipart()
+            if not payload:
+                self.assertEqual(int.from_bytes(sequence, "big", signed=True), -1)
+                return batches
+            batches.append((int.from_bytes(sequence, "big"), msgpack.unpackb(payload)))
+
+    def test_a_published_prefix_reaches_a_vllm_subscriber(self):
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.connect(self.endpoint)
+        sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
+        replay = context.socket(zmq.DEALER)
+        replay.connect(self.replay_endpoint)
+        time.sleep(0.2)  # the subscription reaches the publisher
+
+        layer = pb.LayerSpec(num_kv_heads=HEADS, k_head_dim=DIM, standard=pb.StandardLayer())
+        info = self.stub.CreateCache(pb.CreateCacheRequest(
+            spec=pb.CacheSpec(layers=[layer], dtype=pb.DTYPE_FLOAT16, model="interop")))
+        keys, values = random_kv(48)
+        list(self.stub.Update(iter([pb.UpdateRequest(
+            cache_id=info.cache_id, layer=0, keys=tensor(keys, 48), values=tensor(values, 48))])))
+        snapshot = self.stub.Snapshot(pb.SnapshotRequest(cache_id=info.cache_id))
+        prompt = list(range(100, 148))
+        entry = self.stub.PublishPrefix(pb.PublishPrefixRequest(
+            snapshot_id=snapshot.snapshot_id, tokens=prompt)).entry
+
+        self.assertTrue(sub.poll(5000), "no live batch")
+        topic, sequence, payload = sub.recv_multipart()
+        self.assertEqual(topic, b"kv-events")
+        ts, events, rank = msgpack.unpackb(payload)
+        self.assertIsInstance(ts, float)
+        self.assertEqual(rank, 0)
+        self.assertEqual(len(events), 1)
+        stored = events[0]
+        self.assertEqual(stored["type"], "BlockStored")
+        self.assertEqual(len(stored["block_hashes"]), 3)
+        self.assertTrue(all(0 <= h < 2 ** 64 for h in stored["block_hashes"]))
+        self.assertIsNone(stored["parent_block_hash"])
+        self.assertEqual(stored["token_ids"], prompt)
+        self.assertEqual(stored["block_size"], 16)
+        self.assertEqual(stored["medium"], "GPU")
+
+        # Sequence 0 went out before anyone subscribed: the replay has it.
+        batches = self.replay(replay, 0)
+        self.assertEqual([s for s, _ in batches], list(range(int.from_bytes(sequence, "big") + 1)))
+        self.assertEqual(batches[0][1][1], [{"type": "AllBlocksCleared"}])
+        self.assertEqual(batches[-1][1][1], events)
+
+        self.stub.ReleaseSnapshot(pb.ReleaseSnapshotRequest(snapshot_id=entry.snapshot_id))
+        self.assertTrue(sub.poll(5000), "no removal")
+        removed = msgpack.unpackb(sub.recv_multipart()[2])[1]
+        self.assertEqual(removed, [{"type": "BlockRemoved",
+                                    "block_hashes": stored["block_hashes"], "medium": "GPU"}])
+        self.stub.ReleaseSnapshot(pb.ReleaseSnapshotRequest(snapshot_id=snapshot.snapshot_id))
+        self.stub.DeleteCache(pb.DeleteCacheRequest(cache_id=info.cache_id))
+        context.destroy(linger=0)
 
 
 def main():

@@ -1,0 +1,263 @@
+#include "kv_events.h"
+
+#include <array>
+#include <iterator>
+#include <optional>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "transport_security.h"
+
+namespace kvcache {
+namespace {
+
+using engine::BlockEvent;
+
+// Events per batch taken from the queue; a restart sends its own at once.
+constexpr size_t kMaxBatchEvents = 1024;
+// How long the thread waits for events before it looks at replay requests.
+constexpr absl::Duration kReplayPoll = absl::Milliseconds(10);
+constexpr absl::Duration kIdlePoll = absl::Milliseconds(100);
+
+std::array<char, 8> BigEndian(int64_t value) {
+  std::array<char, 8> bytes;
+  auto bits = static_cast<uint64_t>(value);
+  for (int i = 7; i >= 0; --i, bits >>= 8) bytes[i] = static_cast<char>(bits & 0xff);
+  return bytes;
+}
+
+uint64_t FromBigEndian(const zmq::message_t& frame) {
+  uint64_t value = 0;
+  for (size_t i = 0; i < frame.size(); ++i) value = value << 8 | frame.data<uint8_t>()[i];
+  return value;
+}
+
+size_t QueuedBytes(const BlockEvent& event) {
+  return 64 + event.block_hashes.size() * sizeof(uint64_t) +
+         event.token_ids.size() * sizeof(uint32_t);
+}
+
+// tcp on loopback, or beyond it where allowed; ipc (a socket file).
+absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote) {
+  if (absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6) return absl::OkStatus();
+  const size_t colon = endpoint.rfind(':');
+  if (!absl::StartsWith(endpoint, "tcp://") || colon == std::string::npos || colon < 6 ||
+      colon + 1 == endpoint.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", endpoint.substr(0, 64),
+                                                   "\" is not tcp://HOST:PORT or ipc://PATH"));
+  }
+  const std::string host = endpoint.substr(6, colon - 6);
+  if (IsLoopbackHost(host)) return absl::OkStatus();
+  if (!allow_remote) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": \"", host,
+        "\" is not a loopback address, and KV events carry prompts' token ids: bind it where only "
+        "the router reaches it and pass --kv_events_allow_remote"));
+  }
+  LogWarning("%s: KV events (prompts' token ids, unencrypted) on %s, beyond loopback", flag,
+             endpoint);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Bind(zmq::socket_t& socket, const std::string& endpoint,
+                                 const char* flag) {
+  try {
+    socket.set(zmq::sockopt::linger, 0);
+    socket.bind(endpoint);
+    return socket.get(zmq::sockopt::last_endpoint);
+  } catch (const zmq::error_t& error) {
+    return absl::UnavailableError(
+        absl::StrCat(flag, ": cannot bind ", endpoint, ": ", error.what()));
+  }
+}
+
+}  // namespace
+
+struct KvEventPublisher::Sockets {
+  zmq::context_t context{1};
+  zmq::socket_t pub{context, zmq::socket_type::pub};
+  std::optional<zmq::socket_t> replay;
+};
+
+KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, prometheus::Registry& metrics)
+    : config_(config),
+      sockets_(std::make_unique<Sockets>()),
+      events_sent_(prometheus::BuildCounter()
+                       .Name("kvcached_kv_events_sent_total")
+                       .Help("KV events (BlockStored, BlockRemoved, AllBlocksCleared) published")
+                       .Register(metrics)
+                       .Add({})),
+      batches_sent_(prometheus::BuildCounter()
+                        .Name("kvcached_kv_event_batches_sent_total")
+                        .Help("KV event batches published (each a sequence number)")
+                        .Register(metrics)
+                        .Add({})),
+      restarts_(prometheus::BuildCounter()
+                    .Name("kvcached_kv_event_restarts_total")
+                    .Help("Times the publisher fell behind, dropped events and sent "
+                          "AllBlocksCleared and every held block again")
+                    .Register(metrics)
+                    .Add({})) {}
+
+absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
+    const KvEventsConfig& config, prometheus::Registry& metrics) {
+  if (config.block_tokens == 0) {
+    return absl::InvalidArgumentError("kv_events_block_size: must be at least 1");
+  }
+  RETURN_IF_ERROR(CheckEndpoint(config.endpoint, "kv_events_endpoint", config.allow_remote));
+  if (!config.replay_endpoint.empty()) {
+    RETURN_IF_ERROR(
+        CheckEndpoint(config.replay_endpoint, "kv_events_replay_endpoint", config.allow_remote));
+  }
+  std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(config, metrics));
+  Sockets& sockets = *publisher->sockets_;
+  ASSIGN_OR_RETURN(publisher->endpoint_, Bind(sockets.pub, config.endpoint, "kv_events_endpoint"));
+  if (!config.replay_endpoint.empty()) {
+    sockets.replay.emplace(sockets.context, zmq::socket_type::router);
+    ASSIGN_OR_RETURN(publisher->replay_endpoint_,
+                     Bind(*sockets.replay, config.replay_endpoint, "kv_events_replay_endpoint"));
+  }
+  publisher->thread_ = std::thread([p = publisher.get()] { p->Run(); });
+  return publisher;
+}
+
+KvEventPublisher::~KvEventPublisher() {
+  {
+    absl::MutexLock lock(&queue_mutex_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void KvEventPublisher::Attach(const void* source, Replay replay) {
+  absl::MutexLock lock(&sources_mutex_);
+  sources_[source] = std::move(replay);
+}
+
+void KvEventPublisher::Detach(const void* source) {
+  absl::MutexLock lock(&sources_mutex_);
+  sources_.erase(source);
+}
+
+void KvEventPublisher::Emit(const void* source, std::vector<BlockEvent> events) {
+  absl::MutexLock lock(&queue_mutex_);
+  for (BlockEvent& event : events) {
+    const size_t bytes = QueuedBytes(event);
+    if (queued_bytes_ + bytes > config_.max_queued_bytes) {
+      lost_ = true;  // the thread sends the whole state again
+      continue;
+    }
+    queued_bytes_ += bytes;
+    queue_.push_back({source, std::move(event)});
+  }
+}
+
+void KvEventPublisher::Run() {
+  Send({BlockEvent{.kind = BlockEvent::Kind::kAllCleared}});
+  while (true) {
+    if (sockets_->replay.has_value()) AnswerReplays();
+    bool start_again = false;
+    std::vector<BlockEvent> batch;
+    {
+      absl::MutexLock lock(&queue_mutex_);
+      queue_mutex_.AwaitWithTimeout(absl::Condition(this, &KvEventPublisher::HasWork),
+                                    sockets_->replay.has_value() ? kReplayPoll : kIdlePoll);
+      if (lost_) {
+        start_again = true;
+      } else if (queue_.empty()) {
+        if (stopping_) return;
+      } else {
+        while (!queue_.empty() && batch.size() < kMaxBatchEvents) {
+          queued_bytes_ -= QueuedBytes(queue_.front().event);
+          batch.push_back(std::move(queue_.front().event));
+          queue_.pop_front();
+        }
+      }
+    }
+    if (start_again) batch = StartAgain();
+    if (!batch.empty()) Send(batch);
+  }
+}
+
+// Each source's queued events are dropped and its held blocks taken under its
+// lock, so what it emits after that is queued behind them; sources not yet
+// reached still have theirs queued, and drop them in turn.
+std::vector<BlockEvent> KvEventPublisher::StartAgain() {
+  restarts_.Increment();
+  std::vector<BlockEvent> events{BlockEvent{.kind = BlockEvent::Kind::kAllCleared}};
+  {
+    absl::MutexLock lock(&queue_mutex_);
+    lost_ = false;
+  }
+  absl::MutexLock sources_lock(&sources_mutex_);
+  for (const auto& [source, replay] : sources_) {
+    replay([&, source = source](std::vector<BlockEvent> held) {
+      absl::MutexLock lock(&queue_mutex_);
+      std::erase_if(queue_, [&](const Queued& queued) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        if (queued.source != source) return false;
+        queued_bytes_ -= QueuedBytes(queued.event);
+        return true;
+      });
+      std::move(held.begin(), held.end(), std::back_inserter(events));
+    });
+  }
+  return events;
+}
+
+void KvEventPublisher::Send(const std::vector<BlockEvent>& events) {
+  const uint64_t sequence = next_sequence_++;
+  std::string payload =
+      EncodeKvEventBatch(absl::Now(), events, config_.format, config_.block_tokens);
+  const std::array<char, 8> sequence_bytes = BigEndian(static_cast<int64_t>(sequence));
+  const std::array<zmq::const_buffer, 3> frames = {
+      zmq::buffer(config_.topic), zmq::buffer(sequence_bytes), zmq::buffer(payload)};
+  try {
+    // A PUB socket never blocks: past its high-water mark a slow subscriber
+    // misses batches, sees the gap in the sequence and asks for a replay.
+    (void)zmq::send_multipart(sockets_->pub, frames);
+  } catch (const zmq::error_t& error) {
+    LogWarning("kv events: batch %d not sent: %s", sequence, error.what());
+  }
+  events_sent_.Increment(static_cast<double>(events.size()));
+  batches_sent_.Increment();
+  if (!sockets_->replay.has_value()) return;
+  sent_.emplace_back(sequence, std::move(payload));
+  while (sent_.size() > config_.replay_batches) sent_.pop_front();
+}
+
+void KvEventPublisher::AnswerReplays() {
+  zmq::socket_t& router = *sockets_->replay;
+  static const std::array<char, 8> kEnd = BigEndian(-1);
+  try {
+    while (true) {
+      std::vector<zmq::message_t> request;
+      if (!zmq::recv_multipart(router, std::back_inserter(request), zmq::recv_flags::dontwait)) {
+        return;
+      }
+      // [identity, "", start]: a REQ socket's request as a ROUTER sees it.
+      if (request.size() != 3 || request[2].size() != 8) continue;
+      const uint64_t start = FromBigEndian(request[2]);
+      for (const auto& [sequence, payload] : sent_) {
+        if (sequence < start) continue;
+        const std::array<char, 8> sequence_bytes = BigEndian(static_cast<int64_t>(sequence));
+        const std::array<zmq::const_buffer, 4> frames = {
+            zmq::buffer(request[0].data(), request[0].size()), zmq::const_buffer(),
+            zmq::buffer(sequence_bytes), zmq::buffer(payload)};
+        (void)zmq::send_multipart(router, frames, zmq::send_flags::dontwait);
+      }
+      const std::array<zmq::const_buffer, 4> end = {
+          zmq::buffer(request[0].data(), request[0].size()), zmq::const_buffer(), zmq::buffer(kEnd),
+          zmq::const_buffer()};
+      (void)zmq::send_multipart(router, end, zmq::send_flags::dontwait);
+    }
+  } catch (const zmq::error_t& error) {
+    LogWarning("kv events: replay: %s", error.what());
+  }
+}
+
+}  // namespace kvcache

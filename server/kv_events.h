@@ -1,0 +1,118 @@
+// KV events (--kv_events_endpoint): each replica publishes which prefix
+// blocks it stores and drops (engine/prefix_blocks.h) the way vLLM does
+// (kv_event_encoding.h), so a KV-aware router sees kvcached's prefixes with
+// the code it already runs against vLLM.
+//
+// As vLLM's ZmqEventPublisher: a ZMQ PUB socket sends each batch as three
+// frames [topic, sequence (8 bytes, big-endian, from 0), payload]; where a
+// replay endpoint is set, a ROUTER socket answers a request [start sequence
+// (8 bytes)] with every buffered batch from there, a [sequence, payload]
+// message each, then [-1 as 8 bytes, empty]. Several messages answer one
+// request, so a subscriber asks from a DEALER socket (a REQ reads one). The first batch is
+// AllBlocksCleared: a restarted replica holds no prefix.
+//
+// Indexes emit under their own locks into a queue here, which never blocks
+// them; one thread encodes and sends. Past its bound (a stalled thread) new
+// events are dropped and the thread starts again: AllBlocksCleared, then every
+// block held now (PrefixIndex::ReplayBlocks), so a subscriber's view is
+// whole again without a gap in its sequence.
+//
+// The events carry prompts' token ids: the endpoint is for the router, which
+// sees the prompts anyway. A non-loopback tcp endpoint needs
+// allow_remote, and is logged.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/prefix_blocks.h"
+#include "kv_event_encoding.h"
+#include "prometheus/counter.h"
+#include "prometheus/registry.h"
+
+namespace kvcache {
+
+struct KvEventsConfig {
+  // Where the PUB socket binds: "tcp://HOST:PORT" (PORT "*": any free one)
+  // or "ipc://PATH"; empty: no events.
+  std::string endpoint;
+  // Where the replay ROUTER socket binds; empty: no replay.
+  std::string replay_endpoint;
+  std::string topic;  // vLLM's default: none
+  // Tokens per block (vLLM's --block-size; 16 by default there too).
+  uint32_t block_tokens = 16;
+  KvEventFormat format = KvEventFormat::kMap;
+  // Batches kept for replay (vLLM's buffer_steps).
+  size_t replay_batches = 10000;
+  // Bytes of block hashes and token ids that may wait to be sent.
+  size_t max_queued_bytes = 64 << 20;
+  bool allow_remote = false;
+};
+
+class KvEventPublisher final : public engine::BlockEventSink {
+ public:
+  // Binds both sockets and starts sending; INVALID_ARGUMENT naming the flag
+  // for an endpoint that is malformed or not allowed, UNAVAILABLE when a
+  // socket cannot bind.
+  static absl::StatusOr<std::unique_ptr<KvEventPublisher>> Start(const KvEventsConfig& config,
+                                                                 prometheus::Registry& metrics);
+  ~KvEventPublisher() override;
+
+  // What the sockets bound (a "*" port resolved); empty where off.
+  const std::string& endpoint() const { return endpoint_; }
+  const std::string& replay_endpoint() const { return replay_endpoint_; }
+  uint32_t block_tokens() const { return config_.block_tokens; }
+
+  void Attach(const void* source, Replay replay) override;
+  void Detach(const void* source) override;
+  void Emit(const void* source, std::vector<engine::BlockEvent> events) override;
+
+ private:
+  struct Queued {
+    const void* source;
+    engine::BlockEvent event;
+  };
+  struct Sockets;
+
+  explicit KvEventPublisher(const KvEventsConfig& config, prometheus::Registry& metrics);
+  void Run();
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mutex_) {
+    return !queue_.empty() || lost_ || stopping_;
+  }
+  // AllBlocksCleared and every block held now, after events were dropped.
+  std::vector<engine::BlockEvent> StartAgain();
+  void Send(const std::vector<engine::BlockEvent>& events);
+  void AnswerReplays();
+
+  const KvEventsConfig config_;
+  std::string endpoint_;
+  std::string replay_endpoint_;
+  std::unique_ptr<Sockets> sockets_;  // used by the thread only, once it runs
+  uint64_t next_sequence_ = 0;
+  std::deque<std::pair<uint64_t, std::string>> sent_;  // for replay
+  prometheus::Counter& events_sent_;
+  prometheus::Counter& batches_sent_;
+  prometheus::Counter& restarts_;
+
+  // Taken before a source's lock (a replay runs under both), never after.
+  absl::Mutex sources_mutex_;
+  absl::flat_hash_map<const void*, Replay> sources_ ABSL_GUARDED_BY(sources_mutex_);
+
+  absl::Mutex queue_mutex_;
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(queue_mutex_);
+  size_t queued_bytes_ ABSL_GUARDED_BY(queue_mutex_) = 0;
+  bool lost_ ABSL_GUARDED_BY(queue_mutex_) = false;  // events dropped: start again
+  bool stopping_ ABSL_GUARDED_BY(queue_mutex_) = false;
+  std::thread thread_;
+};
+
+}  // namespace kvcache
