@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "bearer_token.h"
+#include "call_metadata.h"
 #include "fetch_transport.h"
 #include "fetch_view.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -125,6 +125,10 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   if (!options.token.empty()) {
     interceptors.push_back(internal::BearerTokenInterceptors(options.token));
+  }
+  if (!options.replica.empty()) {
+    interceptors.push_back(
+        internal::FixedMetadataInterceptors(internal::kReplicaHeader, options.replica));
   }
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (options.tls) {

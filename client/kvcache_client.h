@@ -40,6 +40,11 @@ struct ClientOptions {
   // <token>` with every gRPC call and in each data-lane connection's AUTH
   // frame. Empty: none (a server without tokens takes every call).
   std::string token;
+  // The replica this client's calls are for, sent as `x-kvcache-replica`
+  // metadata with each: a proxy in front of a fleet (docker/haproxy.cfg)
+  // sends the call to the server of that name. ShardedClient sets it to each
+  // replica's name. Empty: none.
+  std::string replica;
   // TLS to the gRPC port (kvcached --tls_cert), with grpc++'s own
   // credentials, and to the data lane with OpenSSL's (TLS 1.3; the kernel's
   // TLS where it has it). The PEM texts, not paths: an empty root bundle

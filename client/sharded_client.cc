@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -126,11 +127,20 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   if (options.client.max_reconnect_backoff == absl::ZeroDuration()) {
     options.client.max_reconnect_backoff = absl::Seconds(2);
   }
-  std::set<std::string> addresses;
+  // One address for several replicas is a proxy in front of them, which
+  // routes by the replica each call names: only named replicas may share one.
+  struct Listed {
+    int entries = 0;
+    bool unnamed = false;
+  };
+  std::map<std::string, Listed> listed;  // by address
   for (const Replica& replica : options.replicas) {
-    if (!addresses.insert(replica.address).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("replicas: ", replica.address, " is listed twice"));
+    Listed& at = listed[replica.address];
+    ++at.entries;
+    at.unnamed |= replica.name.empty();
+    if (at.entries > 1 && at.unnamed) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "replicas: ", replica.address, " is listed twice (name each replica behind a proxy)"));
     }
   }
   // Every replica is asked its name at once: a fleet with replicas down
@@ -143,6 +153,7 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
       auto ask = [&, i] {
         ClientOptions client_options = options.client;
         client_options.address = options.replicas[i].address;
+        client_options.replica = options.replicas[i].name;  // through a proxy: that one
         learned[i] = AskName(client_options, options.connect_timeout);
       };
       try {
@@ -177,6 +188,7 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
     }
     ClientOptions client_options = options.client;
     client_options.address = replica.address;
+    client_options.replica = replica.name;
     clients.push_back(Client::Connect(client_options));
   }
   return std::unique_ptr<ShardedClient>(new ShardedClient(std::move(options.replicas),
