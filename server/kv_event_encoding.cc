@@ -103,7 +103,7 @@ void PackEvent(msgpack_packer& packer, const BlockEvent& event, KvEventFormat fo
 
 }  // namespace
 
-std::string EncodeKvEventBatch(absl::Time ts, const std::vector<BlockEvent>& events,
+std::string EncodeKvEventBatch(absl::Time ts, absl::Span<const BlockEvent> events,
                                KvEventFormat format, uint32_t block_size) {
   msgpack_sbuffer buffer;
   msgpack_sbuffer_init(&buffer);

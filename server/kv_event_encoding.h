@@ -20,16 +20,16 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "engine/prefix_blocks.h"
 
 namespace kvcache {
 
 enum class KvEventFormat { kMap, kArray };
 
-std::string EncodeKvEventBatch(absl::Time ts, const std::vector<engine::BlockEvent>& events,
+std::string EncodeKvEventBatch(absl::Time ts, absl::Span<const engine::BlockEvent> events,
                                KvEventFormat format, uint32_t block_size);
 
 }  // namespace kvcache

@@ -18,7 +18,8 @@ namespace {
 
 using engine::BlockEvent;
 
-// Events per batch taken from the queue; a restart sends its own at once.
+// Events per batch: what the thread takes from the queue at once, and how a
+// restart's whole state is cut.
 constexpr size_t kMaxBatchEvents = 1024;
 // How long the thread waits for events before it looks at replay requests.
 constexpr absl::Duration kReplayPoll = absl::Milliseconds(10);
@@ -42,9 +43,16 @@ size_t QueuedBytes(const BlockEvent& event) {
          event.token_ids.size() * sizeof(uint32_t);
 }
 
-// tcp on loopback, or beyond it where allowed; ipc (a socket file).
+// tcp on loopback, or beyond it where allowed; ipc (a socket file; an
+// abstract name, which any local user reaches, where allowed).
 absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote) {
-  if (absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6) return absl::OkStatus();
+  if (absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6) {
+    if (endpoint[6] != '@' || allow_remote) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag,
+        ": an abstract socket is open to every local user, and KV events carry prompts' "
+        "token ids: use a socket file, or pass --kv_events_allow_remote"));
+  }
   const size_t colon = endpoint.rfind(':');
   if (!absl::StartsWith(endpoint, "tcp://") || colon == std::string::npos || colon < 6 ||
       colon + 1 == endpoint.size()) {
@@ -55,7 +63,7 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool a
   if (IsLoopbackHost(host)) return absl::OkStatus();
   if (!allow_remote) {
     return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": \"", host,
+        flag, ": \"", host.substr(0, 64),
         "\" is not a loopback address, and KV events carry prompts' token ids: bind it where only "
         "the router reaches it and pass --kv_events_allow_remote"));
   }
@@ -67,7 +75,6 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool a
 absl::StatusOr<std::string> Bind(zmq::socket_t& socket, const std::string& endpoint,
                                  const char* flag) {
   try {
-    socket.set(zmq::sockopt::linger, 0);
     socket.bind(endpoint);
     return socket.get(zmq::sockopt::last_endpoint);
   } catch (const zmq::error_t& error) {
@@ -102,7 +109,8 @@ KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, prometheus::Reg
                     .Help("Times the publisher fell behind, dropped events and sent "
                           "AllBlocksCleared and every held block again")
                     .Register(metrics)
-                    .Add({})) {}
+                    .Add({})),
+      blocks_(config.block_tokens, this) {}
 
 absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
     const KvEventsConfig& config, prometheus::Registry& metrics) {
@@ -116,11 +124,18 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
   }
   std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(config, metrics));
   Sockets& sockets = *publisher->sockets_;
+  // Long enough for the last AllBlocksCleared to leave as the replica stops.
+  sockets.pub.set(zmq::sockopt::linger, 200);
   ASSIGN_OR_RETURN(publisher->endpoint_, Bind(sockets.pub, config.endpoint, "kv_events_endpoint"));
   if (!config.replay_endpoint.empty()) {
-    sockets.replay.emplace(sockets.context, zmq::socket_type::router);
+    zmq::socket_t& replay = sockets.replay.emplace(sockets.context, zmq::socket_type::router);
+    replay.set(zmq::sockopt::linger, 0);
+    // A request is 8 bytes; nothing longer is read into memory.
+    replay.set(zmq::sockopt::maxmsgsize, int64_t{64});
+    // A ROUTER drops what passes its high-water mark: room for a whole answer.
+    replay.set(zmq::sockopt::sndhwm, static_cast<int>(config.replay_batches + 2));
     ASSIGN_OR_RETURN(publisher->replay_endpoint_,
-                     Bind(*sockets.replay, config.replay_endpoint, "kv_events_replay_endpoint"));
+                     Bind(replay, config.replay_endpoint, "kv_events_replay_endpoint"));
   }
   publisher->thread_ = std::thread([p = publisher.get()] { p->Run(); });
   return publisher;
@@ -134,33 +149,21 @@ KvEventPublisher::~KvEventPublisher() {
   if (thread_.joinable()) thread_.join();
 }
 
-void KvEventPublisher::Attach(const void* source, Replay replay) {
-  absl::MutexLock lock(&sources_mutex_);
-  sources_[source] = std::move(replay);
-}
-
-void KvEventPublisher::Detach(const void* source) {
-  absl::MutexLock lock(&sources_mutex_);
-  sources_.erase(source);
-}
-
-void KvEventPublisher::Emit(const void* source, std::vector<BlockEvent> events) {
+void KvEventPublisher::Emit(BlockEvent event) {
   absl::MutexLock lock(&queue_mutex_);
-  for (BlockEvent& event : events) {
-    const size_t bytes = QueuedBytes(event);
-    if (queued_bytes_ + bytes > config_.max_queued_bytes) {
-      lost_ = true;  // the thread sends the whole state again
-      continue;
-    }
-    queued_bytes_ += bytes;
-    queue_.push_back({source, std::move(event)});
+  const size_t bytes = QueuedBytes(event);
+  if (queued_bytes_ + bytes > config_.max_queued_bytes) {
+    lost_ = true;  // the thread sends the whole state again
+    return;
   }
+  queued_bytes_ += bytes;
+  queue_.push_back(std::move(event));
 }
 
 void KvEventPublisher::Run() {
   Send({BlockEvent{.kind = BlockEvent::Kind::kAllCleared}});
   while (true) {
-    if (sockets_->replay.has_value()) AnswerReplays();
+    if (sockets_->replay.has_value()) AnswerReplay();
     bool start_again = false;
     std::vector<BlockEvent> batch;
     {
@@ -170,11 +173,11 @@ void KvEventPublisher::Run() {
       if (lost_) {
         start_again = true;
       } else if (queue_.empty()) {
-        if (stopping_) return;
+        if (stopping_) break;
       } else {
         while (!queue_.empty() && batch.size() < kMaxBatchEvents) {
-          queued_bytes_ -= QueuedBytes(queue_.front().event);
-          batch.push_back(std::move(queue_.front().event));
+          queued_bytes_ -= QueuedBytes(queue_.front());
+          batch.push_back(std::move(queue_.front()));
           queue_.pop_front();
         }
       }
@@ -182,34 +185,33 @@ void KvEventPublisher::Run() {
     if (start_again) batch = StartAgain();
     if (!batch.empty()) Send(batch);
   }
+  // Routers forget what a replica that stops held.
+  Send({BlockEvent{.kind = BlockEvent::Kind::kAllCleared}});
 }
 
-// Each source's queued events are dropped and its held blocks taken under its
-// lock, so what it emits after that is queued behind them; sources not yet
-// reached still have theirs queued, and drop them in turn.
+// Under the ledger's lock no event can come, so what is queued is dropped
+// and what is held sent in its place.
 std::vector<BlockEvent> KvEventPublisher::StartAgain() {
   restarts_.Increment();
   std::vector<BlockEvent> events{BlockEvent{.kind = BlockEvent::Kind::kAllCleared}};
-  {
+  blocks_.Held([&](std::vector<BlockEvent> held) {
     absl::MutexLock lock(&queue_mutex_);
+    queue_.clear();
+    queued_bytes_ = 0;
     lost_ = false;
-  }
-  absl::MutexLock sources_lock(&sources_mutex_);
-  for (const auto& [source, replay] : sources_) {
-    replay([&, source = source](std::vector<BlockEvent> held) {
-      absl::MutexLock lock(&queue_mutex_);
-      std::erase_if(queue_, [&](const Queued& queued) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        if (queued.source != source) return false;
-        queued_bytes_ -= QueuedBytes(queued.event);
-        return true;
-      });
-      std::move(held.begin(), held.end(), std::back_inserter(events));
-    });
-  }
+    std::move(held.begin(), held.end(), std::back_inserter(events));
+  });
   return events;
 }
 
 void KvEventPublisher::Send(const std::vector<BlockEvent>& events) {
+  const absl::Span<const BlockEvent> all(events);
+  for (size_t at = 0; at < all.size(); at += kMaxBatchEvents) {
+    SendBatch(all.subspan(at, kMaxBatchEvents));
+  }
+}
+
+void KvEventPublisher::SendBatch(absl::Span<const BlockEvent> events) {
   const uint64_t sequence = next_sequence_++;
   std::string payload =
       EncodeKvEventBatch(absl::Now(), events, config_.format, config_.block_tokens);
@@ -226,35 +228,36 @@ void KvEventPublisher::Send(const std::vector<BlockEvent>& events) {
   events_sent_.Increment(static_cast<double>(events.size()));
   batches_sent_.Increment();
   if (!sockets_->replay.has_value()) return;
+  sent_bytes_ += payload.size();
   sent_.emplace_back(sequence, std::move(payload));
-  while (sent_.size() > config_.replay_batches) sent_.pop_front();
+  while (sent_.size() > config_.replay_batches || sent_bytes_ > config_.replay_bytes) {
+    sent_bytes_ -= sent_.front().second.size();
+    sent_.pop_front();
+  }
 }
 
-void KvEventPublisher::AnswerReplays() {
+void KvEventPublisher::AnswerReplay() {
   zmq::socket_t& router = *sockets_->replay;
   static const std::array<char, 8> kEnd = BigEndian(-1);
   try {
-    while (true) {
-      std::vector<zmq::message_t> request;
-      if (!zmq::recv_multipart(router, std::back_inserter(request), zmq::recv_flags::dontwait)) {
-        return;
-      }
-      // [identity, "", start]: a REQ socket's request as a ROUTER sees it.
-      if (request.size() != 3 || request[2].size() != 8) continue;
-      const uint64_t start = FromBigEndian(request[2]);
-      for (const auto& [sequence, payload] : sent_) {
-        if (sequence < start) continue;
-        const std::array<char, 8> sequence_bytes = BigEndian(static_cast<int64_t>(sequence));
-        const std::array<zmq::const_buffer, 4> frames = {
-            zmq::buffer(request[0].data(), request[0].size()), zmq::const_buffer(),
-            zmq::buffer(sequence_bytes), zmq::buffer(payload)};
-        (void)zmq::send_multipart(router, frames, zmq::send_flags::dontwait);
-      }
-      const std::array<zmq::const_buffer, 4> end = {
-          zmq::buffer(request[0].data(), request[0].size()), zmq::const_buffer(), zmq::buffer(kEnd),
-          zmq::const_buffer()};
-      (void)zmq::send_multipart(router, end, zmq::send_flags::dontwait);
+    std::vector<zmq::message_t> request;
+    if (!zmq::recv_multipart(router, std::back_inserter(request), zmq::recv_flags::dontwait)) {
+      return;
     }
+    // [identity, "", start]: a DEALER's (or REQ's) request as a ROUTER sees it.
+    if (request.size() != 3 || request[2].size() != 8) return;
+    const zmq::const_buffer identity = zmq::buffer(request[0].data(), request[0].size());
+    const uint64_t start = FromBigEndian(request[2]);
+    for (const auto& [sequence, payload] : sent_) {
+      if (sequence < start) continue;
+      const std::array<char, 8> sequence_bytes = BigEndian(static_cast<int64_t>(sequence));
+      const std::array<zmq::const_buffer, 4> frames = {
+          identity, zmq::const_buffer(), zmq::buffer(sequence_bytes), zmq::buffer(payload)};
+      (void)zmq::send_multipart(router, frames, zmq::send_flags::dontwait);
+    }
+    const std::array<zmq::const_buffer, 4> end = {identity, zmq::const_buffer(), zmq::buffer(kEnd),
+                                                  zmq::const_buffer()};
+    (void)zmq::send_multipart(router, end, zmq::send_flags::dontwait);
   } catch (const zmq::error_t& error) {
     LogWarning("kv events: replay: %s", error.what());
   }

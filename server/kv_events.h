@@ -11,15 +11,16 @@
 // request, so a subscriber asks from a DEALER socket (a REQ reads one). The first batch is
 // AllBlocksCleared: a restarted replica holds no prefix.
 //
-// Indexes emit under their own locks into a queue here, which never blocks
-// them; one thread encodes and sends. Past its bound (a stalled thread) new
-// events are dropped and the thread starts again: AllBlocksCleared, then every
-// block held now (PrefixIndex::ReplayBlocks), so a subscriber's view is
-// whole again without a gap in its sequence.
+// Prefix indexes count their entries' blocks into the publisher's ledger
+// (engine/prefix_blocks.h), which queues each event here without waiting;
+// one thread encodes and sends. Past its bound (a stalled thread) new events
+// are dropped and the thread starts again: AllBlocksCleared, then every block
+// held now, so a subscriber's view is whole again without a gap in its
+// sequence. A replica that stops sends AllBlocksCleared last.
 //
 // The events carry prompts' token ids: the endpoint is for the router, which
-// sees the prompts anyway. A non-loopback tcp endpoint needs
-// allow_remote, and is logged.
+// sees the prompts anyway. A non-loopback tcp endpoint (or an abstract ipc
+// one, which any local user reaches) needs allow_remote, and is logged.
 #pragma once
 
 #include <cstdint>
@@ -31,9 +32,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "engine/prefix_blocks.h"
 #include "kv_event_encoding.h"
 #include "prometheus/counter.h"
@@ -51,8 +52,9 @@ struct KvEventsConfig {
   // Tokens per block (vLLM's --block-size; 16 by default there too).
   uint32_t block_tokens = 16;
   KvEventFormat format = KvEventFormat::kMap;
-  // Batches kept for replay (vLLM's buffer_steps).
+  // Batches kept for replay (vLLM's buffer_steps), and their bytes at most.
   size_t replay_batches = 10000;
+  size_t replay_bytes = 64 << 20;
   // Bytes of block hashes and token ids that may wait to be sent.
   size_t max_queued_bytes = 64 << 20;
   bool allow_remote = false;
@@ -70,17 +72,12 @@ class KvEventPublisher final : public engine::BlockEventSink {
   // What the sockets bound (a "*" port resolved); empty where off.
   const std::string& endpoint() const { return endpoint_; }
   const std::string& replay_endpoint() const { return replay_endpoint_; }
-  uint32_t block_tokens() const { return config_.block_tokens; }
+  // What every tenant's prefix index counts its blocks into (EngineOptions).
+  engine::PrefixBlocks& blocks() { return blocks_; }
 
-  void Attach(const void* source, Replay replay) override;
-  void Detach(const void* source) override;
-  void Emit(const void* source, std::vector<engine::BlockEvent> events) override;
+  void Emit(engine::BlockEvent event) override;
 
  private:
-  struct Queued {
-    const void* source;
-    engine::BlockEvent event;
-  };
   struct Sockets;
 
   explicit KvEventPublisher(const KvEventsConfig& config, prometheus::Registry& metrics);
@@ -90,8 +87,11 @@ class KvEventPublisher final : public engine::BlockEventSink {
   }
   // AllBlocksCleared and every block held now, after events were dropped.
   std::vector<engine::BlockEvent> StartAgain();
+  // In batches of at most kMaxBatchEvents.
   void Send(const std::vector<engine::BlockEvent>& events);
-  void AnswerReplays();
+  void SendBatch(absl::Span<const engine::BlockEvent> events);
+  // One request at most, so a flood of them never starves the queue.
+  void AnswerReplay();
 
   const KvEventsConfig config_;
   std::string endpoint_;
@@ -99,19 +99,18 @@ class KvEventPublisher final : public engine::BlockEventSink {
   std::unique_ptr<Sockets> sockets_;  // used by the thread only, once it runs
   uint64_t next_sequence_ = 0;
   std::deque<std::pair<uint64_t, std::string>> sent_;  // for replay
+  size_t sent_bytes_ = 0;
   prometheus::Counter& events_sent_;
   prometheus::Counter& batches_sent_;
   prometheus::Counter& restarts_;
 
-  // Taken before a source's lock (a replay runs under both), never after.
-  absl::Mutex sources_mutex_;
-  absl::flat_hash_map<const void*, Replay> sources_ ABSL_GUARDED_BY(sources_mutex_);
-
+  // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;
-  std::deque<Queued> queue_ ABSL_GUARDED_BY(queue_mutex_);
+  std::deque<engine::BlockEvent> queue_ ABSL_GUARDED_BY(queue_mutex_);
   size_t queued_bytes_ ABSL_GUARDED_BY(queue_mutex_) = 0;
   bool lost_ ABSL_GUARDED_BY(queue_mutex_) = false;  // events dropped: start again
   bool stopping_ ABSL_GUARDED_BY(queue_mutex_) = false;
+  engine::PrefixBlocks blocks_;  // emits into the queue: declared after it
   std::thread thread_;
 };
 

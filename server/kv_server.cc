@@ -144,7 +144,6 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     LogInfo("data dir %s: %d saved files", dir, runtime->saved_files->List().size());
   }
   if (tenant != nullptr) {
-    options.block_event_salt = tenant->name;
     // A tenant's quota where it has one, never above the server's own limit.
     const auto tighter = [](uint64_t server, uint64_t quota) {
       return server == 0 ? quota : quota == 0 ? server : std::min(server, quota);
@@ -280,8 +279,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   if (!config.kv_events.endpoint.empty()) {
     ASSIGN_OR_RETURN(server->kv_events_,
                      KvEventPublisher::Start(config.kv_events, *server->metrics_registry_));
-    server->engine_options_.block_events = server->kv_events_.get();
-    server->engine_options_.block_event_tokens = config.kv_events.block_tokens;
+    server->engine_options_.prefix_blocks = &server->kv_events_->blocks();
     LogInfo("KV events (vLLM's, %s, blocks of %d tokens) on %s%s",
             config.kv_events.format == KvEventFormat::kMap ? "map" : "array",
             config.kv_events.block_tokens, server->kv_events_->endpoint(),

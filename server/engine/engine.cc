@@ -39,10 +39,7 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
                                          .on_drop = [this](absl::Span<const std::string> ids) {
                                            prefixes_.ForgetAny(ids);
                                          }}) {
-  if (options_.block_events != nullptr) {
-    prefixes_.SendBlockEvents(options_.block_events, options_.block_event_tokens,
-                              options_.block_event_salt);
-  }
+  if (options_.prefix_blocks != nullptr) prefixes_.CountBlocksIn(options_.prefix_blocks);
 }
 
 Engine::~Engine() {

@@ -64,12 +64,9 @@ struct EngineOptions {
   // Other engines over the same pool (the server's other tenants), asked to
   // evict when this one has nothing left to move (tiering.h); null: none.
   EvictElsewhere evict_elsewhere;
-  // Where the prefix index announces the blocks of its entries (KV events:
-  // engine/prefix_blocks.h), blocks of block_event_tokens tokens, their hashes
-  // salted with block_event_salt (the tenant's name); null: nowhere.
-  BlockEventSink* block_events = nullptr;
-  uint32_t block_event_tokens = 16;
-  std::string block_event_salt;
+  // Where the prefix index counts the blocks of its entries (KV events:
+  // engine/prefix_blocks.h), shared by every tenant's engine; null: nowhere.
+  PrefixBlocks* prefix_blocks = nullptr;
 };
 
 struct CacheInfo {

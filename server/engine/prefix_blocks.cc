@@ -2,15 +2,15 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+
 namespace kvcache::engine {
 
-std::vector<uint64_t> PrefixBlocks::Hashes(const std::string& scope,
-                                           absl::Span<const uint32_t> tokens) const {
+std::vector<uint64_t> PrefixBlocks::Hashes(absl::Span<const uint32_t> tokens) const {
   const size_t count = tokens.size() / block_tokens_;
   std::vector<uint64_t> hashes;
   hashes.reserve(count);
-  uint64_t chain =
-      XXH3_64bits_withSeed(scope.data(), scope.size(), XXH3_64bits(salt_.data(), salt_.size()));
+  uint64_t chain = 0;
   for (size_t block = 0; block < count; ++block) {
     chain = XXH3_64bits_withSeed(tokens.data() + block * block_tokens_,
                                  block_tokens_ * sizeof(uint32_t), chain);
@@ -19,35 +19,64 @@ std::vector<uint64_t> PrefixBlocks::Hashes(const std::string& scope,
   return hashes;
 }
 
-std::optional<BlockEvent> PrefixBlocks::Add(const std::string& scope,
-                                            absl::Span<const uint32_t> tokens) {
-  const std::vector<uint64_t> hashes = Hashes(scope, tokens);
+void PrefixBlocks::Add(absl::Span<const uint32_t> tokens) {
+  const std::vector<uint64_t> hashes = Hashes(tokens);
+  absl::MutexLock lock(&mu_);
   size_t first_new = hashes.size();
-  for (size_t block = hashes.size(); block-- > 0;) {
-    if (++holders_[hashes[block]] == 1) first_new = block;
+  for (size_t position = 0; position < hashes.size(); ++position) {
+    Block& block = blocks_[hashes[position]];
+    if (block.holders++ > 0) continue;
+    first_new = std::min(first_new, position);
+    block.position = position;
+    if (position > 0) block.parent = hashes[position - 1];
+    const auto start = tokens.begin() + position * block_tokens_;
+    block.tokens.assign(start, start + block_tokens_);
   }
-  if (first_new == hashes.size()) return std::nullopt;
+  if (first_new == hashes.size()) return;
   BlockEvent stored{.kind = BlockEvent::Kind::kStored,
-                    .block_hashes = {hashes.begin() + first_new, hashes.end()}};
-  if (first_new > 0) stored.parent_block_hash = hashes[first_new - 1];
+                    .block_hashes = {hashes.begin() + first_new, hashes.end()},
+                    .parent_block_hash = blocks_.at(hashes[first_new]).parent};
   stored.token_ids.assign(tokens.begin() + first_new * block_tokens_,
                           tokens.begin() + hashes.size() * block_tokens_);
-  return stored;
+  sink_->Emit(std::move(stored));
 }
 
-std::optional<BlockEvent> PrefixBlocks::Remove(const std::string& scope,
-                                               absl::Span<const uint32_t> tokens) {
+void PrefixBlocks::Remove(absl::Span<const uint32_t> tokens) {
+  const std::vector<uint64_t> hashes = Hashes(tokens);
   BlockEvent removed{.kind = BlockEvent::Kind::kRemoved};
-  for (uint64_t hash : Hashes(scope, tokens)) {
-    auto holder = holders_.find(hash);
-    if (holder == holders_.end()) continue;  // never added: the caller's bug, not ours to crash on
-    if (--holder->second == 0) {
-      holders_.erase(holder);
+  absl::MutexLock lock(&mu_);
+  for (uint64_t hash : hashes) {
+    auto block = blocks_.find(hash);
+    if (block == blocks_.end()) continue;  // never added: the caller's bug, not ours to crash on
+    if (--block->second.holders == 0) {
+      blocks_.erase(block);
       removed.block_hashes.push_back(hash);
     }
   }
-  if (removed.block_hashes.empty()) return std::nullopt;
-  return removed;
+  if (!removed.block_hashes.empty()) sink_->Emit(std::move(removed));
+}
+
+void PrefixBlocks::Held(const std::function<void(std::vector<BlockEvent>)>& under_lock) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<uint64_t, const Block*>> held;
+  held.reserve(blocks_.size());
+  for (const auto& [hash, block] : blocks_) held.emplace_back(hash, &block);
+  std::sort(held.begin(), held.end(),
+            [](const auto& a, const auto& b) { return a.second->position < b.second->position; });
+  std::vector<BlockEvent> events;
+  events.reserve(held.size());
+  for (const auto& [hash, block] : held) {
+    events.push_back({.kind = BlockEvent::Kind::kStored,
+                      .block_hashes = {hash},
+                      .parent_block_hash = block->parent,
+                      .token_ids = block->tokens});
+  }
+  under_lock(std::move(events));
+}
+
+size_t PrefixBlocks::blocks() const {
+  absl::MutexLock lock(&mu_);
+  return blocks_.size();
 }
 
 }  // namespace kvcache::engine

@@ -4,28 +4,32 @@
 //
 // A prefix entry of n tokens holds n / block_tokens full blocks; a trailing
 // partial block is not announced (vLLM announces full blocks only). Block i's
-// hash chains the block's token ids onto block i-1's, and block 0's onto a
-// hash of the salt (the tenant: each has an engine of its own) and the scope
-// (model and layout), so equal tokens of two tenants or layouts never share a
-// hash, as vLLM's cache_salt keeps them apart, and a hash reveals neither.
+// hash chains the block's token ids onto block i-1's, over the tokens alone:
+// a router keys its index by token blocks (Dynamo's radix tree hashes the
+// token ids it is sent; the hashes here only name blocks), so one ledger
+// serves every prefix index of a replica (each tenant's), and equal prompts
+// of two tenants or two layouts are one block, held while any entry holds it.
+// A router then sends requests for a prompt here if any tenant cached it;
+// lookups stay per tenant (prefix_index.h), so none reads another's.
 //
-// Entries that extend each other share their leading blocks, so a block is
-// counted: stored when the first entry holding it is published, removed when
-// the last one goes. Blocks that are new to one entry are always its tail
-// (a block's hash covers every block before it), so each publish or forget
-// is one event.
+// A block is stored when the first entry holding it is published and removed
+// when the last one goes. Blocks new to an entry are always its tail (a
+// block's hash covers every block before it), so each publish or forget is
+// one event.
 //
-// Not thread-safe: the prefix index's lock guards it.
+// Threads: indexes call Add and Remove under their own locks; the ledger's
+// lock comes after theirs and is held while the sink takes the event, so the
+// sink sees the ledger's own order.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <string>
-#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 
 namespace kvcache::engine {
@@ -40,44 +44,45 @@ struct BlockEvent {
   std::vector<uint32_t> token_ids;
 };
 
-// Where prefix indexes send their events (several: one per tenant's engine).
+// Where a ledger sends its events. Called with the ledger's lock held, so it
+// must queue and never block or call back into the ledger.
 class BlockEventSink {
  public:
-  // Calls its argument, under the source's lock, with Stored events for every
-  // block the source holds now (PrefixIndex::ReplayBlocks).
-  using Replay =
-      std::function<void(const std::function<void(std::vector<BlockEvent>)>& under_lock)>;
-
   virtual ~BlockEventSink() = default;
-  // `source` sends from now until Detach; `replay` is valid until then.
-  virtual void Attach(const void* source, Replay replay) = 0;
-  virtual void Detach(const void* source) = 0;
-  // Called with the source's lock held, in the order the source changed, so
-  // it must queue and never block or call back into the source.
-  virtual void Emit(const void* source, std::vector<BlockEvent> events) = 0;
+  virtual void Emit(BlockEvent event) = 0;
 };
 
 class PrefixBlocks {
  public:
-  PrefixBlocks(uint32_t block_tokens, std::string salt)
-      : block_tokens_(block_tokens), salt_(std::move(salt)) {}
+  PrefixBlocks(uint32_t block_tokens, BlockEventSink* sink)
+      : block_tokens_(block_tokens), sink_(sink) {}
 
   uint32_t block_tokens() const { return block_tokens_; }
-  const std::string& salt() const { return salt_; }
-  // The blocks of `tokens` that no entry held before, as one Stored event
-  // (none when every full block was held).
-  std::optional<BlockEvent> Add(const std::string& scope, absl::Span<const uint32_t> tokens);
-  // The blocks of `tokens` that no entry holds now, as one Removed event.
-  std::optional<BlockEvent> Remove(const std::string& scope, absl::Span<const uint32_t> tokens);
-  size_t blocks() const { return holders_.size(); }
+  // Counts the blocks of an entry of `tokens` in; those no entry held before
+  // go to the sink as one Stored event.
+  void Add(absl::Span<const uint32_t> tokens);
+  // Counts them out; those no entry holds now go as one Removed event.
+  void Remove(absl::Span<const uint32_t> tokens);
+  // Calls `under_lock` with a Stored event per held block, parents first,
+  // while none can come or go: where a sink that lost events starts again.
+  void Held(const std::function<void(std::vector<BlockEvent>)>& under_lock) const;
+  size_t blocks() const;
 
-  // Block i's hash for `tokens` in `scope`, for i < tokens.size() / block_tokens.
-  std::vector<uint64_t> Hashes(const std::string& scope, absl::Span<const uint32_t> tokens) const;
+  // Block i's hash for `tokens`, for i < tokens.size() / block_tokens.
+  std::vector<uint64_t> Hashes(absl::Span<const uint32_t> tokens) const;
 
  private:
-  uint32_t block_tokens_;
-  std::string salt_;
-  absl::flat_hash_map<uint64_t, uint64_t> holders_;  // block hash -> entries holding it
+  struct Block {
+    uint64_t holders = 0;  // entries holding it
+    size_t position = 0;   // in its chain: parents have smaller ones
+    std::optional<uint64_t> parent;
+    std::vector<uint32_t> tokens;
+  };
+
+  const uint32_t block_tokens_;
+  BlockEventSink* const sink_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Block> blocks_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcache::engine

@@ -78,8 +78,8 @@ std::optional<std::string> PrefixIndex::Publish(const std::string& scope, bool a
   std::optional<std::string> replaced = place->second.tree.Insert(tokens, snapshot_id);
   if (replaced.has_value()) {
     entries_.erase(*replaced);  // its blocks are the new entry's now
-  } else if (blocks_.has_value() && place->second.any_length) {
-    EmitLocked(blocks_->Add(scope, tokens));
+  } else if (blocks_ != nullptr && place->second.any_length) {
+    blocks_->Add(tokens);
   }
   auto entry = std::make_unique<Entry>();
   entry->scope = scope;
@@ -148,58 +148,15 @@ void PrefixIndex::ForgetAny(absl::Span<const std::string> snapshot_ids) {
 void PrefixIndex::ForgetLocked(
     absl::flat_hash_map<std::string, std::unique_ptr<Entry>>::iterator entry) {
   auto place = scopes_.find(entry->second->scope);
-  if (blocks_.has_value() && place->second.any_length) {
-    EmitLocked(blocks_->Remove(place->first, entry->second->tokens));
-  }
+  if (blocks_ != nullptr && place->second.any_length) blocks_->Remove(entry->second->tokens);
   place->second.tree.Erase(entry->second->tokens, entry->first);
   if (place->second.tree.values() == 0) scopes_.erase(place);
   entries_.erase(entry);
 }
 
-// Not under mu_: the sink holds its own lock while it replays, which takes mu_.
-PrefixIndex::~PrefixIndex() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (block_sink_ != nullptr) block_sink_->Detach(this);
-}
-
-void PrefixIndex::SendBlockEvents(BlockEventSink* sink, uint32_t block_tokens, std::string salt) {
-  {
-    absl::MutexLock lock(&mu_);
-    block_sink_ = sink;
-    blocks_.emplace(block_tokens, std::move(salt));
-  }
-  sink->Attach(this, [this](const std::function<void(std::vector<BlockEvent>)>& under_lock) {
-    ReplayBlocks(under_lock);
-  });
-}
-
-void PrefixIndex::EmitLocked(std::optional<BlockEvent> event) {
-  if (!event.has_value()) return;
-  std::vector<BlockEvent> events;
-  events.push_back(*std::move(event));
-  block_sink_->Emit(this, std::move(events));
-}
-
-void PrefixIndex::ReplayBlocks(
-    const std::function<void(std::vector<BlockEvent>)>& under_lock) const {
-  absl::ReaderMutexLock lock(&mu_);
-  std::vector<BlockEvent> events;
-  if (blocks_.has_value()) {
-    // Shorter entries first: a block's parent is then always sent before it,
-    // and the blocks an entry adds to those sent are its tail.
-    std::vector<const Entry*> by_length;
-    for (const auto& [id, entry] : entries_) {
-      if (scopes_.at(entry->scope).any_length) by_length.push_back(entry.get());
-    }
-    std::sort(by_length.begin(), by_length.end(),
-              [](const Entry* a, const Entry* b) { return a->tokens.size() < b->tokens.size(); });
-    PrefixBlocks sent(blocks_->block_tokens(), blocks_->salt());
-    for (const Entry* entry : by_length) {
-      if (std::optional<BlockEvent> stored = sent.Add(entry->scope, entry->tokens)) {
-        events.push_back(*std::move(stored));
-      }
-    }
-  }
-  under_lock(std::move(events));
+void PrefixIndex::CountBlocksIn(PrefixBlocks* blocks) {
+  absl::MutexLock lock(&mu_);
+  blocks_ = blocks;
 }
 
 PrefixStats PrefixIndex::Stats() const {

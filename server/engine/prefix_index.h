@@ -17,17 +17,16 @@
 // and forgetting take it exclusively for a tree walk only (O(tokens)), so a
 // lookup never waits behind anything slower.
 //
-// Block events (engine/prefix_blocks.h): where a sink is given, every publish
-// and forget of an entry that restores at any length tells it which blocks
-// came or went, under the lock, so the sink sees the index's own order.
-// Entries that restore only where they end are not announced: a router that
+// Block events (engine/prefix_blocks.h): where a ledger is given, every
+// publish and forget of an entry that restores at any length counts its
+// blocks in or out, under the lock, so the ledger sees the index's own order.
+// Entries that restore only where they end are not counted: a router that
 // matches block by block would send work here for prefixes that stop inside
 // them, which they cannot serve.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -79,19 +78,9 @@ struct PrefixStats {
 
 class PrefixIndex {
  public:
-  PrefixIndex() = default;
-  PrefixIndex(const PrefixIndex&) = delete;
-  PrefixIndex& operator=(const PrefixIndex&) = delete;
-  ~PrefixIndex();
-
-  // Sends block events of `block_tokens` tokens, hashed with `salt`, to `sink`
-  // from now on (before the first publish: entries already there are not
-  // announced).
-  void SendBlockEvents(BlockEventSink* sink, uint32_t block_tokens, std::string salt);
-  // Calls `under_lock` with a Stored event for every block that entries hold
-  // now (each block once, parents first), while no publish or forget can
-  // run: what a sink that lost events sends to start again from.
-  void ReplayBlocks(const std::function<void(std::vector<BlockEvent>)>& under_lock) const;
+  // Counts entries' blocks in `blocks` from now on (before the first publish:
+  // entries already there are not counted). It outlives the index.
+  void CountBlocksIn(PrefixBlocks* blocks);
 
   // Publishes `snapshot_id` as the K/V of `tokens` (not empty) in `scope`. An
   // id published before under other tokens moves here. Returns the id that
@@ -133,14 +122,11 @@ class PrefixIndex {
                                         const Entry** entry) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void ForgetLocked(absl::flat_hash_map<std::string, std::unique_ptr<Entry>>::iterator entry)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EmitLocked(std::optional<BlockEvent> event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Scope> scopes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
-  // Both set or both unset (SendBlockEvents).
-  BlockEventSink* block_sink_ ABSL_GUARDED_BY(mu_) = nullptr;
-  std::optional<PrefixBlocks> blocks_ ABSL_GUARDED_BY(mu_);
+  PrefixBlocks* blocks_ ABSL_GUARDED_BY(mu_) = nullptr;
   mutable std::atomic<uint64_t> lookups_{0};
   mutable std::atomic<uint64_t> hits_{0};
   mutable std::atomic<uint64_t> matched_tokens_{0};

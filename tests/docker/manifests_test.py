@@ -39,6 +39,7 @@ KINDS = {
     ("v1", "Service"): "V1Service",
     ("v1", "Secret"): "V1Secret",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
 }
 
 
@@ -154,6 +155,21 @@ class KubernetesManifestsTest(unittest.TestCase):
         self.assertTrue(read)
         for key in read:
             self.assertIn(key, keys)
+
+    def test_only_the_router_reaches_the_kv_event_ports(self):
+        policy = self.documents["NetworkPolicy"][1]["spec"]
+        container = self.documents["StatefulSet"][1]["spec"]["template"]["spec"]["containers"][0]
+        named = {p["name"] for p in container["ports"]}
+        opened = {}
+        for rule in policy["ingress"]:
+            for port in rule["ports"]:
+                self.assertIn(port["port"], named, "the policy names a port the pods lack")
+                opened[port["port"]] = rule.get("from")
+        self.assertEqual(set(opened), named, "every port of the pods has a rule")
+        for port in ("kv-events", "kv-replay"):
+            self.assertEqual(opened[port], [{"podSelector": {"matchLabels": {
+                "app.kubernetes.io/component": "kv-router"}}}], port)
+        self.assertIsNone(opened["grpc"])
 
     def test_every_kvcached_variable_is_a_flag(self):
         flags = kvcached_flags()

@@ -2,9 +2,10 @@
 // come out as vLLM's BlockStored / BlockRemoved batches on a ZMQ PUB socket,
 // decoded here by another msgpack implementation (nlohmann::json's) in both
 // of vLLM's forms; the first batch is AllBlocksCleared; the replay socket
-// answers as vLLM's does; live batches equal the replayed ones; two tenants'
-// equal prompts never share a block hash; endpoints beyond loopback are
-// refused unless allowed.
+// answers as vLLM's does, and ignores malformed requests; live batches equal
+// the replayed ones; two tenants' equal prompts are one block, held while
+// either holds it; a publisher that falls behind starts again from what is
+// held; endpoints beyond loopback are refused unless allowed.
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -204,13 +206,6 @@ std::map<uint64_t, json> Stored(const std::vector<json>& events) {
 
 TEST_F(E2eKvEventsTest, PrefixesComeAndGoAsVllmBlockEvents) {
   Start(KvEventFormat::kMap);
-  zmq::context_t context;
-  zmq::socket_t live(context, zmq::socket_type::sub);
-  live.set(zmq::sockopt::subscribe, kTopic);
-  live.set(zmq::sockopt::rcvtimeo, 5000);
-  live.connect(server_->server().kv_events_endpoint());
-  absl::SleepFor(absl::Milliseconds(200));  // a subscription reaches the publisher
-
   const std::vector<uint32_t> prompt = Prompt(70, 1);
   const std::string short_entry = Publish(server_->client(), First(prompt, 40));
   std::vector<json> events = router_->EventsUntil([](const auto& e) { return e.size() >= 2; });
@@ -226,15 +221,6 @@ TEST_F(E2eKvEventsTest, PrefixesComeAndGoAsVllmBlockEvents) {
   EXPECT_EQ(stored["medium"], "GPU");
   EXPECT_TRUE(stored["lora_name"].is_null());
   EXPECT_EQ(stored.size(), 8u) << "vLLM's fields and no others: " << stored;
-
-  // The live socket sent the same batch: [topic, sequence, payload].
-  std::map<int64_t, std::string> replayed = router_->Replay(1);
-  std::vector<zmq::message_t> frames;
-  ASSERT_TRUE(zmq::recv_multipart(live, std::back_inserter(frames)));
-  ASSERT_EQ(frames.size(), 3u);
-  EXPECT_EQ(frames[0].to_string(), kTopic);
-  EXPECT_EQ(SequenceOf(frames[1]), 1);
-  EXPECT_EQ(frames[2].to_string(), replayed[1]);
 
   // The whole prompt extends the entry: only its new blocks are stored, after
   // their parent; the shorter entry it replaces takes no block with it.
@@ -254,36 +240,66 @@ TEST_F(E2eKvEventsTest, PrefixesComeAndGoAsVllmBlockEvents) {
   EXPECT_EQ(events.back()["type"], "BlockRemoved");
   EXPECT_EQ(events.back()["block_hashes"].size(), 4u);
   EXPECT_EQ(events.back()["medium"], "GPU");
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(router_->EventsUntil([](const auto&) { return true; }).size(), events.size())
+      << "nothing more came";
+
+  // A live subscriber gets the batches the replay holds: [topic, sequence,
+  // payload]. A subscription takes a moment to reach the publisher, so
+  // prompts are published until one arrives.
+  zmq::context_t context;
+  zmq::socket_t live(context, zmq::socket_type::sub);
+  live.set(zmq::sockopt::subscribe, kTopic);
+  live.set(zmq::sockopt::rcvtimeo, 500);
+  live.connect(server_->server().kv_events_endpoint());
+  std::vector<zmq::message_t> frames;
+  for (uint32_t attempt = 0; attempt < 40 && frames.empty(); ++attempt) {
+    Publish(server_->client(), Prompt(16, 100 + attempt));
+    (void)zmq::recv_multipart(live, std::back_inserter(frames));
+  }
+  ASSERT_EQ(frames.size(), 3u) << "no live batch";
+  EXPECT_EQ(frames[0].to_string(), kTopic);
+  const int64_t sequence = SequenceOf(frames[1]);
+  EXPECT_EQ(frames[2].to_string(), router_->Replay(sequence)[sequence]);
 }
 
-TEST_F(E2eKvEventsTest, TenantsNeverShareABlockHashAndTheArrayFormIsVllmsOlderOne) {
+// A router keys blocks by their tokens: the same prompt of two tenants is
+// one block here too, stored with the first and removed with the last
+// (each tenant's lookups still find only its own entries).
+TEST_F(E2eKvEventsTest, TwoTenantsPromptIsOneBlockAndTheArrayFormIsVllmsOlderOne) {
   dir_ = std::filesystem::temp_directory_path() / absl::StrCat("kv_events_", getpid());
   std::filesystem::create_directories(dir_);
   const std::string tokens_file = (dir_ / "tokens").string();
-  std::ofstream(tokens_file) << "tenant=alice token=alice-token-0123456789abcdef\n"
-                             << "tenant=bob token=bob-token-0123456789abcdef\n";
-  Start(KvEventFormat::kArray, tokens_file, "alice-token-0123456789abcdef");
-  for (const char* token : {"alice-token-0123456789abcdef", "bob-token-0123456789abcdef"}) {
+  const std::string alice = "alice-token-0123456789abcdef", bob = "bob-token-0123456789abcdef";
+  std::ofstream(tokens_file) << "tenant=alice token=" << alice << "\n"
+                             << "tenant=bob token=" << bob << "\n";
+  Start(KvEventFormat::kArray, tokens_file, alice);
+  std::map<std::string, std::string> entries;
+  for (const std::string& token : {alice, bob}) {
     tenants_[token] = server_->ConnectAs(token);
-    Publish(*tenants_[token], Prompt(32, 7));  // the same prompt, the same layout
+    entries[token] = Publish(*tenants_[token], Prompt(32, 7));  // the same prompt
   }
-  const std::vector<json> events =
-      router_->EventsUntil([](const auto& e) { return e.size() >= 3; });
-  ASSERT_EQ(events.size(), 3u);
+  std::vector<json> events = router_->EventsUntil([](const auto& e) { return e.size() >= 2; });
+  ASSERT_EQ(events.size(), 2u) << "bob's entry stores nothing new: " << json(events);
   EXPECT_EQ(events[0], json::array({"AllBlocksCleared"}));
-  for (int i : {1, 2}) {
-    // [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ASSERT_EQ(events[i].size(), 7u) << events[i];
-    EXPECT_EQ(events[i][0], "BlockStored");
-    EXPECT_EQ(events[i][3], json(Prompt(32, 7)));
-    EXPECT_EQ(events[i][4], kBlock);
-    EXPECT_EQ(events[i][6], "GPU");
-  }
-  std::set<uint64_t> hashes;
-  for (int i : {1, 2}) {
-    for (const json& hash : events[i][1]) hashes.insert(hash.get<uint64_t>());
-  }
-  EXPECT_EQ(hashes.size(), 4u) << "each tenant's two blocks hash apart";
+  // [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+  ASSERT_EQ(events[1].size(), 7u) << events[1];
+  EXPECT_EQ(events[1][0], "BlockStored");
+  EXPECT_EQ(events[1][1].size(), 2u);
+  EXPECT_TRUE(events[1][2].is_null());
+  EXPECT_EQ(events[1][3], json(Prompt(32, 7)));
+  EXPECT_EQ(events[1][4], kBlock);
+  EXPECT_TRUE(events[1][5].is_null());
+  EXPECT_EQ(events[1][6], "GPU");
+
+  ASSERT_TRUE(tenants_[alice]->ReleaseSnapshot(entries[alice]).ok());
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(router_->EventsUntil([](const auto&) { return true; }).size(), 2u)
+      << "bob still holds the blocks";
+  ASSERT_TRUE(tenants_[bob]->ReleaseSnapshot(entries[bob]).ok());
+  events = router_->EventsUntil([](const auto& e) { return e.size() >= 3; });
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[2], json::array({"BlockRemoved", events[1][1], "GPU"}));
 }
 
 TEST(KvEventPublisherTest, EndpointsBeyondLoopbackNeedAllowingAndMustBeZmqAddresses) {
@@ -301,6 +317,7 @@ TEST(KvEventPublisherTest, EndpointsBeyondLoopbackNeedAllowingAndMustBeZmqAddres
   refused({.endpoint = "tcp://127.0.0.1:*", .replay_endpoint = "tcp://10.1.2.3:*"},
           "kv_events_replay_endpoint");
   refused({.endpoint = "tcp://127.0.0.1:*", .block_tokens = 0}, "kv_events_block_size");
+  refused({.endpoint = "ipc://@kvcached-events"}, "kv_events_endpoint");  // abstract: anyone
 
   prometheus::Registry allowed_metrics;
   auto allowed = KvEventPublisher::Start({.endpoint = "tcp://0.0.0.0:*", .allow_remote = true},
@@ -309,33 +326,83 @@ TEST(KvEventPublisherTest, EndpointsBeyondLoopbackNeedAllowingAndMustBeZmqAddres
   EXPECT_THAT((*allowed)->endpoint(), HasSubstr("tcp://0.0.0.0:"));
 }
 
-// A publisher whose queue overflows drops what it cannot hold and starts
-// again: AllBlocksCleared, then every block its sources hold, in one batch.
-TEST(KvEventPublisherTest, AnOverflowStartsAgainFromWhatSourcesHold) {
+// A publisher that cannot queue an event (here: larger than its whole bound)
+// drops it and starts again from what the ledger holds; under concurrent
+// adds and removes that overflow again and again, a subscriber that reads
+// every batch ends with exactly the blocks held. Malformed replay requests
+// are ignored.
+TEST(KvEventPublisherTest, AfterOverflowsASubscriberEndsWithWhatIsHeld) {
   prometheus::Registry metrics;
   auto publisher = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
                                             .replay_endpoint = "tcp://127.0.0.1:*",
-                                            .format = KvEventFormat::kArray,
-                                            .max_queued_bytes = 100},  // one small event
+                                            .max_queued_bytes = 300},
                                            metrics);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
-  const auto stored = [](uint64_t hash) {
-    return engine::BlockEvent{.kind = engine::BlockEvent::Kind::kStored, .block_hashes = {hash}};
-  };
-  int source = 0;  // any address names a source
-  (*publisher)->Attach(&source, [&](const auto& under_lock) {
-    under_lock({stored(1), stored(2)});
-  });
-  (*publisher)->Emit(&source, {stored(1), stored(2)});  // the second does not fit
-
+  engine::PrefixBlocks& blocks = (*publisher)->blocks();
   Router router((*publisher)->replay_endpoint());
-  std::vector<json> events = router.EventsUntil([](const auto& e) { return e.size() >= 4; });
-  ASSERT_EQ(events.size(), 4u) << json(events);
-  EXPECT_EQ(events[0], json::array({"AllBlocksCleared"}));  // the start
-  EXPECT_EQ(events[1], json::array({"AllBlocksCleared"}));  // the restart, not event 1 alone
-  EXPECT_EQ(events[2][1], json::array({1}));
-  EXPECT_EQ(events[3][1], json::array({2}));
-  (*publisher)->Detach(&source);
+
+  blocks.Add(Prompt(64, 1));  // 4 blocks: 64 + 32 + 256 bytes queued, past 300
+  std::vector<json> events = router.EventsUntil([](const auto& e) { return e.size() >= 6; });
+  ASSERT_EQ(events.size(), 6u) << json(events);
+  EXPECT_EQ(events[1], json({{"type", "AllBlocksCleared"}})) << "the restart";
+  EXPECT_EQ(Stored(events).size(), 4u) << "each held block, parents first";
+
+  // Overflows under concurrent adds and removes: a bound that holds a few
+  // events, so the publisher starts again now and then, not at every event.
+  prometheus::Registry busy_metrics;  // outlives the publisher that counts into it
+  auto busy_publisher = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
+                                                 .replay_endpoint = "tcp://127.0.0.1:*",
+                                                 .max_queued_bytes = 2000},
+                                                busy_metrics);
+  ASSERT_TRUE(busy_publisher.ok()) << busy_publisher.status();
+  engine::PrefixBlocks& busy = (*busy_publisher)->blocks();
+  Router busy_router((*busy_publisher)->replay_endpoint());
+  std::vector<std::thread> threads;
+  std::vector<std::vector<std::vector<uint32_t>>> kept(2);
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 random(t);
+      for (int step = 0; step < 400; ++step) {
+        std::vector<uint32_t> tokens(16 * (1 + random() % 4));
+        for (uint32_t& token : tokens) token = random() % 2;
+        if (!kept[t].empty() && random() % 2 == 0) {
+          busy.Remove(kept[t].back());
+          kept[t].pop_back();
+        } else {
+          busy.Add(tokens);
+          kept[t].push_back(tokens);
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  std::set<uint64_t> expected;
+  for (const auto& added : kept) {
+    for (const auto& tokens : added) {
+      for (uint64_t hash : busy.Hashes(tokens)) expected.insert(hash);
+    }
+  }
+  busy.Add(Prompt(16, 9));  // a last event, after every other
+  expected.insert(busy.Hashes(Prompt(16, 9))[0]);
+  const auto held = [&](const std::vector<json>& e) {
+    std::set<uint64_t> stored;
+    for (const auto& [hash, parent] : Stored(e)) stored.insert(hash);
+    return stored;
+  };
+  events = busy_router.EventsUntil([&](const auto& e) { return held(e) == expected; });
+  EXPECT_EQ(held(events), expected);
+
+  // Requests of other shapes are not answered; the next good one is.
+  zmq::context_t context;
+  zmq::socket_t odd(context, zmq::socket_type::dealer);
+  odd.set(zmq::sockopt::linger, 0);
+  odd.connect((*busy_publisher)->replay_endpoint());
+  const std::array<zmq::const_buffer, 2> short_start = {zmq::const_buffer(), zmq::str_buffer("7")};
+  (void)zmq::send_multipart(odd, short_start);
+  const std::array<zmq::const_buffer, 3> extra = {zmq::const_buffer(), zmq::str_buffer("12345678"),
+                                                  zmq::str_buffer("x")};
+  (void)zmq::send_multipart(odd, extra);
+  EXPECT_FALSE(busy_router.Replay(0).empty());
 }
 
 }  // namespace
