@@ -165,7 +165,9 @@ TEST(PrefixBlocksTest, RandomPublishesAndForgetsOfTwoTenantsKeepASubscriberExact
     std::set<uint64_t> expected;
     for (const Tenant& tenant : tenants) tenant.Expect(blocks, expected);
     ASSERT_EQ(subscriber.held_, expected) << "step " << step;
-    if (step % 500 == 0) EXPECT_EQ(HeldByLedger(blocks), expected) << "step " << step;
+    if (step % 500 == 0) {
+      EXPECT_EQ(HeldByLedger(blocks), expected) << "step " << step;
+    }
   }
 }
 

@@ -49,10 +49,6 @@ int64_t SequenceOf(const zmq::message_t& frame) {
   return static_cast<int64_t>(value);
 }
 
-json Decode(const zmq::message_t& payload) {
-  return json::from_msgpack(payload.data<uint8_t>(), payload.data<uint8_t>() + payload.size());
-}
-
 // A router's side of the replay socket: a DEALER, which may read every batch
 // of an answer (a REQ socket reads only the first).
 class Router {
