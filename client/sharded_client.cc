@@ -272,19 +272,30 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
         return client.CreateCache(spec, ttl_seconds);
       });
   if (!created.ok()) return created;
-  // A replica restarted under another name at the same address (or two
-  // addresses swapped) makes ids that later calls would route elsewhere:
-  // refuse them here, and delete the cache so it does not sit unreachable.
-  const absl::StatusOr<size_t> owner = ReplicaOf(created->cache_id());
-  if (!owner.ok() || clients_[*owner].get() != answered) {
-    const std::string id = created->cache_id();
-    answered->DeleteCache(id).IgnoreError();  // a lease, if any, ends it otherwise
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a replica answered with cache id \"", id.substr(0, 80),
-        "\", which names another replica or none of this fleet (restarted under another "
-        "--replica_name, or peers listed at the wrong addresses?)"));
+  // Deleted where it names another replica, so it does not sit unreachable.
+  if (absl::Status made = CheckMadeBy(created->cache_id(), IndexOf(*answered), "cache");
+      !made.ok()) {
+    answered->DeleteCache(created->cache_id()).IgnoreError();  // a lease, if any, ends it otherwise
+    return made;
   }
   return created;
+}
+
+absl::Status ShardedClient::CheckMadeBy(const std::string& id, size_t index,
+                                        absl::string_view what) const {
+  const absl::StatusOr<size_t> owner = ReplicaOf(id);
+  if (owner.ok() && *owner == index) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("replica ", names_[index], " answered with ", what, " id \"", id.substr(0, 80),
+                   "\", which names another replica or none of this fleet (restarted under another "
+                   "--replica_name, or peers listed at the wrong addresses?)"));
+}
+
+size_t ShardedClient::IndexOf(const Client& client) const {
+  for (size_t index = 0; index < clients_.size(); ++index) {
+    if (clients_[index].get() == &client) return index;
+  }
+  return clients_.size();  // not reached: every Client here is one of clients_
 }
 
 absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
@@ -294,9 +305,19 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
 
 absl::StatusOr<v1::LookupPrefixResponse> ShardedClient::LookupPrefix(
     const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
-  return FirstThatTakes<v1::LookupPrefixResponse>(
-      PromptKey(spec, tokens), /*also_full=*/false,
-      [&](Client& client) { return client.LookupPrefix(spec, tokens, ttl_seconds); });
+  Client* answered = nullptr;
+  absl::StatusOr<v1::LookupPrefixResponse> found = FirstThatTakes<v1::LookupPrefixResponse>(
+      PromptKey(spec, tokens), /*also_full=*/false, [&](Client& client) {
+        answered = &client;
+        return client.LookupPrefix(spec, tokens, ttl_seconds);
+      });
+  if (!found.ok() || !found->has_snapshot()) return found;
+  const std::string& handle = found->snapshot().snapshot_id();
+  if (absl::Status made = CheckMadeBy(handle, IndexOf(*answered), "snapshot"); !made.ok()) {
+    answered->ReleaseSnapshot(handle).IgnoreError();  // its lease ends it otherwise
+    return made;
+  }
+  return found;
 }
 
 absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
@@ -368,6 +389,11 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
   absl::StatusOr<v1::LoadSnapshotResponse> copied =
       kvcache::CopySnapshot(**from, request, *clients_[to], options);
   if (!copied.ok()) return copied.status();
+  const std::string& copy = copied->snapshot().snapshot_id();
+  if (absl::Status made = CheckMadeBy(copy, to, "snapshot"); !made.ok()) {
+    clients_[to]->ReleaseSnapshot(copy).IgnoreError();  // its lease, if any, ends it otherwise
+    return made;
+  }
   return copied->snapshot();
 }
 

@@ -123,6 +123,12 @@ class ShardedClient {
   // UNAVAILABLE (or, when `also_full`, RESOURCE_EXHAUSTED).
   template <typename T, typename Call>
   absl::StatusOr<T> FirstThatTakes(absl::string_view key, bool also_full, const Call& call);
+  // OK where replica `index` made `id` (a cache or snapshot it answered
+  // with); else FAILED_PRECONDITION: later calls would route the id to
+  // another replica (one restarted under another --replica_name, or peers
+  // listed at the wrong addresses), so the caller lets go of it.
+  absl::Status CheckMadeBy(const std::string& id, size_t index, absl::string_view what) const;
+  size_t IndexOf(const Client& client) const;
 
   std::vector<Replica> replicas_;
   std::vector<std::string> names_;

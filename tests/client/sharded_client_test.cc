@@ -88,9 +88,16 @@ TEST(ShardedClientTest, ConnectRefusesWhatCannotWork) {
   ShardedClientOptions lane{.replicas = {{.name = "a", .address = "127.0.0.1:1"}},
                             .client = {.data_lane = "127.0.0.1:2"}};
   EXPECT_EQ(ShardedClient::Connect(lane).status().code(), absl::StatusCode::kInvalidArgument);
-  ShardedClientOptions twice{.replicas = {{.name = "a", .address = "127.0.0.1:1"},
-                                          {.name = "b", .address = "127.0.0.1:1"}}};
+  // One address for several replicas is a proxy's, and only named ones can share it.
+  ShardedClientOptions twice{
+      .replicas = {{.name = "a", .address = "127.0.0.1:1"}, {.address = "127.0.0.1:1"}}};
   EXPECT_EQ(ShardedClient::Connect(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  twice.replicas = {{.address = "127.0.0.1:1"}, {.name = "b", .address = "127.0.0.1:1"}};
+  EXPECT_EQ(ShardedClient::Connect(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  ShardedClientOptions proxied{.replicas = {{.name = "a", .address = "127.0.0.1:1"},
+                                            {.name = "b", .address = "127.0.0.1:1"}},
+                               .connect_timeout = absl::Seconds(1)};
+  EXPECT_TRUE(ShardedClient::Connect(proxied).ok()) << "named replicas behind a proxy (down)";
   // A replica that does not answer must be named, or its ids could not be routed.
   ShardedClientOptions nameless{.replicas = {{.address = "127.0.0.1:1"}},
                                 .connect_timeout = absl::Seconds(2)};

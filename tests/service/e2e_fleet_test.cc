@@ -430,9 +430,19 @@ TEST_F(E2eFleetTest, NamesAreLearnedAndChecked) {
 }
 
 // A replica restarted at its address under another replica's name answers a
-// create with an id that later calls would route to that other replica: the
-// fleet client refuses it and deletes the cache it cannot reach again.
+// create (or a copy of a snapshot) with an id that later calls would route to
+// that other replica: the fleet client refuses it and lets go of what it
+// cannot reach again.
 TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
+  // A snapshot on replica 2, to be copied to the renamed replica below.
+  absl::StatusOr<v1::CacheInfo> source = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "src"));
+  ASSERT_TRUE(source.ok()) << source.status();
+  std::mt19937_64 random(3);
+  Written written;
+  ASSERT_TRUE(Append(fleet_->client(2), source->cache_id(), 4, random, written).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(source->cache_id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+
   ASSERT_EQ(replicas_[0]->Stop(), 0);
   replicas_[0]->set_replica_flag("--replica_name=kvcached-1");
   ASSERT_TRUE(replicas_[0]->Start());
@@ -448,6 +458,12 @@ TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
   absl::StatusOr<std::vector<v1::CacheInfo>> left = fleet_->client(0).ListCaches();
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_TRUE(left->empty()) << left->size() << " caches left on the renamed replica";
+
+  absl::StatusOr<v1::SnapshotInfo> copy = fleet_->CopySnapshotTo(snapshot->snapshot_id(), 0);
+  EXPECT_EQ(copy.status().code(), absl::StatusCode::kFailedPrecondition) << copy.status();
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> copies = fleet_->client(0).ListSnapshots();
+  ASSERT_TRUE(copies.ok()) << copies.status();
+  EXPECT_TRUE(copies->empty()) << copies->size() << " copies left on the renamed replica";
 }
 
 TEST_F(E2eFleetTest, RandomSequencesThroughTheFleetMatchTheReference) {
