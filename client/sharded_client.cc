@@ -283,6 +283,7 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
 
 absl::Status ShardedClient::CheckMadeBy(const std::string& id, size_t index,
                                         absl::string_view what) const {
+  if (index >= names_.size()) return absl::InternalError("an answer from no replica of the fleet");
   const absl::StatusOr<size_t> owner = ReplicaOf(id);
   if (owner.ok() && *owner == index) return absl::OkStatus();
   return absl::FailedPreconditionError(

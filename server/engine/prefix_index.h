@@ -15,7 +15,10 @@
 //
 // Threads: lookups share a reader lock and count hits in atomics; publishing
 // and forgetting take it exclusively for a tree walk only (O(tokens)), so a
-// lookup never waits behind anything slower.
+// lookup never waits behind anything slower, but for one case: with KV
+// events on, a publish or forget also waits for the replica's block ledger,
+// which a restart of the publisher holds while it copies every block out
+// (rare: only after its queue overflowed).
 //
 // Block events (engine/prefix_blocks.h): where a ledger is given, every
 // publish and forget of an entry that restores at any length counts its

@@ -365,13 +365,11 @@ TEST_F(E2eFleetTest, HaproxyInFrontSendsEachCallToTheReplicaItNames) {
     for (const auto& replica : replicas_) {
       options.replicas.push_back({.name = replica->name(), .address = proxy->address()});
     }
-    // The proxy may take a moment to listen; Connect waits for no one.
     absl::StatusOr<std::unique_ptr<ShardedClient>> through = ShardedClient::Connect(options);
-    for (int attempt = 0; attempt < 50 && !through.ok(); ++attempt) {
-      absl::SleepFor(absl::Milliseconds(100));
-      through = ShardedClient::Connect(options);
-    }
     ASSERT_TRUE(through.ok()) << through.status();
+    // Connect takes named replicas that do not answer yet: the proxy may
+    // still be starting.
+    ASSERT_TRUE((*through)->client(0).WaitForReady(absl::Seconds(30)).ok()) << "no proxy";
     std::mt19937_64 random(11);
     for (size_t r = 0; r < replicas_.size(); ++r) {
       absl::StatusOr<v1::Stats> stats = (*through)->client(r).GetStats();

@@ -521,6 +521,7 @@ class KvEventsTest(unittest.TestCase):
                 break
             self.stub.ReleaseSnapshot(pb.ReleaseSnapshotRequest(snapshot_id=self.publish(
                 list(range(1000 * attempt, 1000 * attempt + 16)))))
+        self.assertTrue(sub.poll(5000), "no live batch")
         topic, sequence, payload = sub.recv_multipart()
         self.assertEqual(topic, b"kv-events")
         sequence = int.from_bytes(sequence, "big")
