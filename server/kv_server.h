@@ -152,7 +152,8 @@ class KvCacheServer {
   // interceptor refers to them, so they are declared before it.
   std::shared_ptr<prometheus::Registry> metrics_registry_;
   std::unique_ptr<service::RpcObserver> rpc_observer_;
-  // Every tenant's prefix index sends to it until the index goes.
+  // Every tenant's prefix index counts its blocks into its ledger: declared
+  // before tenants_, so it outlives them.
   std::unique_ptr<KvEventPublisher> kv_events_;
   // Each tenant's engine and handlers; declared after the pool and before
   // the gRPC server and the lane, which stop before it goes.
