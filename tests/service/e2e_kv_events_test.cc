@@ -322,37 +322,47 @@ TEST(KvEventPublisherTest, EndpointsBeyondLoopbackNeedAllowingAndMustBeZmqAddres
   EXPECT_THAT((*allowed)->endpoint(), HasSubstr("tcp://0.0.0.0:"));
 }
 
-// A publisher that cannot queue an event (here: larger than its whole bound)
-// drops it and starts again from what the ledger holds; under concurrent
-// adds and removes that overflow again and again, a subscriber that reads
-// every batch ends with exactly the blocks held. Malformed replay requests
-// are ignored.
-TEST(KvEventPublisherTest, AfterOverflowsASubscriberEndsWithWhatIsHeld) {
-  prometheus::Registry metrics;
-  auto publisher = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
-                                            .replay_endpoint = "tcp://127.0.0.1:*",
-                                            .max_queued_bytes = 300},
-                                           metrics);
-  ASSERT_TRUE(publisher.ok()) << publisher.status();
-  engine::PrefixBlocks& blocks = (*publisher)->blocks();
-  Router router((*publisher)->replay_endpoint());
+// A publisher on loopback ports with a replay socket and its queue bound,
+// and a router asking it for replays.
+struct LoopbackPublisher {
+  explicit LoopbackPublisher(size_t max_queued_bytes)
+      : publisher(KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
+                                           .replay_endpoint = "tcp://127.0.0.1:*",
+                                           .max_queued_bytes = max_queued_bytes},
+                                          metrics)
+                      .value()),
+        router(publisher->replay_endpoint()) {}
 
-  blocks.Add(Prompt(64, 1));  // 4 blocks: 64 + 32 + 256 bytes queued, past 300
-  std::vector<json> events = router.EventsUntil([](const auto& e) { return e.size() >= 6; });
+  prometheus::Registry metrics;  // outlives the publisher that counts into it
+  std::unique_ptr<KvEventPublisher> publisher;
+  Router router;
+};
+
+// The set of block hashes that `events` leave stored.
+std::set<uint64_t> HeldHashes(const std::vector<json>& events) {
+  std::set<uint64_t> held;
+  for (const auto& [hash, parent] : Stored(events)) held.insert(hash);
+  return held;
+}
+
+// A publisher that cannot queue an event (here: larger than its whole bound)
+// drops it and starts again from what the ledger holds.
+TEST(KvEventPublisherTest, AnEventPastTheBoundStartsAgainFromWhatIsHeld) {
+  LoopbackPublisher loopback(/*max_queued_bytes=*/300);
+  loopback.publisher->blocks().Add(Prompt(64, 1));  // 4 blocks: 64 + 32 + 256 bytes, past 300
+  const std::vector<json> events =
+      loopback.router.EventsUntil([](const auto& e) { return e.size() >= 6; });
   ASSERT_EQ(events.size(), 6u) << json(events);
   EXPECT_EQ(events[1], json({{"type", "AllBlocksCleared"}})) << "the restart";
   EXPECT_EQ(Stored(events).size(), 4u) << "each held block, parents first";
+}
 
-  // Overflows under concurrent adds and removes: a bound that holds a few
-  // events, so the publisher starts again now and then, not at every event.
-  prometheus::Registry busy_metrics;  // outlives the publisher that counts into it
-  auto busy_publisher = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
-                                                 .replay_endpoint = "tcp://127.0.0.1:*",
-                                                 .max_queued_bytes = 2000},
-                                                busy_metrics);
-  ASSERT_TRUE(busy_publisher.ok()) << busy_publisher.status();
-  engine::PrefixBlocks& busy = (*busy_publisher)->blocks();
-  Router busy_router((*busy_publisher)->replay_endpoint());
+// Under concurrent adds and removes that overflow a bound of a few events
+// now and then, a subscriber that reads every batch ends with exactly the
+// blocks held. Malformed replay requests are ignored.
+TEST(KvEventPublisherTest, UnderConcurrentOverflowsASubscriberEndsWithWhatIsHeld) {
+  LoopbackPublisher loopback(/*max_queued_bytes=*/2000);
+  engine::PrefixBlocks& blocks = loopback.publisher->blocks();
   std::vector<std::thread> threads;
   std::vector<std::vector<std::vector<uint32_t>>> kept(2);
   for (int t = 0; t < 2; ++t) {
@@ -362,10 +372,10 @@ TEST(KvEventPublisherTest, AfterOverflowsASubscriberEndsWithWhatIsHeld) {
         std::vector<uint32_t> tokens(16 * (1 + random() % 4));
         for (uint32_t& token : tokens) token = random() % 2;
         if (!kept[t].empty() && random() % 2 == 0) {
-          busy.Remove(kept[t].back());
+          blocks.Remove(kept[t].back());
           kept[t].pop_back();
         } else {
-          busy.Add(tokens);
+          blocks.Add(tokens);
           kept[t].push_back(tokens);
         }
       }
@@ -375,30 +385,26 @@ TEST(KvEventPublisherTest, AfterOverflowsASubscriberEndsWithWhatIsHeld) {
   std::set<uint64_t> expected;
   for (const auto& added : kept) {
     for (const auto& tokens : added) {
-      for (uint64_t hash : busy.Hashes(tokens)) expected.insert(hash);
+      for (uint64_t hash : blocks.Hashes(tokens)) expected.insert(hash);
     }
   }
-  busy.Add(Prompt(16, 9));  // a last event, after every other
-  expected.insert(busy.Hashes(Prompt(16, 9))[0]);
-  const auto held = [&](const std::vector<json>& e) {
-    std::set<uint64_t> stored;
-    for (const auto& [hash, parent] : Stored(e)) stored.insert(hash);
-    return stored;
-  };
-  events = busy_router.EventsUntil([&](const auto& e) { return held(e) == expected; });
-  EXPECT_EQ(held(events), expected);
+  blocks.Add(Prompt(16, 9));  // a last event, after every other
+  expected.insert(blocks.Hashes(Prompt(16, 9))[0]);
+  const std::vector<json> events =
+      loopback.router.EventsUntil([&](const auto& e) { return HeldHashes(e) == expected; });
+  EXPECT_EQ(HeldHashes(events), expected);
 
   // Requests of other shapes are not answered; the next good one is.
   zmq::context_t context;
   zmq::socket_t odd(context, zmq::socket_type::dealer);
   odd.set(zmq::sockopt::linger, 0);
-  odd.connect((*busy_publisher)->replay_endpoint());
+  odd.connect(loopback.publisher->replay_endpoint());
   const std::array<zmq::const_buffer, 2> short_start = {zmq::const_buffer(), zmq::str_buffer("7")};
   (void)zmq::send_multipart(odd, short_start);
   const std::array<zmq::const_buffer, 3> extra = {zmq::const_buffer(), zmq::str_buffer("12345678"),
                                                   zmq::str_buffer("x")};
   (void)zmq::send_multipart(odd, extra);
-  EXPECT_FALSE(busy_router.Replay(0).empty());
+  EXPECT_FALSE(loopback.router.Replay(0).empty());
 }
 
 }  // namespace
