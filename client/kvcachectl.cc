@@ -22,8 +22,9 @@
 //   kvcachectl saved                                         (the server's data dir)
 //   kvcachectl store SNAPSHOT_ID NAME [--metadata=k=v,...] | load-saved NAME
 //   kvcachectl download NAME FILE | delete-saved NAME
-// A fleet (client/sharded_client.h), --peers=NAME=HOST:PORT,... or dns:HOST:PORT:
-//   stats, caches, snapshots, prefixes, saved and health ask every replica;
+// A fleet (client/sharded_client.h), --peers=NAME=HOST:PORT,... or dns:HOST:PORT,
+// or the replicas etcd lists (--etcd_endpoints=HOST:PORT,...):
+//   replicas lists them; stats, caches, snapshots, prefixes, saved and health ask every replica;
 //   commands naming an id go to the replica the id names (restore from a
 //   snapshot of another replica copies it over); load, load-saved, download
 //   and delete-saved go to --replica=NAME.
@@ -54,6 +55,12 @@
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, peers, "",
           "a fleet instead of --server: NAME=HOST:PORT,... (or HOST:PORT, or dns:HOST:PORT)");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "a fleet instead of --server: the replicas etcd lists (their --etcd_endpoints)");
+ABSL_FLAG(std::string, etcd_prefix, "/kvcached/replicas/", "where replicas list themselves");
+ABSL_FLAG(std::string, etcd_ca, "", "PEM CA of etcd's certificate: TLS to etcd");
+ABSL_FLAG(std::string, etcd_cert, "", "PEM client certificate for etcd");
+ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd_cert");
 ABSL_FLAG(std::string, replica, "",
           "with --peers: the replica for load, load-saved, download, "
           "delete-saved");
@@ -510,16 +517,32 @@ int Describe(kvcache::Client& client, const Args& args) {
 
 int OnServer(kvcache::Client& client, const Args& args);
 
-// A command over a fleet (--peers): see the file's comment.
+// A command over a fleet (--peers or --etcd_endpoints): see the file's comment.
 int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
-  absl::StatusOr<std::vector<kvcache::Replica>> replicas =
-      kvcache::ParsePeers(absl::GetFlag(FLAGS_peers));
-  if (!replicas.ok()) return Fail(replicas.status());
-  kvcache::ShardedClientOptions fleet_options{.replicas = *replicas, .client = options};
+  kvcache::ShardedClientOptions fleet_options{
+      .etcd = {.endpoints = absl::GetFlag(FLAGS_etcd_endpoints),
+               .prefix = absl::GetFlag(FLAGS_etcd_prefix),
+               .ca_file = absl::GetFlag(FLAGS_etcd_ca),
+               .cert_file = absl::GetFlag(FLAGS_etcd_cert),
+               .key_file = absl::GetFlag(FLAGS_etcd_key)},
+      .client = options};
+  if (!absl::GetFlag(FLAGS_peers).empty()) {
+    absl::StatusOr<std::vector<kvcache::Replica>> replicas =
+        kvcache::ParsePeers(absl::GetFlag(FLAGS_peers));
+    if (!replicas.ok()) return Fail(replicas.status());
+    fleet_options.replicas = *replicas;
+  }
   absl::StatusOr<std::unique_ptr<kvcache::ShardedClient>> fleet =
       kvcache::ShardedClient::Connect(fleet_options);
   if (!fleet.ok()) return Fail(fleet.status());
   const std::string command = args[0];
+  if (command == "replicas") {
+    for (size_t i = 0; i < (*fleet)->size(); ++i) {
+      const kvcache::Replica replica = (*fleet)->replica(i);
+      std::printf("%s %s\n", replica.name.c_str(), replica.address.c_str());
+    }
+    return 0;
+  }
   const bool everywhere = command == "stats" || command == "caches" || command == "prefixes" ||
                           command == "saved" || command == "health" || command == "evict" ||
                           (command == "snapshots" && args.size() == 1);
@@ -564,7 +587,8 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,...] stats | caches [--tenant=NAME] | "
+      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,... | --etcd_endpoints=HOST:PORT,...] "
+      "replicas | stats | caches [--tenant=NAME] | "
       "snapshots [CACHE] [--tenant=NAME] | evict [BYTES] [--tenant=NAME] | "
       "snapshot CACHE [--from=N] "
       "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
@@ -591,7 +615,9 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   if (command == "metrics") return Metrics(args);
   if (command == "kv-events") return KvEvents(args);
-  if (!absl::GetFlag(FLAGS_peers).empty()) return OnFleet(*options, args);
+  if (!absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_etcd_endpoints).empty()) {
+    return OnFleet(*options, args);
+  }
   auto client = kvcache::Client::Connect(*options);
   return OnServer(*client, args);
 }

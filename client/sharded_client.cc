@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "etcd_membership.h"
 #include "ids/replica_id.h"
 #include "rendezvous.h"
 
@@ -114,8 +115,12 @@ absl::StatusOr<std::vector<Replica>> ParsePeers(absl::string_view peers) {
 
 absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
     ShardedClientOptions options) {
-  if (options.replicas.empty()) {
-    return absl::InvalidArgumentError("replicas: a fleet needs at least one");
+  const bool etcd = !options.etcd.endpoints.empty();
+  if (options.replicas.empty() && !etcd) {
+    return absl::InvalidArgumentError("replicas: a fleet needs at least one (or etcd to list it)");
+  }
+  if (!options.replicas.empty() && etcd) {
+    return absl::InvalidArgumentError("replicas: etcd lists the fleet; give one or the other");
   }
   if (!options.client.data_lane.empty() && options.client.data_lane != "auto") {
     return absl::InvalidArgumentError(
@@ -127,6 +132,7 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   if (options.client.max_reconnect_backoff == absl::ZeroDuration()) {
     options.client.max_reconnect_backoff = absl::Seconds(2);
   }
+  if (etcd) return ConnectEtcd(options);
   // One address for several replicas is a proxy in front of them, which
   // routes by the replica each call names: only named replicas may share one.
   struct Listed {
@@ -163,7 +169,6 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
       }
     }
   }
-  std::vector<std::unique_ptr<Client>> clients;
   std::set<std::string> names;
   for (size_t i = 0; i < options.replicas.size(); ++i) {
     Replica& replica = options.replicas[i];
@@ -186,25 +191,86 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
       return absl::InvalidArgumentError(
           absl::StrCat("replicas: two are named \"", replica.name, "\""));
     }
-    ClientOptions client_options = options.client;
-    client_options.address = replica.address;
-    client_options.replica = replica.name;
-    clients.push_back(Client::Connect(client_options));
   }
-  return std::unique_ptr<ShardedClient>(new ShardedClient(std::move(options.replicas),
-                                                          std::move(clients),
-                                                          options.prefix_route_tokens,
-                                                          options.client.token));
+  return MakeStatic(options, options.replicas);
 }
 
-ShardedClient::ShardedClient(std::vector<Replica> replicas,
-                             std::vector<std::unique_ptr<Client>> clients,
-                             uint32_t prefix_route_tokens, std::string token)
-    : replicas_(std::move(replicas)),
-      clients_(std::move(clients)),
-      prefix_route_tokens_(prefix_route_tokens),
-      token_(std::move(token)) {
-  for (const Replica& replica : replicas_) names_.push_back(replica.name);
+std::unique_ptr<ShardedClient> ShardedClient::MakeStatic(const ShardedClientOptions& options,
+                                                         const std::vector<Replica>& replicas) {
+  std::unique_ptr<ShardedClient> fleet(
+      new ShardedClient(options.client, options.prefix_route_tokens));
+  fleet->SetMembers(replicas);
+  return fleet;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::ConnectEtcd(
+    const ShardedClientOptions& options) {
+  std::unique_ptr<ShardedClient> fleet(
+      new ShardedClient(options.client, options.prefix_route_tokens));
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> membership = EtcdMembership::Start(
+      options.etcd, options.connect_timeout,
+      [raw = fleet.get()](const std::vector<Replica>& listed) { raw->SetMembers(listed); });
+  if (!membership.ok()) return membership.status();
+  fleet->membership_ = *std::move(membership);
+  return fleet;
+}
+
+ShardedClient::ShardedClient(ClientOptions client_options, uint32_t prefix_route_tokens)
+    : client_options_(std::move(client_options)), prefix_route_tokens_(prefix_route_tokens) {}
+
+ShardedClient::~ShardedClient() { membership_.reset(); }  // no SetMembers from here on
+
+std::unique_ptr<Client> ShardedClient::MakeClient(const Replica& replica) const {
+  ClientOptions options = client_options_;
+  options.address = replica.address;
+  options.replica = replica.name;
+  return Client::Connect(options);
+}
+
+void ShardedClient::SetMembers(const std::vector<Replica>& listed) {
+  absl::MutexLock lock(&mu_);
+  members_.clear();
+  member_names_.clear();
+  for (const Replica& replica : listed) {
+    size_t index = 0;
+    while (index < names_.size() && names_[index] != replica.name) ++index;
+    if (index == names_.size()) {
+      replicas_.push_back(replica);
+      names_.push_back(replica.name);
+      clients_.push_back(MakeClient(replica));
+    } else if (replicas_[index].address != replica.address) {
+      replicas_[index].address = replica.address;
+      retired_.push_back(std::move(clients_[index]));
+      clients_[index] = MakeClient(replica);
+    }
+    members_.push_back(index);
+    member_names_.push_back(replica.name);
+  }
+}
+
+size_t ShardedClient::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return replicas_.size();
+}
+
+Replica ShardedClient::replica(size_t index) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return replicas_[index];
+}
+
+Client& ShardedClient::client(size_t index) {
+  absl::ReaderMutexLock lock(&mu_);
+  return *clients_[index];
+}
+
+std::vector<size_t> ShardedClient::Members() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return members_;
+}
+
+std::string ShardedClient::NameOf(size_t index) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return index < names_.size() ? names_[index] : "";
 }
 
 absl::StatusOr<size_t> ShardedClient::ReplicaOf(absl::string_view id) const {
@@ -212,8 +278,11 @@ absl::StatusOr<size_t> ShardedClient::ReplicaOf(absl::string_view id) const {
   if (name.empty()) {
     return absl::InvalidArgumentError("id: it names no replica (\"<replica>:<hex>\")");
   }
-  for (size_t i = 0; i < names_.size(); ++i) {
-    if (names_[i] == name) return i;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (size_t i = 0; i < names_.size(); ++i) {
+      if (names_[i] == name) return i;
+    }
   }
   return absl::NotFoundError(absl::StrCat("id: no replica of this fleet is named \"",
                                           name.substr(0, ids::kMaxReplicaNameBytes), "\""));
@@ -222,17 +291,21 @@ absl::StatusOr<size_t> ShardedClient::ReplicaOf(absl::string_view id) const {
 absl::StatusOr<Client*> ShardedClient::Owner(absl::string_view id) {
   absl::StatusOr<size_t> index = ReplicaOf(id);
   if (!index.ok()) return index.status();
-  return clients_[*index].get();
+  return &client(*index);
 }
 
 std::vector<size_t> ShardedClient::Order(absl::string_view key) const {
-  return RendezvousOrder(key, names_);
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<size_t> order = RendezvousOrder(key, member_names_);
+  for (size_t& at : order) at = members_[at];
+  return order;
 }
 
 std::string ShardedClient::PromptKey(const v1::CacheSpec& spec,
                                      absl::Span<const uint32_t> tokens) const {
   // Lengths first, so no two different (token, model, tokens) read alike.
-  std::string key = absl::StrCat("prompt:", token_.size(), ":", token_, spec.model().size(), ":",
+  const std::string& token = client_options_.token;
+  std::string key = absl::StrCat("prompt:", token.size(), ":", token, spec.model().size(), ":",
                                  spec.model(), ":");
   const size_t routed = std::min<size_t>(tokens.size(), prefix_route_tokens_);
   for (size_t i = 0; i < routed; ++i) {
@@ -246,13 +319,16 @@ std::string ShardedClient::PromptKey(const v1::CacheSpec& spec,
 
 template <typename T, typename Call>
 absl::StatusOr<T> ShardedClient::FirstThatTakes(absl::string_view key, bool also_full,
-                                                const Call& call) {
+                                                const Call& call, size_t* answered) {
+  const std::vector<size_t> order = Order(key);
+  if (order.empty()) return absl::UnavailableError("no replica is listed in etcd");
   absl::Status last;
-  for (size_t index : Order(key)) {
-    absl::StatusOr<T> result = call(*clients_[index]);
+  for (size_t index : order) {
+    absl::StatusOr<T> result = call(client(index));
+    if (answered != nullptr) *answered = index;
     if (result.ok() || !PassOver(result.status(), also_full)) return result;
     last = absl::Status(result.status().code(),
-                        absl::StrCat("replica ", names_[index], ": ", result.status().message()));
+                        absl::StrCat("replica ", NameOf(index), ": ", result.status().message()));
   }
   return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
 }
@@ -265,17 +341,15 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
     thread_local absl::BitGen random;
     key = absl::StrCat("random:", absl::Uniform<uint64_t>(random), absl::Uniform<uint64_t>(random));
   }
-  Client* answered = nullptr;
-  absl::StatusOr<v1::CacheInfo> created =
-      FirstThatTakes<v1::CacheInfo>(key, /*also_full=*/true, [&](Client& client) {
-        answered = &client;
-        return client.CreateCache(spec, ttl_seconds);
-      });
+  size_t answered = 0;
+  absl::StatusOr<v1::CacheInfo> created = FirstThatTakes<v1::CacheInfo>(
+      key, /*also_full=*/true,
+      [&](Client& client) { return client.CreateCache(spec, ttl_seconds); }, &answered);
   if (!created.ok()) return created;
   // Deleted where it names another replica, so it does not sit unreachable.
-  if (absl::Status made = CheckMadeBy(created->cache_id(), IndexOf(*answered), "cache");
-      !made.ok()) {
-    answered->DeleteCache(created->cache_id()).IgnoreError();  // a lease, if any, ends it otherwise
+  if (absl::Status made = CheckMadeBy(created->cache_id(), answered, "cache"); !made.ok()) {
+    // A lease, if any, ends it otherwise.
+    client(answered).DeleteCache(created->cache_id()).IgnoreError();
     return made;
   }
   return created;
@@ -283,20 +357,12 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& sp
 
 absl::Status ShardedClient::CheckMadeBy(const std::string& id, size_t index,
                                         absl::string_view what) const {
-  if (index >= names_.size()) return absl::InternalError("an answer from no replica of the fleet");
   const absl::StatusOr<size_t> owner = ReplicaOf(id);
   if (owner.ok() && *owner == index) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("replica ", names_[index], " answered with ", what, " id \"", id.substr(0, 80),
+      absl::StrCat("replica ", NameOf(index), " answered with ", what, " id \"", id.substr(0, 80),
                    "\", which names another replica or none of this fleet (restarted under another "
                    "--replica_name, or peers listed at the wrong addresses?)"));
-}
-
-size_t ShardedClient::IndexOf(const Client& client) const {
-  for (size_t index = 0; index < clients_.size(); ++index) {
-    if (clients_[index].get() == &client) return index;
-  }
-  return clients_.size();  // not reached: every Client here is one of clients_
 }
 
 absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
@@ -306,16 +372,14 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
 
 absl::StatusOr<v1::LookupPrefixResponse> ShardedClient::LookupPrefix(
     const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
-  Client* answered = nullptr;
+  size_t answered = 0;
   absl::StatusOr<v1::LookupPrefixResponse> found = FirstThatTakes<v1::LookupPrefixResponse>(
-      PromptKey(spec, tokens), /*also_full=*/false, [&](Client& client) {
-        answered = &client;
-        return client.LookupPrefix(spec, tokens, ttl_seconds);
-      });
+      PromptKey(spec, tokens), /*also_full=*/false,
+      [&](Client& client) { return client.LookupPrefix(spec, tokens, ttl_seconds); }, &answered);
   if (!found.ok() || !found->has_snapshot()) return found;
   const std::string& handle = found->snapshot().snapshot_id();
-  if (absl::Status made = CheckMadeBy(handle, IndexOf(*answered), "snapshot"); !made.ok()) {
-    answered->ReleaseSnapshot(handle).IgnoreError();  // its lease ends it otherwise
+  if (absl::Status made = CheckMadeBy(handle, answered, "snapshot"); !made.ok()) {
+    client(answered).ReleaseSnapshot(handle).IgnoreError();  // its lease ends it otherwise
     return made;
   }
   return found;
@@ -326,11 +390,11 @@ absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
     uint32_t ttl_seconds) {
   absl::StatusOr<size_t> owner = ReplicaOf(snapshot_id);
   if (!owner.ok()) return owner.status();
-  absl::Status last;
+  absl::Status last = absl::UnavailableError("no replica is listed in etcd");
   for (size_t index : Order(PromptKey(spec, tokens))) {
     if (index == *owner) {
       absl::StatusOr<v1::PublishPrefixResponse> published =
-          clients_[index]->PublishPrefix(snapshot_id, tokens, ttl_seconds);
+          client(index).PublishPrefix(snapshot_id, tokens, ttl_seconds);
       if (published.ok() || !absl::IsUnavailable(published.status())) return published;
       last = published.status();
       continue;
@@ -343,10 +407,10 @@ absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
     }
     if (!copy.ok()) return copy.status();
     absl::StatusOr<v1::PublishPrefixResponse> published =
-        clients_[index]->PublishPrefix(copy->snapshot_id(), tokens, ttl_seconds);
+        client(index).PublishPrefix(copy->snapshot_id(), tokens, ttl_seconds);
     // The index holds a snapshot of its own: the copy has served its purpose
     // (where releasing it fails, its lease ends it).
-    clients_[index]->ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
+    client(index).ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
     return published;
   }
   return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
@@ -357,28 +421,28 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::Restore(const std::string& cache_id
                                                      uint64_t target_offset) {
   absl::StatusOr<size_t> cache_owner = ReplicaOf(cache_id);
   if (!cache_owner.ok()) return cache_owner.status();
-  Client& client = *clients_[*cache_owner];
-  if (snapshot_id.empty()) return client.Restore(cache_id, snapshot_id, target_offset);
+  Client& owner = client(*cache_owner);
+  if (snapshot_id.empty()) return owner.Restore(cache_id, snapshot_id, target_offset);
   absl::StatusOr<size_t> snapshot_owner = ReplicaOf(snapshot_id);
   if (!snapshot_owner.ok()) return snapshot_owner.status();
-  if (*snapshot_owner == *cache_owner) return client.Restore(cache_id, snapshot_id, target_offset);
+  if (*snapshot_owner == *cache_owner) return owner.Restore(cache_id, snapshot_id, target_offset);
   absl::StatusOr<v1::SnapshotInfo> copy =
       CopySnapshotTo(snapshot_id, *cache_owner, /*pinned=*/false, kTransientCopyTtlSeconds);
   if (!copy.ok()) return copy.status();
   absl::StatusOr<v1::CacheInfo> restored =
-      client.Restore(cache_id, copy->snapshot_id(), target_offset);
+      owner.Restore(cache_id, copy->snapshot_id(), target_offset);
   // The cache now shares the copy's pages; the copy's own handle can go
   // (where releasing it fails, its lease ends it).
-  client.ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
+  owner.ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
   return restored;
 }
 
 absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string& snapshot_id,
                                                                size_t to, bool pinned,
                                                                uint32_t ttl_seconds) {
-  if (to >= clients_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("to: the fleet has ", clients_.size(),
-                                                    " replicas, not ", to + 1));
+  if (const size_t known = size(); to >= known) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("to: the fleet has ", known, " replicas, not ", to + 1));
   }
   absl::StatusOr<Client*> from = Owner(snapshot_id);
   if (!from.ok()) return from.status();
@@ -388,11 +452,11 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
   options.set_pinned(pinned);
   options.set_ttl_seconds(ttl_seconds);
   absl::StatusOr<v1::LoadSnapshotResponse> copied =
-      kvcache::CopySnapshot(**from, request, *clients_[to], options);
+      kvcache::CopySnapshot(**from, request, client(to), options);
   if (!copied.ok()) return copied.status();
   const std::string& copy = copied->snapshot().snapshot_id();
   if (absl::Status made = CheckMadeBy(copy, to, "snapshot"); !made.ok()) {
-    clients_[to]->ReleaseSnapshot(copy).IgnoreError();  // its lease, if any, ends it otherwise
+    client(to).ReleaseSnapshot(copy).IgnoreError();  // its lease, if any, ends it otherwise
     return made;
   }
   return copied->snapshot();
@@ -400,7 +464,9 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
 
 std::vector<absl::StatusOr<v1::Stats>> ShardedClient::GetStats() {
   std::vector<absl::StatusOr<v1::Stats>> stats;
-  for (const std::unique_ptr<Client>& client : clients_) stats.push_back(client->GetStats());
+  for (size_t index = 0, known = size(); index < known; ++index) {
+    stats.push_back(client(index).GetStats());
+  }
   return stats;
 }
 

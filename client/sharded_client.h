@@ -16,8 +16,13 @@
 // snapshot that lives off the prompt's replica) first copy the snapshot
 // over, streamed through this client (CopySnapshot).
 //
-// Replicas come from a static list or DNS (ParsePeers); their names (each
-// server's --replica_name) are given, or asked of each server at Connect.
+// Replicas come from a static list or DNS (ParsePeers), their names (each
+// server's --replica_name) given or asked of each server at Connect; or from
+// etcd, where each replica lists itself under a lease (etcd_membership.h).
+// With etcd the fleet changes while the client runs: a replica that joins
+// takes its share of new caches, one that leaves takes none, and its ids
+// still go to its last address (UNAVAILABLE while it is down); a replica
+// back at another address is reached there.
 #pragma once
 
 #include <cstddef>
@@ -26,10 +31,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "etcd/etcd_fleet.h"
 #include "kvcache_client.h"
 
 namespace kvcache {
@@ -47,8 +55,14 @@ struct Replica {
 // Kubernetes headless Service lists one per ready pod), names asked.
 absl::StatusOr<std::vector<Replica>> ParsePeers(absl::string_view peers);
 
+class EtcdMembership;
+
 struct ShardedClientOptions {
+  // A static fleet; or none, where etcd lists it.
   std::vector<Replica> replicas;
+  // Where replicas list themselves (their --etcd_endpoints and
+  // --etcd_prefix); with endpoints, `replicas` stays empty.
+  etcd::EtcdOptions etcd;
   // Everything but `address` for each replica's Client. data_lane is "" or
   // "auto" (each replica's lane is the one its GetStats names).
   // max_reconnect_backoff defaults to 2 s here.
@@ -57,7 +71,7 @@ struct ShardedClientOptions {
   // shorter than this are routed by all their tokens, so a prompt shares
   // such a prefix only with prompts of that same length.
   uint32_t prefix_route_tokens = 64;
-  // How long Connect waits for a replica to tell its name.
+  // How long Connect waits for a replica to tell its name, or etcd its list.
   absl::Duration connect_timeout = absl::Seconds(5);
 };
 
@@ -68,18 +82,27 @@ class ShardedClient {
   // without --replica_name or under another name than given, or when two
   // share a name. A named replica that is down is fine: it is skipped until
   // it answers.
+  // With etcd: fails where it does not answer; an empty list is fine.
   static absl::StatusOr<std::unique_ptr<ShardedClient>> Connect(ShardedClientOptions options);
+  ~ShardedClient();
 
-  size_t size() const { return replicas_.size(); }
-  const Replica& replica(size_t index) const { return replicas_[index]; }
-  Client& client(size_t index) { return *clients_[index]; }
+  // Every replica this client has known, listed now or not; an index stays
+  // the same replica's for the client's life.
+  size_t size() const;
+  Replica replica(size_t index) const;
+  // Its Client (stays valid for the ShardedClient's life, even where the
+  // replica moves and later calls go to a new one).
+  Client& client(size_t index);
+  // The replicas new caches may go to: all of a static fleet, those that
+  // etcd lists now.
+  std::vector<size_t> Members() const;
 
   // The replica that made `id`: INVALID_ARGUMENT when the id names none,
   // NOT_FOUND when no replica of this fleet has that name.
   absl::StatusOr<size_t> ReplicaOf(absl::string_view id) const;
   // That replica's Client: every call about `id` goes there.
   absl::StatusOr<Client*> Owner(absl::string_view id);
-  // The replicas in the order `key` tries them.
+  // The members in the order `key` tries them.
   std::vector<size_t> Order(absl::string_view key) const;
   // The key prompts are routed by (see prefix_route_tokens).
   std::string PromptKey(const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens) const;
@@ -117,24 +140,41 @@ class ShardedClient {
   std::vector<absl::StatusOr<v1::Stats>> GetStats();
 
  private:
-  ShardedClient(std::vector<Replica> replicas, std::vector<std::unique_ptr<Client>> clients,
-                uint32_t prefix_route_tokens, std::string token);
-  // Runs `call` on the replicas of `key`'s order until one does not answer
-  // UNAVAILABLE (or, when `also_full`, RESOURCE_EXHAUSTED).
+  ShardedClient(ClientOptions client_options, uint32_t prefix_route_tokens);
+  // Makes `listed` the members: new replicas are added, moved ones get a
+  // Client at their new address, the rest stop being members.
+  void SetMembers(const std::vector<Replica>& listed) ABSL_LOCKS_EXCLUDED(mu_);
+  static std::unique_ptr<ShardedClient> MakeStatic(const ShardedClientOptions& options,
+                                                   const std::vector<Replica>& replicas);
+  static absl::StatusOr<std::unique_ptr<ShardedClient>> ConnectEtcd(
+      const ShardedClientOptions& options);
+  std::unique_ptr<Client> MakeClient(const Replica& replica) const;
+  // Runs `call` on the members of `key`'s order until one does not answer
+  // UNAVAILABLE (or, when `also_full`, RESOURCE_EXHAUSTED); `answered`: the
+  // replica whose answer it returns.
   template <typename T, typename Call>
-  absl::StatusOr<T> FirstThatTakes(absl::string_view key, bool also_full, const Call& call);
+  absl::StatusOr<T> FirstThatTakes(absl::string_view key, bool also_full, const Call& call,
+                                   size_t* answered = nullptr);
   // OK where replica `index` made `id` (a cache or snapshot it answered
   // with); else FAILED_PRECONDITION: later calls would route the id to
   // another replica (one restarted under another --replica_name, or peers
   // listed at the wrong addresses), so the caller lets go of it.
   absl::Status CheckMadeBy(const std::string& id, size_t index, absl::string_view what) const;
-  size_t IndexOf(const Client& client) const;
+  std::string NameOf(size_t index) const;
 
-  std::vector<Replica> replicas_;
-  std::vector<std::string> names_;
-  std::vector<std::unique_ptr<Client>> clients_;
-  uint32_t prefix_route_tokens_;
-  std::string token_;
+  const ClientOptions client_options_;  // all but the address, for each replica
+  const uint32_t prefix_route_tokens_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Replica> replicas_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> names_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Client>> clients_ ABSL_GUARDED_BY(mu_);
+  // Clients of replicas that moved: callers may still hold them.
+  std::vector<std::unique_ptr<Client>> retired_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> members_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> member_names_ ABSL_GUARDED_BY(mu_);
+  // Declared last: its thread stops before the rest goes.
+  std::unique_ptr<EtcdMembership> membership_;
 };
 
 }  // namespace kvcache

@@ -308,10 +308,6 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   // default; orchestrators and grpc_health_probe ask by service name too.
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::KvCacheService::service_full_name(), true);
-  LogInfo("listening on %s (%s)", server->address(),
-          !config.tls.enabled()               ? "plaintext"
-          : config.tls.client_ca_file.empty() ? "TLS"
-                                              : "mutual TLS: clients present certificates");
   if (server->data_lane_) {
     server->data_lane_->Serve(*server->tenants_);
     LogInfo("data lane (Update and Fetch over %s) on %s%s",
@@ -320,6 +316,25 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                 ? ""
                 : absl::StrCat(", given to clients as ", server->lane_advertise_));
   }
+  if (!config.etcd.endpoints.empty()) {
+    // Listed last: a client that sees the listing finds the replica serving.
+    const bool any_host = server->host_.empty() || server->host_ == "0.0.0.0" ||
+                          server->host_ == "[::]" || server->host_ == "::";
+    ASSIGN_OR_RETURN(server->etcd_,
+                     EtcdRegistration::Start(
+                         {.etcd = config.etcd,
+                          .name = config.replica_name,
+                          .address = !config.advertise_address.empty() ? config.advertise_address
+                                     : any_host                        ? ""
+                                                                       : server->address(),
+                          .lease_ttl = config.etcd_lease_ttl},
+                         *server->metrics_registry_));
+  }
+  // Logged last: whoever waits for this line finds the whole server up.
+  LogInfo("listening on %s (%s)", server->address(),
+          !config.tls.enabled()               ? "plaintext"
+          : config.tls.client_ca_file.empty() ? "TLS"
+                                              : "mutual TLS: clients present certificates");
   return server;
 }
 
@@ -365,6 +380,8 @@ std::string KvCacheServer::advertised_lane_address() const {
 }
 
 void KvCacheServer::Shutdown(absl::Duration grace) {
+  // Off etcd's list first: fleet clients stop placing caches here at once.
+  if (etcd_) etcd_->Withdraw();
   // NOT_SERVING to health checks and watchers first: a load balancer stops
   // sending new work while the calls in flight drain.
   server_->GetHealthCheckService()->SetServingStatus(false);

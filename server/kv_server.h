@@ -12,6 +12,7 @@
 #include "core/tokens_file.h"
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
+#include "etcd_registration.h"
 #include "gpu/device_options.h"
 #include "gpu/page_pool.h"
 #include "kv_events.h"
@@ -87,6 +88,13 @@ struct ServerConfig {
   // vLLM-style KV events of every tenant's prefix entries (kv_events.h); off
   // without an endpoint.
   KvEventsConfig kv_events;
+  // Lists this replica in etcd for fleet clients (etcd_registration.h); off
+  // without endpoints. It needs replica_name.
+  etcd::EtcdOptions etcd;
+  absl::Duration etcd_lease_ttl = absl::Seconds(10);
+  // host:port clients reach the gRPC port at, as listed in etcd; empty: the
+  // address it listens on, which must then name a host (not 0.0.0.0).
+  std::string advertise_address;
 };
 
 class KvCacheServer {
@@ -102,6 +110,8 @@ class KvCacheServer {
   std::string advertised_lane_address() const;
   // Where KV events and their replays are published; empty when off.
   std::string kv_events_endpoint() const { return kv_events_ ? kv_events_->endpoint() : ""; }
+  // Whether it is listed in etcd now (false without etcd).
+  bool listed_in_etcd() const { return etcd_ && etcd_->listed(); }
   std::string kv_events_replay_endpoint() const {
     return kv_events_ ? kv_events_->replay_endpoint() : "";
   }
@@ -164,6 +174,8 @@ class KvCacheServer {
   std::unique_ptr<grpc::Server> server_;
   // Declared last: it stops, and its sessions end, before the handlers go.
   std::unique_ptr<service::DataLane> data_lane_;
+  // Lists the replica only while all above serve; withdrawn first.
+  std::unique_ptr<EtcdRegistration> etcd_;
 };
 
 }  // namespace kvcache

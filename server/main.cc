@@ -97,6 +97,20 @@ ABSL_FLAG(std::string, kv_events_format, "map",
           "older vLLM)");
 ABSL_FLAG(bool, kv_events_allow_remote, false,
           "let the KV event endpoints bind a non-loopback address");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "list this replica in etcd for fleet clients (kvcachectl --etcd_endpoints): "
+          "comma-separated host:port, http:// or https:// endpoints; empty: not listed. "
+          "Needs --replica_name");
+ABSL_FLAG(std::string, etcd_prefix, "/kvcached/replicas/",
+          "the key prefix replicas are listed under (the key is it plus --replica_name)");
+ABSL_FLAG(absl::Duration, etcd_lease_ttl, absl::Seconds(10),
+          "how long the listing outlives the replica's last keep-alive (at least 2s)");
+ABSL_FLAG(std::string, etcd_ca, "", "PEM CA of etcd's certificate: TLS to etcd");
+ABSL_FLAG(std::string, etcd_cert, "", "PEM client certificate for etcd (its --client-cert-auth)");
+ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd_cert");
+ABSL_FLAG(std::string, advertise_address, "",
+          "host:port that clients reach the gRPC port at, as listed in etcd (a pod's IP); "
+          "empty: the --listen address, which must then name a host");
 ABSL_FLAG(bool, access_log, false,
           "log a line per gRPC call (request id, method, code, duration, peer)");
 ABSL_FLAG(std::string, log_format, "text",
@@ -147,6 +161,13 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
                       .topic = absl::GetFlag(FLAGS_kv_events_topic),
                       .block_tokens = absl::GetFlag(FLAGS_kv_events_block_size),
                       .allow_remote = absl::GetFlag(FLAGS_kv_events_allow_remote)};
+  config.etcd = {.endpoints = absl::GetFlag(FLAGS_etcd_endpoints),
+                 .prefix = absl::GetFlag(FLAGS_etcd_prefix),
+                 .ca_file = absl::GetFlag(FLAGS_etcd_ca),
+                 .cert_file = absl::GetFlag(FLAGS_etcd_cert),
+                 .key_file = absl::GetFlag(FLAGS_etcd_key)};
+  config.etcd_lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  config.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   const std::string kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
   if (kv_events_format != "map" && kv_events_format != "array") {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -53,6 +53,22 @@ inline uint16_t FreePort() {
   return ntohs(address.sin_port);
 }
 
+// Runs args[0] with `args`, its output appended to `log`: its pid.
+inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<char*> argv;  // built before fork: the child only opens, dups and execs
+  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    dup2(fd, STDERR_FILENO);
+    dup2(fd, STDOUT_FILENO);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
 // kvcached as a process of its own; its log in <data_dir>.log.
 class KvcachedProcess {
  public:
@@ -66,28 +82,19 @@ class KvcachedProcess {
 
   // Starts it (again, on the same ports and data dir) and waits until it answers.
   ::testing::AssertionResult Start() {
-    const std::vector<std::string> args = {KVCACHED_BINARY,
-                                           "--listen=" + address_,
-                                           "--data_lane_listen=" + lane_,
-                                           "--data_dir=" + data_dir_,
-                                           "--validation",
-                                           "--pool_bytes=33554432",
-                                           "--page_bytes=8192",
-                                           "--page_tokens=16",
-                                           "--shutdown_grace=20s",
-                                           replica_flag_};
+    std::vector<std::string> args = {KVCACHED_BINARY,
+                                     "--listen=" + address_,
+                                     "--data_lane_listen=" + lane_,
+                                     "--data_dir=" + data_dir_,
+                                     "--validation",
+                                     "--pool_bytes=33554432",
+                                     "--page_bytes=8192",
+                                     "--page_tokens=16",
+                                     "--shutdown_grace=20s",
+                                     replica_flag_};
+    args.insert(args.end(), extra_flags_.begin(), extra_flags_.end());
     const std::string log = data_dir_ + ".log";
-    std::vector<char*> argv;  // built before fork: the child only opens, dups and execs
-    for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      dup2(fd, STDERR_FILENO);
-      dup2(fd, STDOUT_FILENO);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_ = SpawnLogged(args, log);
     // It serves once it logs that it listens (a client's probes would back
     // off for a second or more after the first refused connection).
     const absl::Time deadline = absl::Now() + absl::Seconds(120);
@@ -125,11 +132,18 @@ class KvcachedProcess {
   bool running() const { return pid_ > 0; }
   // The --replica_name flag of the next Start.
   void set_replica_flag(std::string flag) { replica_flag_ = std::move(flag); }
+  // Flags of every later Start, after the others.
+  void add_flags(const std::vector<std::string>& flags) {
+    extra_flags_.insert(extra_flags_.end(), flags.begin(), flags.end());
+  }
+  // The next Start listens on another gRPC port (a pod that moved).
+  void Relocate() { address_ = absl::StrCat("127.0.0.1:", FreePort()); }
   const std::string& name() const { return name_; }
   const std::string& address() const { return address_; }
 
  private:
   std::string name_, data_dir_, replica_flag_, address_, lane_;
+  std::vector<std::string> extra_flags_;
   pid_t pid_ = -1;
   size_t logged_ = 0;  // the log's bytes of earlier runs
 };

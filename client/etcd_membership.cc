@@ -1,0 +1,166 @@
+#include "etcd_membership.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
+#include "sharded_client.h"
+
+namespace kvcache {
+namespace {
+
+constexpr absl::Duration kReadTimeout = absl::Seconds(5);
+constexpr absl::Duration kMostBackoff = absl::Seconds(2);
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
+    const etcd::EtcdOptions& options, absl::Duration timeout, OnChange on_change) {
+  absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(options);
+  if (!channels.ok()) return channels.status();
+  std::unique_ptr<EtcdMembership> membership(
+      new EtcdMembership(options, *std::move(channels), std::move(on_change)));
+  // Every endpoint once, within `timeout` in all.
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status read;
+  do {
+    read = membership->Read(deadline - absl::Now());
+    if (read.ok()) break;
+    membership->channels_.Next();
+  } while (absl::Now() < deadline && absl::IsUnavailable(read));
+  if (!read.ok()) return read;
+  membership->Publish();
+  membership->runner_ = std::thread([raw = membership.get()] { raw->Run(); });
+  return membership;
+}
+
+EtcdMembership::EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels,
+                               OnChange on_change)
+    : prefix_(options.prefix), on_change_(std::move(on_change)), channels_(std::move(channels)) {}
+
+EtcdMembership::~EtcdMembership() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (watch_context_ != nullptr) watch_context_->TryCancel();
+  }
+  if (runner_.joinable()) runner_.join();
+}
+
+bool EtcdMembership::WaitStopping(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(&stopping_), timeout);
+}
+
+absl::Status EtcdMembership::Read(absl::Duration timeout) {
+  etcdserverpb::RangeRequest request;
+  request.set_key(prefix_);
+  request.set_range_end(etcd::PrefixRangeEnd(prefix_));
+  etcdserverpb::RangeResponse answer;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  if (grpc::Status status =
+          etcdserverpb::KV::NewStub(channels_.current())->Range(&context, request, &answer);
+      !status.ok()) {
+    return etcd::EtcdError(status, absl::StrCat("Range ", prefix_), channels_.current_endpoint());
+  }
+  listed_.clear();
+  for (const mvccpb::KeyValue& kv : answer.kvs()) {
+    absl::StatusOr<std::string> name = etcd::ReplicaOfKey(prefix_, kv.key());
+    if (!name.ok()) continue;  // not a replica's key: never one to place caches on
+    listed_[*name] = kv.value();
+  }
+  revision_ = answer.header().revision();
+  return absl::OkStatus();
+}
+
+absl::Status EtcdMembership::Watch() {
+  grpc::ClientContext context;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::OkStatus();
+    watch_context_ = &context;
+  }
+  auto stream = etcdserverpb::Watch::NewStub(channels_.current())->Watch(&context);
+  etcdserverpb::WatchRequest request;
+  etcdserverpb::WatchCreateRequest* create = request.mutable_create_request();
+  create->set_key(prefix_);
+  create->set_range_end(etcd::PrefixRangeEnd(prefix_));
+  create->set_start_revision(revision_ + 1);
+  absl::Status ended = absl::UnavailableError("the watch stream closed");
+  etcdserverpb::WatchResponse answer;
+  if (stream->Write(request)) {
+    while (stream->Read(&answer)) {
+      if (answer.canceled() || answer.compact_revision() > 0) {
+        // History up to our revision is gone: read the list anew.
+        ended = absl::AbortedError(
+            absl::StrCat("etcd canceled the watch of ", prefix_, ": ", answer.cancel_reason()));
+        context.TryCancel();
+        continue;  // until the stream ends
+      }
+      bool changed = false;
+      for (const mvccpb::Event& event : answer.events()) {
+        absl::StatusOr<std::string> name = etcd::ReplicaOfKey(prefix_, event.kv().key());
+        if (!name.ok()) continue;
+        if (event.type() == mvccpb::Event::PUT) {
+          changed |= !listed_.contains(*name) || listed_[*name] != event.kv().value();
+          listed_[*name] = event.kv().value();
+        } else {
+          changed |= listed_.erase(*name) > 0;
+        }
+      }
+      revision_ = std::max(revision_, answer.header().revision());
+      if (changed) Publish();
+    }
+  }
+  grpc::Status finished = stream->Finish();
+  absl::MutexLock lock(&mu_);
+  watch_context_ = nullptr;
+  if (stopping_) return absl::OkStatus();
+  if (!finished.ok() && !absl::IsAborted(ended)) {
+    return etcd::EtcdError(finished, absl::StrCat("Watch ", prefix_), channels_.current_endpoint());
+  }
+  return ended;
+}
+
+void EtcdMembership::Run() {
+  int failures = 0;
+  bool read = true;  // Start read the list
+  while (!WaitStopping(absl::ZeroDuration())) {
+    if (!read) {
+      absl::Status reread = Read(kReadTimeout);
+      if (reread.ok()) {
+        read = true;
+        failures = 0;
+        Publish();
+      } else {
+        if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", reread.ToString().c_str());
+        channels_.Next();
+        WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+        continue;
+      }
+    }
+    absl::Status watched = Watch();
+    if (watched.ok()) continue;  // stopping
+    read = false;                // the list may have changed meanwhile
+    if (!absl::IsAborted(watched)) {
+      if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", watched.ToString().c_str());
+      channels_.Next();
+      WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+    }
+  }
+}
+
+void EtcdMembership::Publish() const {
+  std::vector<Replica> replicas;
+  replicas.reserve(listed_.size());
+  for (const auto& [name, address] : listed_) {
+    replicas.push_back({.name = name, .address = address});
+  }
+  on_change_(replicas);
+}
+
+}  // namespace kvcache

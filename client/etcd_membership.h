@@ -1,0 +1,66 @@
+// A fleet's replicas as etcd lists them (etcd/etcd_fleet.h), for a
+// ShardedClient: the list is read once, then watched from its revision on,
+// and every change hands the whole list to the client. A watch that breaks
+// (etcd restarted, an endpoint gone, history compacted) is followed by a
+// fresh read, the next endpoint first, so no change is missed for long.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "etcd/etcd_fleet.h"
+
+namespace grpc {
+class ClientContext;
+}
+
+namespace kvcache {
+
+struct Replica;
+
+class EtcdMembership {
+ public:
+  // Every replica listed, by name.
+  using OnChange = std::function<void(const std::vector<Replica>& listed)>;
+
+  // Reads the list (UNAVAILABLE where no endpoint answers within `timeout`),
+  // calls `on_change` with it before returning, and then from a thread of its
+  // own after each change until destroyed.
+  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(const etcd::EtcdOptions& options,
+                                                               absl::Duration timeout,
+                                                               OnChange on_change);
+  ~EtcdMembership();
+
+ private:
+  EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels, OnChange on_change);
+  // Range over the prefix: the whole list and its revision.
+  absl::Status Read(absl::Duration timeout);
+  // Applies the changes after revision_ until the stream ends (an error) or
+  // the destructor cancels it (OK).
+  absl::Status Watch();
+  void Run();
+  void Publish() const;
+  bool WaitStopping(absl::Duration timeout);
+
+  const std::string prefix_;
+  const OnChange on_change_;
+  etcd::EtcdChannels channels_;                // Run's (Start's before it)
+  std::map<std::string, std::string> listed_;  // name -> address; likewise
+  int64_t revision_ = 0;                       // of listed_; likewise
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* watch_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
+  std::thread runner_;
+};
+
+}  // namespace kvcache

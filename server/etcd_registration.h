@@ -1,0 +1,87 @@
+// Lists this replica in etcd while it serves (etcd/etcd_fleet.h), so that
+// fleet clients watching the list place caches on it, and take it off the
+// list when it stops or can no longer keep its lease.
+//
+// The listing is a key attached to a lease that a keep-alive stream renews
+// every third of its TTL. A lease that ran out (etcd unreachable for a TTL,
+// a revoke) is granted anew and the key put again; an etcd that is down is
+// tried again, the next endpoint first, with backoff. Names are unique in a
+// fleet: a key held by another address is left alone (the start fails when
+// it is held then), while a key held by this address (this replica's
+// previous run, whose lease has not yet run out) is taken over.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "etcd/etcd_fleet.h"
+
+namespace grpc {
+class ClientContext;
+}
+namespace prometheus {
+class Registry;
+template <typename T>
+class Family;
+class Gauge;
+}  // namespace prometheus
+
+namespace kvcache {
+
+struct EtcdRegistrationConfig {
+  etcd::EtcdOptions etcd;  // no endpoints: no registration
+  // The replica's --replica_name and the host:port clients reach its gRPC port at.
+  std::string name;
+  std::string address;
+  // How long the listing outlives the replica's last keep-alive (etcd's
+  // least is about 2 s).
+  absl::Duration lease_ttl = absl::Seconds(10);
+};
+
+class EtcdRegistration {
+ public:
+  // Lists the replica. Fails on bad options and where the name is listed by
+  // another address; an etcd that cannot be reached is logged and tried
+  // again in the background (orchestrators start etcd and replicas at once).
+  static absl::StatusOr<std::unique_ptr<EtcdRegistration>> Start(
+      const EtcdRegistrationConfig& config, prometheus::Registry& metrics);
+  ~EtcdRegistration();  // Withdraw()
+
+  // Takes the replica off the list (its lease revoked) and stops keeping it;
+  // the first step of a shutdown. Idempotent.
+  void Withdraw();
+  // Whether the key is in etcd, as far as the last answer said.
+  bool listed() const;
+
+ private:
+  EtcdRegistration(const EtcdRegistrationConfig& config, etcd::EtcdChannels channels,
+                   prometheus::Gauge& listed_gauge);
+  // Grants a lease and puts the key under it (or takes it over, see above).
+  absl::Status Register();
+  // Renews the lease until the stream breaks (an error), the lease is gone
+  // (NOT_FOUND) or Withdraw (OK).
+  absl::Status KeepAlive();
+  void Run();
+  void SetListed(bool listed);
+  bool WaitStopping(absl::Duration timeout);
+
+  const EtcdRegistrationConfig config_;
+  const std::string key_;
+  etcd::EtcdChannels channels_;  // Run's (and Start's before it)
+  int64_t lease_id_ = 0;         // likewise; 0: none held
+  prometheus::Gauge& listed_gauge_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool listed_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* stream_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
+  std::thread runner_;
+};
+
+}  // namespace kvcache

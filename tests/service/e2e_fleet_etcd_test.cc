@@ -1,0 +1,245 @@
+// A fleet that etcd lists: three kvcached processes list themselves in a
+// real etcd (Debian's etcd-server) under leases, and a ShardedClient watches
+// the list. Replicas that stop, die, lose their lease or move are followed
+// by the client, and a name is never listed by two replicas at once.
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+
+#include "etcd_process.h"
+#include "fleet_test_util.h"
+
+namespace kvcache::testing {
+namespace {
+
+constexpr char kPrefix[] = "/kvcached/replicas/";
+
+class E2eFleetEtcdTest : public E2eFleetTest {
+ protected:
+  void SetUp() override {
+    if (EtcdProcess::Binary().empty()) {
+      GTEST_SKIP() << "etcd is not installed (Debian's etcd-server; bash .ci/setup installs it)";
+    }
+    root_ = absl::StrCat(::testing::TempDir(), "fleet-etcd-", getpid(), "-",
+                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(root_);
+    etcd_ = std::make_unique<EtcdProcess>(root_ + "/etcd");
+    ASSERT_TRUE(etcd_->Start());
+    for (int i = 0; i < kReplicas; ++i) {
+      const std::string name = absl::StrCat("kvcached-", i);
+      replicas_.push_back(std::make_unique<KvcachedProcess>(name, absl::StrCat(root_, "/", name),
+                                                            "--replica_name=" + name));
+      replicas_.back()->add_flags(EtcdFlags());
+      ASSERT_TRUE(replicas_.back()->Start());
+    }
+    // Connected once all three are listed, so the fleet's indexes are the
+    // replicas' (etcd lists them by name).
+    ASSERT_TRUE(Eventually([&] { return etcd_->Listed(kPrefix).size() == kReplicas; }));
+    absl::StatusOr<std::unique_ptr<ShardedClient>> fleet = ShardedClient::Connect(
+        {.etcd = {.endpoints = etcd_->endpoint()}, .client = {.data_lane = "auto"}});
+    ASSERT_TRUE(fleet.ok()) << fleet.status();
+    fleet_ = *std::move(fleet);
+    for (size_t r = 0; r < kReplicas; ++r) ASSERT_EQ(fleet_->replica(r).name, replicas_[r]->name());
+  }
+
+  void TearDown() override {
+    E2eFleetTest::TearDown();
+    if (etcd_) etcd_->Kill();
+  }
+
+  std::vector<std::string> EtcdFlags() const {
+    return {"--etcd_endpoints=" + etcd_->endpoint(), "--etcd_lease_ttl=2s"};
+  }
+
+  // Polls `holds` for up to `bound`.
+  template <typename Condition>
+  static bool Eventually(const Condition& holds, absl::Duration bound = absl::Seconds(20)) {
+    const absl::Time deadline = absl::Now() + bound;
+    while (!holds()) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return true;
+  }
+
+  bool MembersAre(const std::vector<size_t>& expected) {
+    return Eventually([&] { return fleet_->Members() == expected; });
+  }
+
+  // The replica each of `count` new caches (random keys) went to.
+  std::map<size_t, int> CreateSpread(int count) {
+    std::map<size_t, int> per_replica;
+    for (int i = 0; i < count; ++i) {
+      absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer());
+      EXPECT_TRUE(cache.ok()) << cache.status();
+      if (!cache.ok()) continue;
+      ++per_replica[fleet_->ReplicaOf(cache->cache_id()).value()];
+      EXPECT_TRUE(fleet_->Owner(cache->cache_id()).value()->DeleteCache(cache->cache_id()).ok());
+    }
+    return per_replica;
+  }
+
+  std::unique_ptr<EtcdProcess> etcd_;
+};
+
+TEST_F(E2eFleetEtcdTest, ReplicasJoinAndLeaveTheClientsFleet) {
+  EXPECT_EQ(fleet_->Members(), (std::vector<size_t>{0, 1, 2}));
+  EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-1")], replicas_[1]->address());
+  std::map<size_t, int> spread = CreateSpread(60);
+  EXPECT_EQ(spread.size(), 3u) << "a replica got no cache";
+
+  // Caches with bytes on every replica.
+  std::mt19937_64 random(7);
+  std::vector<std::pair<std::string, Written>> caches;
+  for (size_t r = 0; r < kReplicas; ++r) {
+    absl::StatusOr<v1::CacheInfo> cache =
+        fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(r, "bytes"));
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    ASSERT_EQ(fleet_->ReplicaOf(cache->cache_id()).value(), r);
+    Written written;
+    ASSERT_TRUE(Append(fleet_->client(r), cache->cache_id(), 24, random, written).ok());
+    caches.emplace_back(cache->cache_id(), written);
+  }
+
+  // A replica that stops takes itself off the list: no create goes there,
+  // its caches are UNAVAILABLE and every other byte is right.
+  EXPECT_EQ(replicas_[1]->Stop(), 0);
+  ASSERT_TRUE(MembersAre({0, 2})) << "the stopped replica is still a member";
+  EXPECT_FALSE(etcd_->Listed(kPrefix).contains(absl::StrCat(kPrefix, "kvcached-1")));
+  spread = CreateSpread(30);
+  EXPECT_FALSE(spread.contains(1)) << spread[1] << " caches went to the stopped replica";
+  for (const auto& [id, written] : caches) {
+    Client& owner = **fleet_->Owner(id);
+    if (fleet_->ReplicaOf(id).value() == 1) {
+      EXPECT_EQ(owner.GetCache(id).status().code(), absl::StatusCode::kUnavailable);
+    } else {
+      EXPECT_TRUE(Holds(owner, id, "", written)) << id;
+    }
+  }
+
+  // Back, it lists itself again and takes its share.
+  ASSERT_TRUE(replicas_[1]->Start());
+  ASSERT_TRUE(MembersAre({0, 1, 2}));
+  ASSERT_TRUE(fleet_->client(1).WaitForReady(absl::Seconds(30)).ok());
+  EXPECT_TRUE(CreateSpread(60).contains(1));
+}
+
+TEST_F(E2eFleetEtcdTest, AKilledReplicaLeavesWhenItsLeaseRunsOut) {
+  replicas_[2]->Kill();  // no withdrawal: only its 2 s lease ends the listing
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(MembersAre({0, 1}));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  EXPECT_FALSE(CreateSpread(30).contains(2));
+}
+
+TEST_F(E2eFleetEtcdTest, ALostLeaseIsListedAgain) {
+  // Every lease revoked (an etcd operator's mistake, or an etcd that lost
+  // them): the keys go, and each replica grants itself a new lease.
+  etcdserverpb::LeaseLeasesRequest request;
+  etcdserverpb::LeaseLeasesResponse leases;
+  grpc::ClientContext context;
+  ASSERT_TRUE(etcd_->Lease()->LeaseLeases(&context, request, &leases).ok());
+  ASSERT_EQ(leases.leases_size(), kReplicas);
+  for (const etcdserverpb::LeaseStatus& lease : leases.leases()) {
+    etcdserverpb::LeaseRevokeRequest revoke;
+    revoke.set_id(lease.id());
+    etcdserverpb::LeaseRevokeResponse revoked;
+    grpc::ClientContext revoke_context;
+    ASSERT_TRUE(etcd_->Lease()->LeaseRevoke(&revoke_context, revoke, &revoked).ok());
+  }
+  EXPECT_TRUE(Eventually([&] { return etcd_->Listed(kPrefix).size() == kReplicas; }));
+  EXPECT_TRUE(MembersAre({0, 1, 2}));
+  EXPECT_EQ(CreateSpread(60).size(), 3u);
+}
+
+TEST_F(E2eFleetEtcdTest, AReplicaThatMovedIsReachedAtItsNewAddress) {
+  // A snapshot saved in replica 0's data dir, before it moves to another port.
+  std::mt19937_64 random(9);
+  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "move"));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Written written;
+  ASSERT_TRUE(Append(fleet_->client(0), cache->cache_id(), 40, random, written).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  ASSERT_TRUE(fleet_->client(0).SaveSnapshot(snapshot->snapshot_id(), "before-move").ok());
+  const std::string old_address = replicas_[0]->address();
+  EXPECT_EQ(replicas_[0]->Stop(), 0);
+  replicas_[0]->Relocate();
+  ASSERT_TRUE(replicas_[0]->Start());
+  ASSERT_NE(replicas_[0]->address(), old_address);
+  ASSERT_TRUE(Eventually([&] { return fleet_->replica(0).address == replicas_[0]->address(); }));
+  ASSERT_TRUE(MembersAre({0, 1, 2}));
+  Client& moved = fleet_->client(0);
+  ASSERT_TRUE(moved.WaitForReady(absl::Seconds(30)).ok());
+  absl::StatusOr<v1::LoadSnapshotResponse> loaded = moved.LoadSnapshot("before-move");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(fleet_->ReplicaOf(loaded->snapshot().snapshot_id()).value(), 0u);
+  EXPECT_TRUE(Holds(**fleet_->Owner(loaded->snapshot().snapshot_id()), "",
+                    loaded->snapshot().snapshot_id(), written));
+  EXPECT_TRUE(moved.DeleteSaved("before-move").ok());
+}
+
+TEST_F(E2eFleetEtcdTest, ANameIsListedByOneReplicaOnly) {
+  // A second process under replica 0's name, at another address, does not
+  // start; the listing stays the first one's.
+  KvcachedProcess impostor("impostor", root_ + "/impostor", "--replica_name=kvcached-0");
+  impostor.add_flags(EtcdFlags());
+  EXPECT_FALSE(impostor.Start());
+  std::ifstream log(root_ + "/impostor.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("two replicas must not share a name"), std::string::npos) << text;
+  EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-0")], replicas_[0]->address());
+
+  // The same name at the same address is the replica's own next run: it
+  // takes the listing over without waiting for the old lease.
+  replicas_[0]->Kill();
+  ASSERT_TRUE(replicas_[0]->Start());
+  EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-0")], replicas_[0]->address());
+  absl::SleepFor(absl::Seconds(3));  // past the old lease: the new one keeps the key
+  EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-0")], replicas_[0]->address());
+  EXPECT_TRUE(MembersAre({0, 1, 2}));
+}
+
+TEST_F(E2eFleetEtcdTest, RefusesABadEtcdConfiguration) {
+  // Without etcd the client fails at once, naming it.
+  absl::StatusOr<std::unique_ptr<ShardedClient>> nowhere =
+      ShardedClient::Connect({.etcd = {.endpoints = absl::StrCat("127.0.0.1:", FreePort())},
+                              .connect_timeout = absl::Milliseconds(500)});
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_NE(nowhere.status().message().find("etcd at 127.0.0.1:"), std::string::npos)
+      << nowhere.status();
+  for (const char* endpoints : {"", "http://", "127.0.0.1:1/x"}) {
+    absl::StatusOr<std::unique_ptr<ShardedClient>> bad =
+        ShardedClient::Connect({.etcd = {.endpoints = endpoints}});
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << endpoints;
+  }
+  EXPECT_EQ(ShardedClient::Connect({.replicas = {{.name = "a", .address = "127.0.0.1:1"}},
+                                    .etcd = {.endpoints = etcd_->endpoint()}})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  // A replica without a name, or listening on every address without saying
+  // which one clients reach, does not start.
+  KvcachedProcess unnamed("unnamed", root_ + "/unnamed", "--replica_name=");
+  unnamed.add_flags(EtcdFlags());
+  EXPECT_FALSE(unnamed.Start());
+  std::ifstream log(root_ + "/unnamed.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("replica_name: a replica listed in etcd needs a name"), std::string::npos)
+      << text;
+  KvcachedProcess anywhere("anywhere", root_ + "/anywhere", "--replica_name=anywhere");
+  anywhere.add_flags(EtcdFlags());
+  anywhere.add_flags({absl::StrCat("--listen=0.0.0.0:", FreePort())});
+  EXPECT_FALSE(anywhere.Start());
+  std::ifstream anywhere_log(root_ + "/anywhere.log");
+  const std::string anywhere_text((std::istreambuf_iterator<char>(anywhere_log)), {});
+  EXPECT_NE(anywhere_text.find("advertise_address: the host:port clients reach"), std::string::npos)
+      << anywhere_text;
+  EXPECT_EQ(etcd_->Listed(kPrefix).size(), static_cast<size_t>(kReplicas));
+}
+
+}  // namespace
+}  // namespace kvcache::testing
