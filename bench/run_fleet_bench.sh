@@ -6,6 +6,8 @@
 # Client (the sharding client's own cost is the difference between "direct"
 # and "fleet of 1"). Each configuration runs ROUNDS times, alternating, so
 # the machine's noise falls on all alike. Prints one table row per run.
+# With ETCD=1 a fleet of 3 that lists itself in an etcd (Debian's
+# etcd-server, on loopback) runs too, its clients finding it through etcd.
 #
 #   bash bench/run_fleet_bench.sh                      # 16 clients x 3,000 ops
 #   CLIENTS=8 OPS=1000 ROUNDS=1 bash bench/run_fleet_bench.sh
@@ -32,7 +34,8 @@ stop_servers() {
   for pid in "${servers[@]}"; do wait "$pid" 2>/dev/null || true; done
   servers=()
 }
-trap 'stop_servers; rm -rf "$work"' EXIT
+etcd_pid=""
+trap 'stop_servers; [[ -z $etcd_pid ]] || kill "$etcd_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
 
 # start_fleet N: N replicas r0.. on free ports; sets `peers` (name=address,...).
 start_fleet() {
@@ -42,7 +45,7 @@ start_fleet() {
     log=$work/r$i.log
     : >"$log"
     "$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen=127.0.0.1:0 --replica_name="r$i" \
-      --pool_bytes="$POOL_BYTES" --shutdown_grace=1s 2>"$log" &
+      --pool_bytes="$POOL_BYTES" --shutdown_grace=1s ${etcd_flag:-} 2>"$log" &
     servers+=($!)
     address=""
     for _ in $(seq 600); do
@@ -91,5 +94,22 @@ for ((round = 1; round <= ROUNDS; round++)); do
     run "fleet of $n" --peers="$peers" || status=1
     stop_servers
   done
+  if [[ ${ETCD:-0} == 1 ]]; then
+    etcd_address=127.0.0.1:23790
+    etcd --name=bench --data-dir="$work/etcd" --listen-client-urls="http://$etcd_address" \
+      --advertise-client-urls="http://$etcd_address" --listen-peer-urls=http://127.0.0.1:23800 \
+      --initial-advertise-peer-urls=http://127.0.0.1:23800 \
+      --initial-cluster=bench=http://127.0.0.1:23800 2>"$work/etcd.log" &
+    etcd_pid=$!
+    etcd_flag=--etcd_endpoints=$etcd_address
+    start_fleet 3
+    for _ in $(seq 100); do grep -q "etcd: listed" "$work/r2.log" && break; sleep 0.1; done
+    run "fleet of 3 (etcd)" --etcd_endpoints="$etcd_address" || status=1
+    etcd_flag=""
+    stop_servers  # the replicas first: they take themselves off etcd's list
+    kill "$etcd_pid" && wait "$etcd_pid" || true
+    etcd_pid=""
+    rm -rf "$work/etcd"
+  fi
 done
 exit $status

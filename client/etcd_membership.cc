@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -17,21 +18,46 @@ constexpr absl::Duration kMostBackoff = absl::Seconds(2);
 
 }  // namespace
 
+// A ClientContext that the destructor can cancel while it lives.
+class EtcdMembership::Call {
+ public:
+  explicit Call(EtcdMembership& owner) : owner_(owner) {
+    absl::MutexLock lock(&owner_.mu_);
+    if (owner_.stopping_) context_.TryCancel();
+    owner_.call_context_ = &context_;
+  }
+  ~Call() {
+    absl::MutexLock lock(&owner_.mu_);
+    owner_.call_context_ = nullptr;
+  }
+  grpc::ClientContext* get() { return &context_; }
+
+ private:
+  EtcdMembership& owner_;
+  grpc::ClientContext context_;
+};
+
 absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
     const etcd::EtcdOptions& options, absl::Duration timeout, OnChange on_change) {
   absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(options);
   if (!channels.ok()) return channels.status();
   std::unique_ptr<EtcdMembership> membership(
       new EtcdMembership(options, *std::move(channels), std::move(on_change)));
-  // Every endpoint once, within `timeout` in all.
+  // The endpoints in turn, each for up to 2 s (one that is unreachable must
+  // not use up the whole timeout), backing off where all refuse at once.
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status read;
-  do {
-    read = membership->Read(deadline - absl::Now());
+  for (int attempt = 1;; ++attempt) {
+    read = membership->Read(std::min(deadline - absl::Now(), absl::Seconds(2)));
     if (read.ok()) break;
+    const bool retry = absl::IsUnavailable(read) || absl::IsDeadlineExceeded(read);
+    if (!retry || absl::Now() >= deadline) {
+      return absl::Status(retry ? absl::StatusCode::kUnavailable : read.code(), read.message());
+    }
     membership->channels_.Next();
-  } while (absl::Now() < deadline && absl::IsUnavailable(read));
-  if (!read.ok()) return read;
+    absl::SleepFor(
+        std::min(etcd::EtcdBackoff(attempt, absl::Milliseconds(500)), deadline - absl::Now()));
+  }
   membership->Publish();
   membership->runner_ = std::thread([raw = membership.get()] { raw->Run(); });
   return membership;
@@ -45,7 +71,7 @@ EtcdMembership::~EtcdMembership() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    if (watch_context_ != nullptr) watch_context_->TryCancel();
+    if (call_context_ != nullptr) call_context_->TryCancel();
   }
   if (runner_.joinable()) runner_.join();
 }
@@ -60,10 +86,10 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
   request.set_key(prefix_);
   request.set_range_end(etcd::PrefixRangeEnd(prefix_));
   etcdserverpb::RangeResponse answer;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  Call call(*this);
+  call.get()->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   if (grpc::Status status =
-          etcdserverpb::KV::NewStub(channels_.current())->Range(&context, request, &answer);
+          etcdserverpb::KV::NewStub(channels_.current())->Range(call.get(), request, &answer);
       !status.ok()) {
     return etcd::EtcdError(status, absl::StrCat("Range ", prefix_), channels_.current_endpoint());
   }
@@ -78,28 +104,31 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
 }
 
 absl::Status EtcdMembership::Watch() {
-  grpc::ClientContext context;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::OkStatus();
-    watch_context_ = &context;
-  }
-  auto stream = etcdserverpb::Watch::NewStub(channels_.current())->Watch(&context);
+  Call call(*this);
+  // A member cut off from its cluster's leader cancels the watch rather
+  // than serving a list that no longer changes (etcd's WithRequireLeader).
+  call.get()->AddMetadata("hasleader", "true");
+  auto stream = etcdserverpb::Watch::NewStub(channels_.current())->Watch(call.get());
   etcdserverpb::WatchRequest request;
   etcdserverpb::WatchCreateRequest* create = request.mutable_create_request();
   create->set_key(prefix_);
   create->set_range_end(etcd::PrefixRangeEnd(prefix_));
   create->set_start_revision(revision_ + 1);
-  absl::Status ended = absl::UnavailableError("the watch stream closed");
+  absl::Status ended;  // OK: the stream ended by itself (an error, or etcd gone)
   etcdserverpb::WatchResponse answer;
   if (stream->Write(request)) {
     while (stream->Read(&answer)) {
-      if (answer.canceled() || answer.compact_revision() > 0) {
-        // History up to our revision is gone: read the list anew.
-        ended = absl::AbortedError(
-            absl::StrCat("etcd canceled the watch of ", prefix_, ": ", answer.cancel_reason()));
-        context.TryCancel();
+      if (answer.compact_revision() > 0) {
+        // History after our revision is gone: read the list anew, at once.
+        ended = absl::AbortedError("compacted");
+        call.get()->TryCancel();
         continue;  // until the stream ends
+      }
+      if (answer.canceled()) {
+        ended = absl::UnavailableError(
+            absl::StrCat("etcd canceled the watch of ", prefix_, ": ", answer.cancel_reason()));
+        call.get()->TryCancel();
+        continue;
       }
       bool changed = false;
       for (const mvccpb::Event& event : answer.events()) {
@@ -117,13 +146,11 @@ absl::Status EtcdMembership::Watch() {
     }
   }
   grpc::Status finished = stream->Finish();
-  absl::MutexLock lock(&mu_);
-  watch_context_ = nullptr;
-  if (stopping_) return absl::OkStatus();
-  if (!finished.ok() && !absl::IsAborted(ended)) {
-    return etcd::EtcdError(finished, absl::StrCat("Watch ", prefix_), channels_.current_endpoint());
-  }
-  return ended;
+  if (WaitStopping(absl::ZeroDuration())) return absl::OkStatus();
+  if (!ended.ok()) return ended;
+  return etcd::EtcdError(
+      finished.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream closed") : finished,
+      absl::StrCat("Watch ", prefix_), channels_.current_endpoint());
 }
 
 void EtcdMembership::Run() {

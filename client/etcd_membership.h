@@ -32,7 +32,8 @@ class EtcdMembership {
   // Every replica listed, by name.
   using OnChange = std::function<void(const std::vector<Replica>& listed)>;
 
-  // Reads the list (UNAVAILABLE where no endpoint answers within `timeout`),
+  // Reads the list (UNAVAILABLE where no endpoint answers within `timeout`,
+  // each tried in turn),
   // calls `on_change` with it before returning, and then from a thread of its
   // own after each change until destroyed.
   static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(const etcd::EtcdOptions& options,
@@ -42,6 +43,7 @@ class EtcdMembership {
 
  private:
   EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels, OnChange on_change);
+  class Call;
   // Range over the prefix: the whole list and its revision.
   absl::Status Read(absl::Duration timeout);
   // Applies the changes after revision_ until the stream ends (an error) or
@@ -59,7 +61,7 @@ class EtcdMembership {
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ClientContext* watch_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
+  grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
   std::thread runner_;
 };
 

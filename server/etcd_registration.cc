@@ -6,6 +6,8 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
@@ -17,14 +19,10 @@ namespace {
 
 using etcdserverpb::Compare;
 
-// Unary etcd calls give up after this, so that a hung etcd never holds a
+// Each etcd call gives up after this, so that a hung etcd never holds a
 // registration (or a shutdown's revoke) for longer.
 constexpr absl::Duration kCallTimeout = absl::Seconds(3);
 constexpr absl::Duration kMostBackoff = absl::Seconds(2);
-
-void SetDeadline(grpc::ClientContext& context) {
-  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallTimeout));
-}
 
 // A transaction that puts the key under `lease` where `compare` holds, and
 // reads it otherwise (to say who holds it).
@@ -40,7 +38,40 @@ etcdserverpb::TxnRequest PutIf(const Compare& compare, const std::string& key,
   return txn;
 }
 
+// host:port with a port; whether the host is a loopback one.
+absl::StatusOr<bool> CheckAdvertised(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  uint32_t port = 0;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("advertise_address: \"", address.substr(0, 64), "\" is not host:port"));
+  }
+  const absl::string_view host = address.substr(0, colon);
+  return host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
+
 }  // namespace
+
+// A ClientContext with a deadline that Withdraw can cancel while it lives.
+class EtcdRegistration::Call {
+ public:
+  Call(EtcdRegistration& owner, absl::Duration timeout) : owner_(owner) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    absl::MutexLock lock(&owner_.mu_);
+    if (owner_.stopping_) context_.TryCancel();
+    owner_.call_context_ = &context_;
+  }
+  ~Call() {
+    absl::MutexLock lock(&owner_.mu_);
+    owner_.call_context_ = nullptr;
+  }
+  grpc::ClientContext* get() { return &context_; }
+
+ private:
+  EtcdRegistration& owner_;
+  grpc::ClientContext context_;
+};
 
 absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::Start(
     const EtcdRegistrationConfig& config, prometheus::Registry& metrics) {
@@ -52,6 +83,14 @@ absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::Start(
     return absl::InvalidArgumentError(
         "advertise_address: the host:port clients reach this replica at (its listen address "
         "names no single host)");
+  }
+  absl::StatusOr<bool> loopback = CheckAdvertised(config.address);
+  if (!loopback.ok()) return loopback.status();
+  if (*loopback) {
+    LogWarning(
+        "etcd: listing %s, a loopback address: only clients on this host reach it "
+        "(--advertise_address names another)",
+        config.address);
   }
   if (config.lease_ttl < absl::Seconds(2)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -109,9 +148,8 @@ absl::Status EtcdRegistration::Register() {
   grant.set_ttl(static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(config_.lease_ttl))));
   etcdserverpb::LeaseGrantResponse granted;
   {
-    grpc::ClientContext context;
-    SetDeadline(context);
-    if (grpc::Status status = lease->LeaseGrant(&context, grant, &granted); !status.ok()) {
+    Call call(*this, kCallTimeout);
+    if (grpc::Status status = lease->LeaseGrant(call.get(), grant, &granted); !status.ok()) {
       return etcd::EtcdError(status, "LeaseGrant", endpoint);
     }
   }
@@ -119,7 +157,8 @@ absl::Status EtcdRegistration::Register() {
     return absl::UnavailableError(absl::StrCat("etcd at ", endpoint, ": ", granted.error()));
   }
   // Put where no one holds the key; else where it names this address (the
-  // previous run's entry, its lease still running).
+  // previous run's entry, its lease still running). A key that went between
+  // the two reads is tried again.
   Compare unheld;
   unheld.set_target(Compare::CREATE);
   unheld.set_result(Compare::EQUAL);
@@ -132,12 +171,12 @@ absl::Status EtcdRegistration::Register() {
   ours.set_value(config_.address);
   auto kv = etcdserverpb::KV::NewStub(channels_.current());
   std::string holder;
-  for (const Compare& compare : {unheld, ours}) {
+  for (int attempt = 0; attempt < 6 && (attempt == 0 || holder.empty()); ++attempt) {
+    const Compare& compare = attempt % 2 == 0 ? unheld : ours;
     etcdserverpb::TxnResponse answer;
-    grpc::ClientContext context;
-    SetDeadline(context);
+    Call call(*this, kCallTimeout);
     if (grpc::Status status =
-            kv->Txn(&context, PutIf(compare, key_, config_.address, granted.id()), &answer);
+            kv->Txn(call.get(), PutIf(compare, key_, config_.address, granted.id()), &answer);
         !status.ok()) {
       return etcd::EtcdError(status, "Txn", endpoint);  // the lease runs out by itself
     }
@@ -150,73 +189,89 @@ absl::Status EtcdRegistration::Register() {
     }
     const auto& range = answer.responses(0).response_range();
     holder = range.kvs_size() > 0 ? range.kvs(0).value() : "";
+    if (holder == config_.address) holder.clear();  // ours after all: put it under this lease
   }
-  grpc::ClientContext context;
-  SetDeadline(context);
+  Call call(*this, kCallTimeout);
   etcdserverpb::LeaseRevokeRequest revoke;
   revoke.set_id(granted.id());
   etcdserverpb::LeaseRevokeResponse revoked;
-  lease->LeaseRevoke(&context, revoke, &revoked);  // else it runs out by itself
+  lease->LeaseRevoke(call.get(), revoke, &revoked);  // else it runs out by itself
   return absl::FailedPreconditionError(
       absl::StrCat("replica_name: \"", config_.name, "\" is listed in etcd (", key_, ") by ",
-                   holder, ", not ", config_.address, ": two replicas must not share a name"));
+                   holder.empty() ? "another replica" : holder, ", not ", config_.address,
+                   ": two replicas must not share a name"));
 }
 
-absl::Status EtcdRegistration::KeepAlive() {
-  auto lease = etcdserverpb::Lease::NewStub(channels_.current());
-  grpc::ClientContext context;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::OkStatus();
-    stream_context_ = &context;
-  }
-  auto stream = lease->LeaseKeepAlive(&context);
-  absl::Status ended;
-  bool finished = false;
+absl::Status EtcdRegistration::Renew() {
+  const std::string& endpoint = channels_.current_endpoint();
   etcdserverpb::LeaseKeepAliveRequest request;
   request.set_id(lease_id_);
-  etcdserverpb::LeaseKeepAliveResponse answer;
-  while (true) {
-    if (!stream->Write(request) || !stream->Read(&answer)) {
-      while (stream->Read(&answer)) {
-      }
-      ended = etcd::EtcdError(stream->Finish(), "LeaseKeepAlive", channels_.current_endpoint());
-      finished = true;
-      break;
+  etcdserverpb::LeaseKeepAliveResponse renewed;
+  {
+    // One request on a stream of its own, as etcd's own KeepAliveOnce: its
+    // deadline bounds the wait, which a long-lived stream's read would not.
+    Call call(*this, std::min(kCallTimeout, config_.lease_ttl / 3));
+    auto stream = etcdserverpb::Lease::NewStub(channels_.current())->LeaseKeepAlive(call.get());
+    const bool answered = stream->Write(request) && stream->Read(&renewed);
+    stream->WritesDone();
+    etcdserverpb::LeaseKeepAliveResponse rest;
+    while (stream->Read(&rest)) {
     }
-    if (answer.ttl() <= 0) {
-      ended = absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id_), " is gone"));
-      break;
+    grpc::Status status = stream->Finish();
+    if (!answered) {
+      return etcd::EtcdError(
+          status.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "no answer") : status,
+          "LeaseKeepAlive", endpoint);
     }
-    if (WaitStopping(absl::Seconds(answer.ttl()) / 3)) break;
   }
-  if (!finished) {
-    context.TryCancel();
-    while (stream->Read(&answer)) {
-    }
-    stream->Finish();
+  if (renewed.ttl() <= 0) {
+    return absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id_), " is gone"));
   }
-  absl::MutexLock lock(&mu_);
-  stream_context_ = nullptr;
-  return stopping_ ? absl::OkStatus() : ended;
+  // The key itself: still there under this lease (not deleted by hand).
+  etcdserverpb::RangeRequest read;
+  read.set_key(key_);
+  etcdserverpb::RangeResponse found;
+  Call call(*this, kCallTimeout);
+  if (grpc::Status status =
+          etcdserverpb::KV::NewStub(channels_.current())->Range(call.get(), read, &found);
+      !status.ok()) {
+    return etcd::EtcdError(status, "Range", endpoint);
+  }
+  if (found.kvs_size() == 0 || found.kvs(0).lease() != lease_id_ ||
+      found.kvs(0).value() != config_.address) {
+    return absl::NotFoundError(absl::StrCat(key_, " is no longer this replica's listing"));
+  }
+  return absl::OkStatus();
 }
 
 void EtcdRegistration::Run() {
   int failures = 0;
+  absl::Time last_renewed = absl::Now();
   while (!WaitStopping(absl::ZeroDuration())) {
-    absl::Status step = lease_id_ == 0 ? Register() : KeepAlive();
+    const bool registering = lease_id_ == 0;
+    absl::Status step = registering ? Register() : Renew();
     if (step.ok()) {
+      if (failures > 0) LogInfo("etcd: %s kept again", key_);
       failures = 0;
+      last_renewed = absl::Now();
+      WaitStopping(config_.lease_ttl / 3);
       continue;
     }
-    if (absl::IsNotFound(step)) {  // the lease ran out: list the replica anew, now
-      LogWarning("etcd: %s; listing %s again", step.message(), key_);
+    ++failures;
+    if (failures == 1 || failures % 30 == 0) {
+      LogWarning("etcd: %s (trying again%s)", step.message(),
+                 failures > 1 ? absl::StrCat(", ", failures, " tries so far") : "");
+    }
+    if (absl::IsNotFound(step)) {
+      // The lease or the key went: list the replica anew under a new lease
+      // (the old one, where it still runs, is left to run out).
       lease_id_ = 0;
       SetListed(false);
-      continue;
+      if (failures == 1) continue;  // at once the first time; with backoff after
+    } else {
+      if (!registering && absl::Now() - last_renewed > config_.lease_ttl) SetListed(false);
+      if (!absl::IsFailedPrecondition(step)) channels_.Next();
     }
-    if (failures++ == 0) LogWarning("etcd: %s (trying again)", step.message());
-    if (!absl::IsFailedPrecondition(step)) channels_.Next();
     WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
   }
 }
@@ -226,13 +281,13 @@ void EtcdRegistration::Withdraw() {
     absl::MutexLock lock(&mu_);
     if (stopping_ && !runner_.joinable()) return;
     stopping_ = true;
-    if (stream_context_ != nullptr) stream_context_->TryCancel();
+    if (call_context_ != nullptr) call_context_->TryCancel();
   }
   if (runner_.joinable()) runner_.join();
   if (lease_id_ == 0) return;
   // Revoking the lease deletes the key: clients stop placing caches here at once.
   grpc::ClientContext context;
-  SetDeadline(context);
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallTimeout));
   etcdserverpb::LeaseRevokeRequest revoke;
   revoke.set_id(lease_id_);
   etcdserverpb::LeaseRevokeResponse revoked;

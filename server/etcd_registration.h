@@ -2,13 +2,16 @@
 // fleet clients watching the list place caches on it, and take it off the
 // list when it stops or can no longer keep its lease.
 //
-// The listing is a key attached to a lease that a keep-alive stream renews
-// every third of its TTL. A lease that ran out (etcd unreachable for a TTL,
-// a revoke) is granted anew and the key put again; an etcd that is down is
-// tried again, the next endpoint first, with backoff. Names are unique in a
-// fleet: a key held by another address is left alone (the start fails when
-// it is held then), while a key held by this address (this replica's
-// previous run, whose lease has not yet run out) is taken over.
+// The listing is a key attached to a lease, renewed every third of its TTL
+// by a keep-alive that must answer within that third (so a hung etcd member
+// is left for the next while the lease still runs), after which the key is
+// read back: a lease that ran out (etcd unreachable for a TTL, a revoke) or
+// a key that went (deleted by hand) is listed anew. An etcd that does not
+// answer is tried again, the next endpoint first, with backoff. Names are
+// unique in a fleet: a key held by another address is left alone (the start
+// fails when it is held then; later it is tried again until that holder's
+// lease runs out), while a key held by this address (this replica's previous
+// run, its lease not yet run out) is taken over.
 #pragma once
 
 #include <cstdint>
@@ -62,11 +65,12 @@ class EtcdRegistration {
  private:
   EtcdRegistration(const EtcdRegistrationConfig& config, etcd::EtcdChannels channels,
                    prometheus::Gauge& listed_gauge);
+  class Call;
   // Grants a lease and puts the key under it (or takes it over, see above).
   absl::Status Register();
-  // Renews the lease until the stream breaks (an error), the lease is gone
-  // (NOT_FOUND) or Withdraw (OK).
-  absl::Status KeepAlive();
+  // One keep-alive of the lease, then a read of the key: NOT_FOUND where
+  // either is gone.
+  absl::Status Renew();
   void Run();
   void SetListed(bool listed);
   bool WaitStopping(absl::Duration timeout);
@@ -80,7 +84,7 @@ class EtcdRegistration {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool listed_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ClientContext* stream_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
+  grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
   std::thread runner_;
 };
 

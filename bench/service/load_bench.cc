@@ -33,6 +33,8 @@ ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, peers, "",
           "a fleet instead (client/sharded_client.h ParsePeers): each client's caches are placed "
           "by rendezvous hashing and every call goes to the replica its id names");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "a fleet that etcd lists instead (kvcached --etcd_endpoints): placed likewise");
 ABSL_FLAG(int, clients, 64, "concurrent clients, each with its own connection and cache");
 ABSL_FLAG(int, ops, 10000, "operations per client");
 ABSL_FLAG(double, seconds, 600, "time bound: clients stop early once it has passed");
@@ -115,7 +117,12 @@ class Worker {
     const std::vector<std::string> tokens =
         absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',', absl::SkipEmpty());
     if (!tokens.empty()) options.token = tokens[index_ % tokens.size()];
-    if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
+    if (const std::string etcd = absl::GetFlag(FLAGS_etcd_endpoints); !etcd.empty()) {
+      absl::StatusOr<std::unique_ptr<ShardedClient>> fleet =
+          ShardedClient::Connect({.etcd = {.endpoints = etcd}, .client = options});
+      if (!Check(fleet.status(), "fleet")) return;
+      fleet_ = *std::move(fleet);
+    } else if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
       absl::StatusOr<std::vector<Replica>> replicas = ParsePeers(peers);
       if (!Check(replicas.status(), "peers")) return;
       absl::StatusOr<std::unique_ptr<ShardedClient>> fleet =
@@ -327,6 +334,12 @@ int Run() {
   if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
     addresses.clear();
     for (const Replica& replica : ParsePeers(peers).value()) addresses.push_back(replica.address);
+  }
+  if (const std::string etcd = absl::GetFlag(FLAGS_etcd_endpoints); !etcd.empty()) {
+    addresses.clear();
+    std::unique_ptr<ShardedClient> fleet =
+        ShardedClient::Connect({.etcd = {.endpoints = etcd}}).value();
+    for (size_t i = 0; i < fleet->size(); ++i) addresses.push_back(fleet->replica(i).address);
   }
   absl::StatusOr<v1::Stats> stats;
   int64_t pages_used = 0;

@@ -31,11 +31,13 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view f
 
 grpc::ChannelArguments EtcdChannelArguments() {
   grpc::ChannelArguments arguments;
-  // A watch or keep-alive stream on an etcd that vanished (a partition, a
-  // host gone) ends within 15 s instead of hanging: etcd admits pings every
-  // 5 s or more (its --grpc-keepalive-min-time).
+  // A watch on an etcd that vanished (a partition, a host gone) ends within
+  // 15 s instead of hanging: etcd admits pings every 5 s or more (its
+  // --grpc-keepalive-min-time), and a watch sends no data that would let
+  // gRPC go on pinging past its default two.
   arguments.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10'000);
   arguments.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5'000);
+  arguments.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   // Back to a restarted etcd within 2 s rather than gRPC's two minutes.
   arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2'000);
   return arguments;
@@ -57,6 +59,7 @@ absl::StatusOr<EtcdChannels> EtcdChannels::Make(const EtcdOptions& options) {
     if (!pem->ok()) return pem->status();
   }
   EtcdChannels channels;
+  int tls_endpoints = 0;
   for (absl::string_view entry : absl::StrSplit(options.endpoints, ',', absl::SkipWhitespace())) {
     entry = absl::StripAsciiWhitespace(entry);
     bool tls = !ca->empty();
@@ -79,11 +82,16 @@ absl::StatusOr<EtcdChannels> EtcdChannels::Make(const EtcdOptions& options) {
         tls ? grpc::SslCredentials(
                   {.pem_root_certs = *ca, .pem_private_key = *key, .pem_cert_chain = *cert})
             : grpc::InsecureChannelCredentials();
+    tls_endpoints += tls ? 1 : 0;
     channels.endpoints_.emplace_back(entry);
     channels.channels_.push_back(
         grpc::CreateCustomChannel(std::string(entry), credentials, EtcdChannelArguments()));
   }
   if (channels.channels_.empty()) return absl::InvalidArgumentError("etcd_endpoints: none given");
+  if (tls_endpoints != 0 && tls_endpoints != static_cast<int>(channels.channels_.size())) {
+    return absl::InvalidArgumentError(
+        "etcd_endpoints: some https://, some plaintext (one etcd cluster speaks one of them)");
+  }
   return channels;
 }
 

@@ -155,6 +155,33 @@ TEST_F(E2eFleetEtcdTest, ALostLeaseIsListedAgain) {
   EXPECT_EQ(CreateSpread(60).size(), 3u);
 }
 
+TEST_F(E2eFleetEtcdTest, AKeyDeletedByHandIsPutBack) {
+  etcdserverpb::DeleteRangeRequest request;
+  request.set_key(absl::StrCat(kPrefix, "kvcached-2"));
+  etcdserverpb::DeleteRangeResponse deleted;
+  grpc::ClientContext context;
+  ASSERT_TRUE(etcd_->Kv()->DeleteRange(&context, request, &deleted).ok());
+  ASSERT_EQ(deleted.deleted(), 1);
+  // Seen by the replica at its next renewal, a third of its 2 s lease on.
+  EXPECT_TRUE(Eventually([&] {
+    return etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-2")] == replicas_[2]->address();
+  }));
+  EXPECT_TRUE(MembersAre({0, 1, 2}));
+}
+
+TEST_F(E2eFleetEtcdTest, AnEtcdRestartLosesNeitherListingsNorTheWatch) {
+  etcd_->Kill();
+  absl::SleepFor(absl::Seconds(1));
+  // While etcd is away the client keeps its last list, and serves.
+  EXPECT_EQ(fleet_->Members(), (std::vector<size_t>{0, 1, 2}));
+  EXPECT_FALSE(CreateSpread(6).empty());
+  ASSERT_TRUE(etcd_->Start());  // same ports, same data dir
+  EXPECT_TRUE(Eventually([&] { return etcd_->Listed(kPrefix).size() == kReplicas; }));
+  // The client watches again: a replica that stops now is seen to go.
+  EXPECT_EQ(replicas_[2]->Stop(), 0);
+  EXPECT_TRUE(MembersAre({0, 1}));
+}
+
 TEST_F(E2eFleetEtcdTest, AReplicaThatMovedIsReachedAtItsNewAddress) {
   // A snapshot saved in replica 0's data dir, before it moves to another port.
   std::mt19937_64 random(9);

@@ -82,6 +82,7 @@ class EtcdProcess {
     request.set_range_end(etcd::PrefixRangeEnd(prefix));
     etcdserverpb::RangeResponse answer;
     grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     std::map<std::string, std::string> listed;
     if (!Kv()->Range(&context, request, &answer).ok()) return listed;
     for (const mvccpb::KeyValue& kv : answer.kvs()) listed[kv.key()] = kv.value();
