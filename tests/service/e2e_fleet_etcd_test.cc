@@ -3,6 +3,7 @@
 // the list. Replicas that stop, die, lose their lease or move are followed
 // by the client, and a name is never listed by two replicas at once.
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -51,7 +52,9 @@ class E2eFleetEtcdTest : public E2eFleetTest {
   }
 
   std::vector<std::string> EtcdFlags() const {
-    return {"--etcd_endpoints=" + etcd_->endpoint(), "--etcd_lease_ttl=2s"};
+    // 3 s: renewals every second, each given a second to answer (which a
+    // replica under a sanitizer has too).
+    return {"--etcd_endpoints=" + etcd_->endpoint(), "--etcd_lease_ttl=3s"};
   }
 
   // Polls `holds` for up to `bound`.
@@ -128,7 +131,7 @@ TEST_F(E2eFleetEtcdTest, ReplicasJoinAndLeaveTheClientsFleet) {
 }
 
 TEST_F(E2eFleetEtcdTest, AKilledReplicaLeavesWhenItsLeaseRunsOut) {
-  replicas_[2]->Kill();  // no withdrawal: only its 2 s lease ends the listing
+  replicas_[2]->Kill();  // no withdrawal: only its 3 s lease ends the listing
   const absl::Time killed = absl::Now();
   ASSERT_TRUE(MembersAre({0, 1}));
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
@@ -162,7 +165,7 @@ TEST_F(E2eFleetEtcdTest, AKeyDeletedByHandIsPutBack) {
   grpc::ClientContext context;
   ASSERT_TRUE(etcd_->Kv()->DeleteRange(&context, request, &deleted).ok());
   ASSERT_EQ(deleted.deleted(), 1);
-  // Seen by the replica at its next renewal, a third of its 2 s lease on.
+  // Seen by the replica at its next renewal, a third of its lease on.
   EXPECT_TRUE(Eventually([&] {
     return etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-2")] == replicas_[2]->address();
   }));
@@ -225,7 +228,7 @@ TEST_F(E2eFleetEtcdTest, ANameIsListedByOneReplicaOnly) {
   replicas_[0]->Kill();
   ASSERT_TRUE(replicas_[0]->Start());
   EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-0")], replicas_[0]->address());
-  absl::SleepFor(absl::Seconds(3));  // past the old lease: the new one keeps the key
+  absl::SleepFor(absl::Seconds(4));  // past the old lease: the new one keeps the key
   EXPECT_EQ(etcd_->Listed(kPrefix)[absl::StrCat(kPrefix, "kvcached-0")], replicas_[0]->address());
   EXPECT_TRUE(MembersAre({0, 1, 2}));
 }
@@ -266,6 +269,75 @@ TEST_F(E2eFleetEtcdTest, RefusesABadEtcdConfiguration) {
   EXPECT_NE(anywhere_text.find("advertise_address: the host:port clients reach"), std::string::npos)
       << anywhere_text;
   EXPECT_EQ(etcd_->Listed(kPrefix).size(), static_cast<size_t>(kReplicas));
+}
+
+// etcd as a security team runs it: TLS, and only clients with a certificate
+// of its CA. Replicas and clients given one are listed and read the list;
+// without one they are refused, and nothing is sent in plaintext.
+TEST(E2eFleetEtcdTlsTest, OnlyClientsWithCertificatesListOrReadReplicas) {
+  if (EtcdProcess::Binary().empty()) {
+    GTEST_SKIP() << "etcd is not installed (Debian's etcd-server; bash .ci/setup installs it)";
+  }
+  const std::string root = absl::StrCat(::testing::TempDir(), "fleet-etcd-tls-", getpid());
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  const std::string script = absl::StrCat(
+      "set -e; cd '", root, "'\n",
+      "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out $1; }\n",
+      "key ca.key; openssl req -x509 -new -key ca.key -days 1 -subj /CN=etcd-ca -out ca.pem\n",
+      "printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth\\n' > server.ext\n",
+      "printf 'extendedKeyUsage=clientAuth\\n' > client.ext\n",
+      "for who in server client; do key $who.key; openssl req -new -key $who.key "
+      "-subj /CN=$who -out $who.csr; openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key "
+      "-CAcreateserial -days 1 -extfile $who.ext -out $who.pem; done\n");
+  std::ofstream(root + "/make.sh") << script;
+  ASSERT_EQ(std::system(absl::StrCat("bash '", root, "/make.sh' 2>/dev/null").c_str()), 0)
+      << "openssl could not make the certificates";
+  auto file = [&](const char* name) { return absl::StrCat(root, "/", name); };
+  EtcdProcess etcd(root + "/etcd", EtcdTls{.ca = file("ca.pem"),
+                                           .cert = file("server.pem"),
+                                           .key = file("server.key"),
+                                           .client_cert = file("client.pem"),
+                                           .client_key = file("client.key")});
+  ASSERT_TRUE(etcd.Start());
+  const std::string https = "--etcd_endpoints=https://" + etcd.endpoint();
+
+  KvcachedProcess listed("kvcached-0", root + "/kvcached-0", "--replica_name=kvcached-0");
+  listed.add_flags({https, "--etcd_ca=" + file("ca.pem"), "--etcd_cert=" + file("client.pem"),
+                    "--etcd_key=" + file("client.key")});
+  ASSERT_TRUE(listed.Start());
+  // Trusting the CA but without a certificate of its own: etcd refuses it,
+  // so it serves unlisted (and keeps trying).
+  KvcachedProcess refused("kvcached-1", root + "/kvcached-1", "--replica_name=kvcached-1");
+  refused.add_flags({https, "--etcd_ca=" + file("ca.pem")});
+  ASSERT_TRUE(refused.Start());
+
+  const etcd::EtcdOptions with_certificate = {.endpoints = "https://" + etcd.endpoint(),
+                                              .ca_file = file("ca.pem"),
+                                              .cert_file = file("client.pem"),
+                                              .key_file = file("client.key")};
+  absl::StatusOr<std::unique_ptr<ShardedClient>> fleet =
+      ShardedClient::Connect({.etcd = with_certificate});
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  absl::SleepFor(absl::Seconds(2));  // time for the refused one to have tried
+  ASSERT_EQ((*fleet)->size(), 1u);
+  EXPECT_EQ((*fleet)->replica(0).name, "kvcached-0");
+  EXPECT_EQ((*fleet)->replica(0).address, listed.address());
+  EXPECT_EQ(etcd.Listed("/kvcached/replicas/").size(), 1u);
+
+  // Clients without a certificate, or speaking plaintext, read nothing.
+  etcd::EtcdOptions without_certificate = with_certificate;
+  without_certificate.cert_file = without_certificate.key_file = "";
+  for (const etcd::EtcdOptions& options :
+       {without_certificate, etcd::EtcdOptions{.endpoints = etcd.endpoint()}}) {
+    absl::StatusOr<std::unique_ptr<ShardedClient>> denied =
+        ShardedClient::Connect({.etcd = options, .connect_timeout = absl::Seconds(1)});
+    EXPECT_FALSE(denied.ok());
+  }
+  EXPECT_EQ(listed.Stop(), 0);
+  EXPECT_EQ(refused.Stop(), 0);
+  EXPECT_TRUE(etcd.Listed("/kvcached/replicas/").empty()) << "the listed one withdrew";
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace

@@ -2,12 +2,16 @@
 // own and a data dir of the test's, for the tests of fleets that etcd lists.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,11 +24,18 @@
 
 namespace kvcache::testing {
 
+// PEM files of a TLS etcd that admits only clients with certificates of its CA.
+struct EtcdTls {
+  std::string ca, cert, key;            // etcd's own
+  std::string client_cert, client_key;  // what the test's own reads present
+};
+
 class EtcdProcess {
  public:
-  explicit EtcdProcess(std::string dir)
+  explicit EtcdProcess(std::string dir, std::optional<EtcdTls> tls = std::nullopt)
       : dir_(std::move(dir)),
-        client_url_(absl::StrCat("http://127.0.0.1:", FreePort())),
+        tls_(std::move(tls)),
+        client_url_(absl::StrCat(tls_ ? "https" : "http", "://127.0.0.1:", FreePort())),
         peer_url_(absl::StrCat("http://127.0.0.1:", FreePort())) {}
   ~EtcdProcess() { Kill(); }
 
@@ -32,18 +43,22 @@ class EtcdProcess {
   static std::string Binary() { return access(ETCD_BINARY, X_OK) == 0 ? ETCD_BINARY : ""; }
 
   // host:port of its client API.
-  std::string endpoint() const { return client_url_.substr(std::string("http://").size()); }
+  std::string endpoint() const { return client_url_.substr(client_url_.find("//") + 2); }
 
   // Starts it and waits until it answers a read.
   ::testing::AssertionResult Start() {
-    const std::vector<std::string> args = {Binary(),
-                                           "--name=test",
-                                           "--data-dir=" + dir_,
-                                           "--listen-client-urls=" + client_url_,
-                                           "--advertise-client-urls=" + client_url_,
-                                           "--listen-peer-urls=" + peer_url_,
-                                           "--initial-advertise-peer-urls=" + peer_url_,
-                                           "--initial-cluster=test=" + peer_url_};
+    std::vector<std::string> args = {Binary(),
+                                     "--name=test",
+                                     "--data-dir=" + dir_,
+                                     "--listen-client-urls=" + client_url_,
+                                     "--advertise-client-urls=" + client_url_,
+                                     "--listen-peer-urls=" + peer_url_,
+                                     "--initial-advertise-peer-urls=" + peer_url_,
+                                     "--initial-cluster=test=" + peer_url_};
+    if (tls_) {
+      args.insert(args.end(), {"--cert-file=" + tls_->cert, "--key-file=" + tls_->key,
+                               "--client-cert-auth", "--trusted-ca-file=" + tls_->ca});
+    }
     const std::string log = dir_ + ".log";
     pid_ = SpawnLogged(args, log);
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
@@ -91,11 +106,24 @@ class EtcdProcess {
 
  private:
   std::shared_ptr<grpc::Channel> Channel() {
-    if (!channel_) channel_ = grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials());
+    if (channel_) return channel_;
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+    if (tls_) {
+      auto read = [](const std::string& path) {
+        std::ifstream file(path);
+        return std::string((std::istreambuf_iterator<char>(file)), {});
+      };
+      credentials = grpc::SslCredentials({.pem_root_certs = read(tls_->ca),
+                                          .pem_private_key = read(tls_->client_key),
+                                          .pem_cert_chain = read(tls_->client_cert)});
+    }
+    channel_ = grpc::CreateChannel(endpoint(), credentials);
     return channel_;
   }
 
-  std::string dir_, client_url_, peer_url_;
+  std::string dir_;
+  std::optional<EtcdTls> tls_;
+  std::string client_url_, peer_url_;
   std::shared_ptr<grpc::Channel> channel_;
   pid_t pid_ = -1;
 };
