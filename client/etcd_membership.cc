@@ -18,25 +18,6 @@ constexpr absl::Duration kMostBackoff = absl::Seconds(2);
 
 }  // namespace
 
-// A ClientContext that the destructor can cancel while it lives.
-class EtcdMembership::Call {
- public:
-  explicit Call(EtcdMembership& owner) : owner_(owner) {
-    absl::MutexLock lock(&owner_.mu_);
-    if (owner_.stopping_) context_.TryCancel();
-    owner_.call_context_ = &context_;
-  }
-  ~Call() {
-    absl::MutexLock lock(&owner_.mu_);
-    owner_.call_context_ = nullptr;
-  }
-  grpc::ClientContext* get() { return &context_; }
-
- private:
-  EtcdMembership& owner_;
-  grpc::ClientContext context_;
-};
-
 absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
     const etcd::EtcdOptions& options, absl::Duration timeout, OnChange on_change) {
   absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(options);
@@ -68,17 +49,8 @@ EtcdMembership::EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChann
     : prefix_(options.prefix), on_change_(std::move(on_change)), channels_(std::move(channels)) {}
 
 EtcdMembership::~EtcdMembership() {
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-    if (call_context_ != nullptr) call_context_->TryCancel();
-  }
+  calls_.Stop();
   if (runner_.joinable()) runner_.join();
-}
-
-bool EtcdMembership::WaitStopping(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithTimeout(absl::Condition(&stopping_), timeout);
 }
 
 absl::Status EtcdMembership::Read(absl::Duration timeout) {
@@ -86,8 +58,7 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
   request.set_key(prefix_);
   request.set_range_end(etcd::PrefixRangeEnd(prefix_));
   etcdserverpb::RangeResponse answer;
-  Call call(*this);
-  call.get()->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  etcd::StoppableCalls::Call call(calls_, timeout);
   if (grpc::Status status =
           etcdserverpb::KV::NewStub(channels_.current())->Range(call.get(), request, &answer);
       !status.ok()) {
@@ -104,7 +75,8 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
 }
 
 absl::Status EtcdMembership::Watch() {
-  Call call(*this);
+  // A watch has no deadline: it lasts until it breaks or the destructor cancels it.
+  etcd::StoppableCalls::Call call(calls_, absl::InfiniteDuration());
   // A member cut off from its cluster's leader cancels the watch rather
   // than serving a list that no longer changes (etcd's WithRequireLeader).
   call.get()->AddMetadata("hasleader", "true");
@@ -146,7 +118,7 @@ absl::Status EtcdMembership::Watch() {
     }
   }
   grpc::Status finished = stream->Finish();
-  if (WaitStopping(absl::ZeroDuration())) return absl::OkStatus();
+  if (calls_.stopping()) return absl::OkStatus();
   if (!ended.ok()) return ended;
   return etcd::EtcdError(
       finished.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream closed") : finished,
@@ -156,7 +128,7 @@ absl::Status EtcdMembership::Watch() {
 void EtcdMembership::Run() {
   int failures = 0;
   bool read = true;  // Start read the list
-  while (!WaitStopping(absl::ZeroDuration())) {
+  while (!calls_.stopping()) {
     if (!read) {
       absl::Status reread = Read(kReadTimeout);
       if (reread.ok()) {
@@ -166,7 +138,7 @@ void EtcdMembership::Run() {
       } else {
         if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", reread.ToString().c_str());
         channels_.Next();
-        WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+        calls_.WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
         continue;
       }
     }
@@ -176,7 +148,7 @@ void EtcdMembership::Run() {
     if (!absl::IsAborted(watched)) {
       if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", watched.ToString().c_str());
       channels_.Next();
-      WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+      calls_.WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
     }
   }
 }

@@ -13,15 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "etcd/etcd_fleet.h"
-
-namespace grpc {
-class ClientContext;
-}
 
 namespace kvcache {
 
@@ -43,7 +37,6 @@ class EtcdMembership {
 
  private:
   EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels, OnChange on_change);
-  class Call;
   // Range over the prefix: the whole list and its revision.
   absl::Status Read(absl::Duration timeout);
   // Applies the changes after revision_ until the stream ends (an error) or
@@ -51,7 +44,6 @@ class EtcdMembership {
   absl::Status Watch();
   void Run();
   void Publish() const;
-  bool WaitStopping(absl::Duration timeout);
 
   const std::string prefix_;
   const OnChange on_change_;
@@ -59,9 +51,7 @@ class EtcdMembership {
   std::map<std::string, std::string> listed_;  // name -> address; likewise
   int64_t revision_ = 0;                       // of listed_; likewise
 
-  absl::Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
+  etcd::StoppableCalls calls_;  // Run's, stopped by the destructor
   std::thread runner_;
 };
 

@@ -358,6 +358,15 @@ absl::StatusOr<v1::LoadSnapshotResponse> Client::LoadSnapshot(const std::string&
   return Unary<v1::LoadSnapshotResponse>(*this, KV_UNARY(LoadSnapshot, request));
 }
 
+absl::StatusOr<v1::LoadSnapshotResponse> Client::PullSnapshot(const std::string& snapshot_id,
+                                                              bool pinned, uint32_t ttl_seconds) {
+  v1::PullSnapshotRequest request;
+  request.set_snapshot_id(snapshot_id);
+  request.set_pinned(pinned);
+  request.set_ttl_seconds(ttl_seconds);
+  return Unary<v1::LoadSnapshotResponse>(*this, KV_UNARY(PullSnapshot, request));
+}
+
 absl::StatusOr<std::vector<v1::SavedFile>> Client::ListSaved() {
   auto response = Unary<v1::ListSavedResponse>(*this, KV_UNARY(ListSaved, v1::ListSavedRequest()));
   if (!response.ok()) return response.status();

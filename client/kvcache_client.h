@@ -202,6 +202,12 @@ class Client {
   absl::StatusOr<std::string> ExportSnapshot(const v1::ExportSnapshotRequest& request);
   absl::StatusOr<v1::LoadSnapshotResponse> ImportSnapshot(
       absl::string_view file, const v1::ImportSnapshotRequest& options = {});
+  // A snapshot of another replica of the fleet, copied to this server by the
+  // server itself (from the replica the id names, found in its own peer
+  // list) with this client's token: the bytes never pass through here.
+  absl::StatusOr<v1::LoadSnapshotResponse> PullSnapshot(const std::string& snapshot_id,
+                                                        bool pinned = false,
+                                                        uint32_t ttl_seconds = 0);
 
   // Prefix sharing. Publishes the first tokens.size() positions of a
   // snapshot (from 0, batch 1) as the K/V of `tokens`.

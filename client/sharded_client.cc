@@ -14,6 +14,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -24,6 +25,15 @@
 
 namespace kvcache {
 namespace {
+
+// Whether a PullSnapshot failed because the replica could not pull at all
+// (no peer list, the owner missing from it, a server that predates the
+// call), rather than because the snapshot or its owner failed: then the
+// client can still stream it across itself.
+bool CannotPull(const absl::Status& pulled) {
+  return absl::IsFailedPrecondition(pulled) || absl::IsUnimplemented(pulled) ||
+         (absl::IsNotFound(pulled) && absl::StartsWith(pulled.message(), "snapshot_id: replica"));
+}
 
 // The lease of a copy made only to restore or publish from, released right
 // after: if this client dies in between, the copy goes within a minute.
@@ -446,13 +456,16 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
   }
   absl::StatusOr<Client*> from = Owner(snapshot_id);
   if (!from.ok()) return from.status();
-  v1::ExportSnapshotRequest request;
-  request.set_snapshot_id(snapshot_id);
-  v1::ImportSnapshotRequest options;
-  options.set_pinned(pinned);
-  options.set_ttl_seconds(ttl_seconds);
   absl::StatusOr<v1::LoadSnapshotResponse> copied =
-      kvcache::CopySnapshot(**from, request, client(to), options);
+      client(to).PullSnapshot(snapshot_id, pinned, ttl_seconds);
+  if (!copied.ok() && CannotPull(copied.status())) {
+    v1::ExportSnapshotRequest request;
+    request.set_snapshot_id(snapshot_id);
+    v1::ImportSnapshotRequest options;
+    options.set_pinned(pinned);
+    options.set_ttl_seconds(ttl_seconds);
+    copied = kvcache::CopySnapshot(**from, request, client(to), options);
+  }
   if (!copied.ok()) return copied.status();
   const std::string& copy = copied->snapshot().snapshot_id();
   if (absl::Status made = CheckMadeBy(copy, to, "snapshot"); !made.ok()) {

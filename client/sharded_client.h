@@ -133,7 +133,10 @@ class ShardedClient {
   absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
                                         const std::string& snapshot_id, uint64_t target_offset);
   // Copies a snapshot (from offset 0) to replica `to`: a new snapshot there,
-  // with that replica's id. The original stays.
+  // with that replica's id. The original stays. Replica `to` pulls it from
+  // the owner itself (PullSnapshot); where it cannot (no peer list, the
+  // owner not in it, a server without the call), the bytes are streamed
+  // through this client instead.
   absl::StatusOr<v1::SnapshotInfo> CopySnapshotTo(const std::string& snapshot_id, size_t to,
                                                   bool pinned = false, uint32_t ttl_seconds = 0);
   // Each replica's GetStats, in replica order (a replica that is down: its status).

@@ -53,26 +53,6 @@ absl::StatusOr<bool> CheckAdvertised(absl::string_view address) {
 
 }  // namespace
 
-// A ClientContext with a deadline that Withdraw can cancel while it lives.
-class EtcdRegistration::Call {
- public:
-  Call(EtcdRegistration& owner, absl::Duration timeout) : owner_(owner) {
-    context_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    absl::MutexLock lock(&owner_.mu_);
-    if (owner_.stopping_) context_.TryCancel();
-    owner_.call_context_ = &context_;
-  }
-  ~Call() {
-    absl::MutexLock lock(&owner_.mu_);
-    owner_.call_context_ = nullptr;
-  }
-  grpc::ClientContext* get() { return &context_; }
-
- private:
-  EtcdRegistration& owner_;
-  grpc::ClientContext context_;
-};
-
 absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::Start(
     const EtcdRegistrationConfig& config, prometheus::Registry& metrics) {
   if (config.name.empty()) {
@@ -136,11 +116,6 @@ void EtcdRegistration::SetListed(bool listed) {
   listed_gauge_.Set(listed ? 1 : 0);
 }
 
-bool EtcdRegistration::WaitStopping(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithTimeout(absl::Condition(&stopping_), timeout);
-}
-
 absl::Status EtcdRegistration::Register() {
   const std::string& endpoint = channels_.current_endpoint();
   auto lease = etcdserverpb::Lease::NewStub(channels_.current());
@@ -148,7 +123,7 @@ absl::Status EtcdRegistration::Register() {
   grant.set_ttl(static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(config_.lease_ttl))));
   etcdserverpb::LeaseGrantResponse granted;
   {
-    Call call(*this, kCallTimeout);
+    etcd::StoppableCalls::Call call(calls_, kCallTimeout);
     if (grpc::Status status = lease->LeaseGrant(call.get(), grant, &granted); !status.ok()) {
       return etcd::EtcdError(status, "LeaseGrant", endpoint);
     }
@@ -174,7 +149,7 @@ absl::Status EtcdRegistration::Register() {
   for (int attempt = 0; attempt < 6 && (attempt == 0 || holder.empty()); ++attempt) {
     const Compare& compare = attempt % 2 == 0 ? unheld : ours;
     etcdserverpb::TxnResponse answer;
-    Call call(*this, kCallTimeout);
+    etcd::StoppableCalls::Call call(calls_, kCallTimeout);
     if (grpc::Status status =
             kv->Txn(call.get(), PutIf(compare, key_, config_.address, granted.id()), &answer);
         !status.ok()) {
@@ -191,7 +166,7 @@ absl::Status EtcdRegistration::Register() {
     holder = range.kvs_size() > 0 ? range.kvs(0).value() : "";
     if (holder == config_.address) holder.clear();  // ours after all: put it under this lease
   }
-  Call call(*this, kCallTimeout);
+  etcd::StoppableCalls::Call call(calls_, kCallTimeout);
   etcdserverpb::LeaseRevokeRequest revoke;
   revoke.set_id(granted.id());
   etcdserverpb::LeaseRevokeResponse revoked;
@@ -210,7 +185,7 @@ absl::Status EtcdRegistration::Renew() {
   {
     // One request on a stream of its own, as etcd's own KeepAliveOnce: its
     // deadline bounds the wait, which a long-lived stream's read would not.
-    Call call(*this, std::min(kCallTimeout, config_.lease_ttl / 3));
+    etcd::StoppableCalls::Call call(calls_, std::min(kCallTimeout, config_.lease_ttl / 3));
     auto stream = etcdserverpb::Lease::NewStub(channels_.current())->LeaseKeepAlive(call.get());
     const bool answered = stream->Write(request) && stream->Read(&renewed);
     stream->WritesDone();
@@ -231,7 +206,7 @@ absl::Status EtcdRegistration::Renew() {
   etcdserverpb::RangeRequest read;
   read.set_key(key_);
   etcdserverpb::RangeResponse found;
-  Call call(*this, kCallTimeout);
+  etcd::StoppableCalls::Call call(calls_, kCallTimeout);
   if (grpc::Status status =
           etcdserverpb::KV::NewStub(channels_.current())->Range(call.get(), read, &found);
       !status.ok()) {
@@ -247,14 +222,14 @@ absl::Status EtcdRegistration::Renew() {
 void EtcdRegistration::Run() {
   int failures = 0;
   absl::Time last_renewed = absl::Now();
-  while (!WaitStopping(absl::ZeroDuration())) {
+  while (!calls_.stopping()) {
     const bool registering = lease_id_ == 0;
     absl::Status step = registering ? Register() : Renew();
     if (step.ok()) {
       if (failures > 0) LogInfo("etcd: %s kept again", key_);
       failures = 0;
       last_renewed = absl::Now();
-      WaitStopping(config_.lease_ttl / 3);
+      calls_.WaitStopping(config_.lease_ttl / 3);
       continue;
     }
     ++failures;
@@ -272,19 +247,14 @@ void EtcdRegistration::Run() {
       if (!registering && absl::Now() - last_renewed > config_.lease_ttl) SetListed(false);
       if (!absl::IsFailedPrecondition(step)) channels_.Next();
     }
-    WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+    calls_.WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
   }
 }
 
 void EtcdRegistration::Withdraw() {
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_ && !runner_.joinable()) return;
-    stopping_ = true;
-    if (call_context_ != nullptr) call_context_->TryCancel();
-  }
+  calls_.Stop();
   if (runner_.joinable()) runner_.join();
-  if (lease_id_ == 0) return;
+  if (lease_id_ == 0) return;  // none held, or withdrawn already
   // Revoking the lease deletes the key: clients stop placing caches here at once.
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + kCallTimeout));

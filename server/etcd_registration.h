@@ -25,9 +25,6 @@
 #include "absl/time/time.h"
 #include "etcd/etcd_fleet.h"
 
-namespace grpc {
-class ClientContext;
-}
 namespace prometheus {
 class Registry;
 template <typename T>
@@ -65,7 +62,6 @@ class EtcdRegistration {
  private:
   EtcdRegistration(const EtcdRegistrationConfig& config, etcd::EtcdChannels channels,
                    prometheus::Gauge& listed_gauge);
-  class Call;
   // Grants a lease and puts the key under it (or takes it over, see above).
   absl::Status Register();
   // One keep-alive of the lease, then a read of the key: NOT_FOUND where
@@ -73,7 +69,6 @@ class EtcdRegistration {
   absl::Status Renew();
   void Run();
   void SetListed(bool listed);
-  bool WaitStopping(absl::Duration timeout);
 
   const EtcdRegistrationConfig config_;
   const std::string key_;
@@ -81,10 +76,9 @@ class EtcdRegistration {
   int64_t lease_id_ = 0;         // likewise; 0: none held
   prometheus::Gauge& listed_gauge_;
 
+  etcd::StoppableCalls calls_;  // Run's, stopped by Withdraw
   mutable absl::Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool listed_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // to cancel it
   std::thread runner_;
 };
 

@@ -26,6 +26,7 @@
 #include "service/data_lane.h"
 #include "service/handlers.h"
 #include "service/kv_cache_service.h"
+#include "service/peers.h"
 #include "service/state_metrics.h"
 #include "service/tenants.h"
 
@@ -171,6 +172,18 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
   return parts;
 }
 
+absl::Status KvCacheServer::StartPeers(const ServerConfig& config) {
+  ASSIGN_OR_RETURN(auto listed, service::ParsePeerList(config.peers, "peers"));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   GrpcPeerCredentials(config.tls, config.peer_ca_file));
+  if (listed.empty() && config.etcd.endpoints.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(peers_, service::Peers::Make({.self = config.replica_name,
+                                                 .listed = std::move(listed),
+                                                 .etcd = config.etcd,
+                                                 .credentials = std::move(credentials)}));
+  return absl::OkStatus();
+}
+
 absl::Status KvCacheServer::StartTenants() {
   if (tokens_file_.empty()) {
     ASSIGN_OR_RETURN(service::TenantParts anonymous, MakeTenant(nullptr));
@@ -288,7 +301,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                 : absl::StrCat(", replays on ", server->kv_events_->replay_endpoint()));
   }
   RETURN_IF_ERROR(server->StartTenants());
-  server->service_ = std::make_unique<service::KvCacheService>(*server->tenants_);
+  RETURN_IF_ERROR(server->StartPeers(config));
+  server->service_ = std::make_unique<service::KvCacheService>(
+      *server->tenants_, server->peers_.get(), config.replica_name);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

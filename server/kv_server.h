@@ -32,6 +32,7 @@ namespace service {
 class DataLane;
 class Handlers;
 class KvCacheService;
+class Peers;
 class Tenants;
 struct TenantParts;
 }  // namespace service
@@ -95,6 +96,11 @@ struct ServerConfig {
   // host:port clients reach the gRPC port at, as listed in etcd; empty: the
   // address it listens on, which must then name a host (not 0.0.0.0).
   std::string advertise_address;
+  // The other replicas by name, "name=host:port,..." (service/peers.h), for
+  // PullSnapshot; with etcd, names not listed here are looked up there.
+  std::string peers;
+  // PEM CA of the peers' certificates where it is not tls.client_ca_file.
+  std::string peer_ca_file;
 };
 
 class KvCacheServer {
@@ -141,6 +147,8 @@ class KvCacheServer {
   absl::Status ObserveCalls(const std::string& listen, bool access_log,
                             grpc::ServerBuilder& builder);
   absl::Status StartTenants();
+  // peers_ where the config names any (a list, or etcd).
+  absl::Status StartPeers(const ServerConfig& config);
   // Evicts idle snapshots of any tenant (tiering.h, EvictElsewhere).
   uint32_t EvictAnyTenant(uint32_t pages);
 
@@ -170,6 +178,9 @@ class KvCacheServer {
   std::unique_ptr<service::Tenants> tenants_;
   // Refers to tenants_; goes first so no scrape reads them while they go.
   std::unique_ptr<MetricsExporter> metrics_;
+  // Before service_ (destroyed after it and the server): lookups in flight
+  // hold calls that the server's shutdown waits for.
+  std::unique_ptr<service::Peers> peers_;
   std::unique_ptr<service::KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
   // Declared last: it stops, and its sessions end, before the handlers go.

@@ -111,6 +111,12 @@ ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd_cert");
 ABSL_FLAG(std::string, advertise_address, "",
           "host:port that clients reach the gRPC port at, as listed in etcd (a pod's IP); "
           "empty: the --listen address, which must then name a host");
+ABSL_FLAG(std::string, peers, "",
+          "the fleet's other replicas, name=host:port,... : where PullSnapshot reads a "
+          "snapshot another replica made (with --etcd_endpoints, names not listed here are "
+          "looked up in etcd)");
+ABSL_FLAG(std::string, peer_ca, "",
+          "PEM CA of the peers' certificates (default: --tls_client_ca; else the system's)");
 ABSL_FLAG(bool, access_log, false,
           "log a line per gRPC call (request id, method, code, duration, peer)");
 ABSL_FLAG(std::string, log_format, "text",
@@ -168,6 +174,8 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
                  .key_file = absl::GetFlag(FLAGS_etcd_key)};
   config.etcd_lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
   config.advertise_address = absl::GetFlag(FLAGS_advertise_address);
+  config.peers = absl::GetFlag(FLAGS_peers);
+  config.peer_ca_file = absl::GetFlag(FLAGS_peer_ca);
   const std::string kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
   if (kv_events_format != "map" && kv_events_format != "array") {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -63,6 +63,33 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
   return grpc::SslServerCredentials(options);
 }
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcPeerCredentials(
+    const TlsConfig& tls, const std::string& peer_ca_file) {
+  if (!tls.enabled()) {
+    if (!peer_ca_file.empty()) {
+      return absl::InvalidArgumentError("peer_ca: peers are called over TLS only with tls_cert");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions options;
+  const bool ca_given = !peer_ca_file.empty();
+  const std::string& ca_file = ca_given ? peer_ca_file : tls.client_ca_file;
+  if (!ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(ca_file, ca_given ? "peer_ca" : "tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+  }
+  if (!tls.client_ca_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "tls_cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPem(tls.key_file, "tls_key");
+    if (!key.ok()) return key.status();
+    options.pem_cert_chain = *std::move(cert);
+    options.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(options);
+}
+
 absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls) {
   if (!tls.enabled()) return nullptr;
   lane::TlsCredentials own;

@@ -4,6 +4,7 @@
 // certificates. A plaintext lane beyond loopback needs an explicit flag.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 
 #include <memory>
@@ -25,6 +26,14 @@ struct TlsConfig {
 // flag of a file that cannot be read), or insecure ones without a cert.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
     const TlsConfig& tls);
+
+// How this replica calls its peers (PullSnapshot): plaintext where it serves
+// plaintext; else TLS trusting `peer_ca_file` (empty: tls.client_ca_file,
+// the fleet's CA where it asks clients for certificates; else the system's
+// roots), presenting its own certificate where it asks for one (a fleet
+// with mutual TLS asks its peers too).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcPeerCredentials(
+    const TlsConfig& tls, const std::string& peer_ca_file);
 
 // The data lane's TLS from the same files: null where TLS is off.
 absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls);

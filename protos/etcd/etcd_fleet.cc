@@ -131,4 +131,30 @@ absl::Duration EtcdBackoff(int failures, absl::Duration most) {
   return std::min(wait, most);
 }
 
+StoppableCalls::Call::Call(StoppableCalls& calls, absl::Duration timeout)
+    : calls_(calls), context_(std::make_unique<grpc::ClientContext>()) {
+  if (timeout != absl::InfiniteDuration()) {
+    context_->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  absl::MutexLock lock(&calls_.mu_);
+  if (calls_.stopping_) context_->TryCancel();
+  calls_.in_flight_ = context_.get();
+}
+
+StoppableCalls::Call::~Call() {
+  absl::MutexLock lock(&calls_.mu_);
+  calls_.in_flight_ = nullptr;
+}
+
+void StoppableCalls::Stop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  if (in_flight_ != nullptr) in_flight_->TryCancel();
+}
+
+bool StoppableCalls::WaitStopping(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(&stopping_), timeout);
+}
+
 }  // namespace kvcache::etcd

@@ -12,13 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace grpc {
 class Channel;
+class ClientContext;
 class Status;
 }  // namespace grpc
 
@@ -52,6 +55,37 @@ class EtcdChannels {
   std::vector<std::string> endpoints_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   size_t current_ = 0;
+};
+
+// A background thread's stop signal, which also cancels the etcd call the
+// thread is in (one at a time): a stop is never held up by a call that
+// waits on an etcd gone quiet. Calls made after the stop fail at once.
+class StoppableCalls {
+ public:
+  // A client context, with a deadline unless `timeout` is infinite, that
+  // Stop cancels while it lives.
+  class Call {
+   public:
+    Call(StoppableCalls& calls, absl::Duration timeout);
+    ~Call();
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+    grpc::ClientContext* get() { return context_.get(); }
+
+   private:
+    StoppableCalls& calls_;
+    std::unique_ptr<grpc::ClientContext> context_;
+  };
+
+  void Stop();
+  // Waits up to `timeout` for Stop; whether it came.
+  bool WaitStopping(absl::Duration timeout);
+  bool stopping() { return WaitStopping(absl::ZeroDuration()); }
+
+ private:
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* in_flight_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 // The key replica `name` is listed under.

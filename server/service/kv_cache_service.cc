@@ -1,6 +1,7 @@
 #include "service/kv_cache_service.h"
 
 #include "service/file_reactors.h"
+#include "service/pull_reactor.h"
 #include "service/status_mapping.h"
 #include "service/stream_reactors.h"
 
@@ -97,6 +98,14 @@ grpc::ServerReadReactor<v1::ImportSnapshotRequest>* KvCacheService::ImportSnapsh
     return new Refused<grpc::ServerReadReactor<v1::ImportSnapshotRequest>>(call.status());
   }
   return new ImportReactor(*std::move(call), context, response);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::PullSnapshot(grpc::CallbackServerContext* context,
+                                                       const v1::PullSnapshotRequest* request,
+                                                       v1::LoadSnapshotResponse* response) {
+  absl::StatusOr<Admitted> call = Admit(*context);
+  if (!call.ok()) return FinishUnary(context, call.status());
+  return new PullReactor(*std::move(call), context, *request, response, peers_, replica_name_);
 }
 
 }  // namespace kvcache::service

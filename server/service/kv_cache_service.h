@@ -5,6 +5,7 @@
 
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
+#include "service/peers.h"
 #include "service/tenants.h"
 #include "service/unary_rpcs.h"
 
@@ -27,12 +28,13 @@ struct WithMethods<Base, First, Rest...> {
 // here would be answered "unimplemented" by the synchronous base;
 // e2e_validation_test calls every RPC of the proto to catch that.
 #define KV_WITH_UNARY_METHOD(Name, Request, Response) v1::KvCacheService::WithCallbackMethod_##Name,
-using KvCacheServiceBase =
-    WithMethods<v1::KvCacheService::Service, KV_FOR_EACH_UNARY_RPC(KV_WITH_UNARY_METHOD)
-                    v1::KvCacheService::WithRawCallbackMethod_Update,
-                v1::KvCacheService::WithRawCallbackMethod_Fetch,
-                v1::KvCacheService::WithCallbackMethod_ExportSnapshot,
-                v1::KvCacheService::WithCallbackMethod_ImportSnapshot>::type;
+using KvCacheServiceBase = WithMethods<v1::KvCacheService::Service,
+                                       KV_FOR_EACH_UNARY_RPC(KV_WITH_UNARY_METHOD)
+                                           v1::KvCacheService::WithRawCallbackMethod_Update,
+                                       v1::KvCacheService::WithRawCallbackMethod_Fetch,
+                                       v1::KvCacheService::WithCallbackMethod_ExportSnapshot,
+                                       v1::KvCacheService::WithCallbackMethod_ImportSnapshot,
+                                       v1::KvCacheService::WithCallbackMethod_PullSnapshot>::type;
 #undef KV_WITH_UNARY_METHOD
 
 // Which calls reach past their caller: those whose request names a tenant
@@ -65,7 +67,9 @@ struct CallReach<v1::EvictSnapshotsRequest> {
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
-  explicit KvCacheService(Tenants& tenants) : tenants_(tenants) {}
+  // `peers` (null: none) serve PullSnapshot; `replica_name` is this replica's.
+  KvCacheService(Tenants& tenants, Peers* peers, std::string replica_name)
+      : tenants_(tenants), peers_(peers), replica_name_(std::move(replica_name)) {}
 
 #define KV_DECLARE_UNARY_METHOD(Name, Request, Response)                                    \
   grpc::ServerUnaryReactor* Name(grpc::CallbackServerContext* context,                     \
@@ -81,6 +85,9 @@ class KvCacheService final : public KvCacheServiceBase {
       grpc::CallbackServerContext* context, const v1::ExportSnapshotRequest* request) override;
   grpc::ServerReadReactor<v1::ImportSnapshotRequest>* ImportSnapshot(
       grpc::CallbackServerContext* context, v1::LoadSnapshotResponse* response) override;
+  grpc::ServerUnaryReactor* PullSnapshot(grpc::CallbackServerContext* context,
+                                         const v1::PullSnapshotRequest* request,
+                                         v1::LoadSnapshotResponse* response) override;
 
  private:
   absl::StatusOr<Admitted> Admit(const grpc::CallbackServerContext& context);
@@ -103,6 +110,8 @@ class KvCacheService final : public KvCacheServiceBase {
   }
 
   Tenants& tenants_;
+  Peers* const peers_;
+  const std::string replica_name_;
 };
 
 }  // namespace kvcache::service

@@ -3,12 +3,22 @@
 // Export / Import streams (files larger than one message); files survive a
 // restart; bad names, unknown ids, partial snapshots and damaged bytes are
 // refused with their status and change nothing; without a data dir the
-// data-dir calls say so and the streams still work.
+// data-dir calls say so and the streams still work. A replica pulls another
+// replica's snapshot itself (PullSnapshot): byte for byte, with the caller's
+// own token (another tenant's snapshot stays out of reach), and the ids,
+// peers and owners it cannot pull from are refused by name.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
@@ -21,6 +31,45 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
+
+// A cache of two standard layers and a rotating one (window 8, 4 sinks)
+// holding `tokens` tokens, and a snapshot of it from 0.
+v1::SnapshotInfo FillSnapshot(Client& client, std::mt19937_64& rng, uint64_t tokens,
+                              uint32_t heads = 2, uint32_t dim = 8) {
+  const v1::CacheSpec spec = ProtoSpec(2, heads, dim, /*window=*/8);
+  auto cache = client.CreateCache(spec);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return {};
+  for (uint64_t sent = 0; sent < tokens;) {
+    const uint64_t step = std::min<uint64_t>(tokens - sent, 200);
+    std::vector<v1::UpdateRequest> requests;
+    std::vector<LayerUpdate> updates;
+    for (int layer = 0; layer < spec.layers_size(); ++layer) {
+      requests.push_back(RandomUpdate(cache->cache_id(), spec, layer, step, rng));
+    }
+    for (const v1::UpdateRequest& request : requests) updates.push_back(ToLayerUpdate(request));
+    EXPECT_TRUE(client.Update(cache->cache_id(), updates).ok());
+    sent += step;
+  }
+  auto snapshot = client.Snapshot(cache->cache_id(), 0);
+  EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+  return snapshot.value_or(v1::SnapshotInfo());
+}
+
+// Every layer of the two snapshots (each read through its own server's
+// client) holds the same positions and bytes.
+void ExpectSameHistory(Client& expected_client, const std::string& expected_id,
+                       Client& actual_client, const std::string& actual_id, int layers) {
+  for (int layer = 0; layer < layers; ++layer) {
+    auto expected = expected_client.FetchLayer("", expected_id, layer);
+    auto actual = actual_client.FetchLayer("", actual_id, layer);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    ASSERT_TRUE(actual.ok()) << actual.status();
+    EXPECT_EQ(actual->ranges, expected->ranges) << "layer " << layer;
+    EXPECT_TRUE(actual->keys == expected->keys) << "layer " << layer;
+    EXPECT_TRUE(actual->values == expected->values) << "layer " << layer;
+  }
+}
 
 class E2eFilesTest : public ::testing::Test {
  protected:
@@ -40,40 +89,11 @@ class E2eFilesTest : public ::testing::Test {
   }
   Client& client() { return server_->client(); }
 
-  // A cache of two standard layers and a rotating one (window 8, 4 sinks)
-  // holding `tokens` tokens, and a snapshot of it from 0.
   v1::SnapshotInfo FilledSnapshot(uint64_t tokens, uint32_t heads = 2, uint32_t dim = 8) {
-    const v1::CacheSpec spec = ProtoSpec(2, heads, dim, /*window=*/8);
-    auto cache = client().CreateCache(spec);
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    if (!cache.ok()) return {};
-    for (uint64_t sent = 0; sent < tokens;) {
-      const uint64_t step = std::min<uint64_t>(tokens - sent, 200);
-      std::vector<v1::UpdateRequest> requests;
-      std::vector<LayerUpdate> updates;
-      for (int layer = 0; layer < spec.layers_size(); ++layer) {
-        requests.push_back(RandomUpdate(cache->cache_id(), spec, layer, step, rng_));
-      }
-      for (const v1::UpdateRequest& request : requests) updates.push_back(ToLayerUpdate(request));
-      EXPECT_TRUE(client().Update(cache->cache_id(), updates).ok());
-      sent += step;
-    }
-    auto snapshot = client().Snapshot(cache->cache_id(), 0);
-    EXPECT_TRUE(snapshot.ok()) << snapshot.status();
-    return snapshot.value_or(v1::SnapshotInfo());
+    return FillSnapshot(client(), rng_, tokens, heads, dim);
   }
-
-  // Every layer of the two snapshots holds the same positions and bytes.
   void ExpectSameHistory(const std::string& expected_id, const std::string& actual_id, int layers) {
-    for (int layer = 0; layer < layers; ++layer) {
-      auto expected = client().FetchLayer("", expected_id, layer);
-      auto actual = client().FetchLayer("", actual_id, layer);
-      ASSERT_TRUE(expected.ok()) << expected.status();
-      ASSERT_TRUE(actual.ok()) << actual.status();
-      EXPECT_EQ(actual->ranges, expected->ranges) << "layer " << layer;
-      EXPECT_TRUE(actual->keys == expected->keys) << "layer " << layer;
-      EXPECT_TRUE(actual->values == expected->values) << "layer " << layer;
-    }
+    testing::ExpectSameHistory(client(), expected_id, client(), actual_id, layers);
   }
   size_t SnapshotCount() { return client().ListSnapshots().value().size(); }
 
@@ -274,6 +294,132 @@ TEST_F(E2eFilesTest, SavedFilesSurviveARestart) {
   auto after = client().ExportSnapshot(again);
   ASSERT_TRUE(after.ok());
   EXPECT_TRUE(*after == *before) << "the state read back differs from the state saved";
+}
+
+// Two replicas: "owner" makes snapshots, "puller" lists it as a peer (and
+// a third name at an address where nothing listens).
+class E2ePullTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("kvcached-pull-" + std::to_string(std::random_device()()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    for (auto* server : {&puller_, &owner_}) {
+      if (*server != nullptr) (*server)->CleanUpAndCheck();
+      server->reset();
+    }
+    std::filesystem::remove_all(dir_);
+  }
+  // With a tokens file: both replicas share it (a fleet's tenants are the
+  // same everywhere), and their first clients are `token`'s.
+  void Start(const std::string& tokens = "", const std::string& token = "") {
+    std::string tokens_file;
+    if (!tokens.empty()) {
+      tokens_file = (dir_ / "tokens").string();
+      std::ofstream(tokens_file) << tokens;
+    }
+    owner_ =
+        TestServer::Start({.tokens_file = tokens_file, .token = token, .replica_name = "owner"});
+    ASSERT_NE(owner_, nullptr);
+    puller_ = TestServer::Start({.tokens_file = tokens_file,
+                                 .token = token,
+                                 .replica_name = "puller",
+                                 .peers = absl::StrCat("owner=", owner_->server().address(),
+                                                       ",gone=127.0.0.1:", FreeLoopbackPort())});
+    ASSERT_NE(puller_, nullptr);
+  }
+  static int FreeLoopbackPort() {
+    // A port that was free a moment ago: nothing listens there.
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_LOOPBACK)}};
+    bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+    socklen_t size = sizeof(address);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+    close(fd);
+    return ntohs(address.sin_port);
+  }
+  size_t Snapshots(TestServer& server) { return server.client().ListSnapshots().value().size(); }
+
+  std::filesystem::path dir_;
+  std::unique_ptr<TestServer> owner_, puller_;
+  std::mt19937_64 rng_{13};
+};
+
+TEST_F(E2ePullTest, AReplicaPullsAnotherReplicasSnapshotByteForByte) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  // About 2.4 MiB: the owner's stream cuts it into several messages.
+  const v1::SnapshotInfo original = FillSnapshot(owner_->client(), rng_, 600, 4, 128);
+  ASSERT_EQ(original.snapshot_id().rfind("owner:", 0), 0u) << original.snapshot_id();
+
+  auto pulled = puller_->client().PullSnapshot(original.snapshot_id(), /*pinned=*/true);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  const std::string& copy = pulled->snapshot().snapshot_id();
+  EXPECT_EQ(copy.rfind("puller:", 0), 0u) << "not the puller's own snapshot: " << copy;
+  EXPECT_TRUE(pulled->snapshot().pinned());
+  EXPECT_EQ(pulled->snapshot().to_offset(), 600u);
+  EXPECT_TRUE(pulled->checksum_verified());
+  ExpectSameHistory(owner_->client(), original.snapshot_id(), puller_->client(), copy, 3);
+
+  // It is the puller's to use: a cache there continues from it.
+  auto cache = puller_->client().CreateCache(pulled->spec());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  auto restored = puller_->client().Restore(cache->cache_id(), copy, 600);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->offset(), 600u);
+  // The owner's snapshot is untouched, and a lease asked for is kept.
+  EXPECT_EQ(Snapshots(*owner_), 1u);
+  auto leased = puller_->client().PullSnapshot(original.snapshot_id(), false, 60);
+  ASSERT_TRUE(leased.ok()) << leased.status();
+  EXPECT_EQ(leased->snapshot().ttl_seconds(), 60u);
+}
+
+TEST_F(E2ePullTest, WhatCannotBePulledIsRefusedByNameAndChangesNothing) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::SnapshotInfo original = FillSnapshot(owner_->client(), rng_, 20);
+  const size_t before = Snapshots(*puller_);
+  const auto expect_refused = [&](TestServer& server, const std::string& id, absl::StatusCode code,
+                                  const std::string& says) {
+    const absl::Status status = server.client().PullSnapshot(id).status();
+    EXPECT_EQ(status.code(), code) << id << ": " << status;
+    EXPECT_THAT(status.message(), HasSubstr(says)) << id;
+  };
+  expect_refused(*puller_, "", absl::StatusCode::kInvalidArgument, "snapshot_id");
+  expect_refused(*puller_, kUnknownId, absl::StatusCode::kInvalidArgument, "names no replica");
+  expect_refused(*puller_, "bad/name:00", absl::StatusCode::kInvalidArgument, "names no replica");
+  expect_refused(*puller_, "puller:00", absl::StatusCode::kInvalidArgument, "this replica");
+  // A replica that is no peer: its address is never taken from the caller.
+  expect_refused(*puller_, "elsewhere:00", absl::StatusCode::kNotFound, "elsewhere");
+  expect_refused(*puller_, "gone:00", absl::StatusCode::kUnavailable, "replica gone");
+  // The owner's own answer, as it gave it.
+  expect_refused(*puller_, absl::StrCat("owner:", kUnknownId), absl::StatusCode::kNotFound,
+                 "replica owner");
+  // A replica without peers says so.
+  expect_refused(*owner_, "puller:00", absl::StatusCode::kFailedPrecondition, "peers");
+  EXPECT_EQ(Snapshots(*puller_), before);
+  EXPECT_EQ(Snapshots(*owner_), 1u);
+  EXPECT_TRUE(puller_->client().PullSnapshot(original.snapshot_id()).ok());
+}
+
+TEST_F(E2ePullTest, APullCarriesTheCallersTokenSoOtherTenantsSnapshotsStayOutOfReach) {
+  constexpr char kAlice[] = "alice-token-0123456789abcdef";
+  constexpr char kBob[] = "bob-token-0123456789abcdef";
+  ASSERT_NO_FATAL_FAILURE(Start(
+      absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob, "\n"), kAlice));
+  const v1::SnapshotInfo alices = FillSnapshot(owner_->client(), rng_, 30);
+  std::unique_ptr<Client> bob = puller_->ConnectAs(kBob);
+  const absl::Status refused = bob->PullSnapshot(alices.snapshot_id()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound) << refused;
+  EXPECT_TRUE(bob->ListSnapshots().value().empty());
+  auto pulled = puller_->client().PullSnapshot(alices.snapshot_id());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ExpectSameHistory(owner_->client(), alices.snapshot_id(), puller_->client(),
+                    pulled->snapshot().snapshot_id(), 3);
+  // A caller without a token is refused here, before any pull.
+  std::unique_ptr<Client> nobody = puller_->ConnectAs("");
+  EXPECT_EQ(nobody->PullSnapshot(alices.snapshot_id()).status().code(),
+            absl::StatusCode::kUnauthenticated);
 }
 
 }  // namespace

@@ -130,6 +130,35 @@ TEST_F(E2eFleetEtcdTest, ReplicasJoinAndLeaveTheClientsFleet) {
   EXPECT_TRUE(CreateSpread(60).contains(1));
 }
 
+// A replica finds the owner of a snapshot it is asked to pull in etcd (it
+// has no --peers): the bytes go from replica to replica.
+TEST_F(E2eFleetEtcdTest, AReplicaPullsASnapshotFromTheOwnerEtcdLists) {
+  std::mt19937_64 random(3);
+  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "pull"));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Written written;
+  ASSERT_TRUE(Append(fleet_->client(0), cache->cache_id(), 40, random, written).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+
+  absl::StatusOr<v1::LoadSnapshotResponse> pulled =
+      fleet_->client(1).PullSnapshot(snapshot->snapshot_id());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  ASSERT_EQ(fleet_->ReplicaOf(pulled->snapshot().snapshot_id()).value(), 1u);
+  absl::StatusOr<v1::CacheInfo> copy = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(1, "copy"));
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE(
+      fleet_->client(1).Restore(copy->cache_id(), pulled->snapshot().snapshot_id(), 40).ok());
+  EXPECT_TRUE(Holds(fleet_->client(1), copy->cache_id(), "", written));
+  ASSERT_TRUE(fleet_->client(1).ReleaseSnapshot(pulled->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(fleet_->client(0).ReleaseSnapshot(snapshot->snapshot_id()).ok());
+
+  // A name etcd does not list is no peer.
+  const absl::Status unlisted = fleet_->client(1).PullSnapshot("kvcached-9:00").status();
+  EXPECT_EQ(unlisted.code(), absl::StatusCode::kNotFound) << unlisted;
+  EXPECT_NE(unlisted.message().find("not listed in etcd"), absl::string_view::npos) << unlisted;
+}
+
 TEST_F(E2eFleetEtcdTest, AKilledReplicaLeavesWhenItsLeaseRunsOut) {
   replicas_[2]->Kill();  // no withdrawal: only its 3 s lease ends the listing
   const absl::Time killed = absl::Now();

@@ -48,6 +48,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.metrics_listen = setup.metrics_listen;
   config.access_log = setup.access_log;
   config.kv_events = setup.kv_events;
+  config.replica_name = setup.replica_name;
+  config.peers = setup.peers;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

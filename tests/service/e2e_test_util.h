@@ -65,6 +65,9 @@ struct ServerSetup {
   bool access_log = false;
   // The server's --kv_events_* (no endpoint: no events).
   KvEventsConfig kv_events;
+  // The server's --replica_name and --peers (name=host:port,...).
+  std::string replica_name;
+  std::string peers;
 };
 
 class TestServer {

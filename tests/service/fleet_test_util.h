@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -120,14 +121,22 @@ class KvcachedProcess {
     waitpid(pid_, nullptr, 0);
     pid_ = -1;
   }
-  // SIGTERM: its exit code.
+  // SIGTERM: its exit code. A failed exit prints the end of its log (a
+  // sanitizer's report, say), which the test's clean-up would delete.
   int Stop() {
     if (pid_ <= 0) return -1;
     kill(pid_, SIGTERM);
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code != 0) {
+      std::ifstream text(data_dir_ + ".log");
+      const std::string lines((std::istreambuf_iterator<char>(text)), {});
+      std::fprintf(stderr, "%s exited %d; the end of its log:\n%s\n", name_.c_str(), code,
+                   lines.substr(lines.size() > 16000 ? lines.size() - 16000 : 0).c_str());
+    }
+    return code;
   }
   bool running() const { return pid_ > 0; }
   // The --replica_name flag of the next Start.

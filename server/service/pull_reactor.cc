@@ -1,0 +1,102 @@
+#include "service/pull_reactor.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ids/replica_id.h"
+#include "service/status_mapping.h"
+
+namespace kvcache::service {
+
+PullReactor::PullReactor(Admitted admitted, grpc::CallbackServerContext* context,
+                         const v1::PullSnapshotRequest& request,
+                         v1::LoadSnapshotResponse* response, Peers* peers,
+                         const std::string& self)
+    : admitted_(std::move(admitted)),
+      context_(context),
+      response_(response),
+      max_file_bytes_(admitted_.handlers().MaxImportBytes()) {
+  if (absl::Status checked = Check(request, peers, self); !checked.ok()) {
+    Answer(checked);
+    return;
+  }
+  options_.set_pinned(request.pinned());
+  options_.set_ttl_seconds(request.ttl_seconds());
+  export_request_.set_snapshot_id(request.snapshot_id());
+  owner_name_ = std::string(ids::ReplicaOf(request.snapshot_id()));
+  peers->Find(owner_name_, [this](absl::StatusOr<std::shared_ptr<grpc::Channel>> owner) {
+    Start(std::move(owner));
+  });
+}
+
+absl::Status PullReactor::Check(const v1::PullSnapshotRequest& request, Peers* peers,
+                                const std::string& self) const {
+  const absl::string_view owner = ids::ReplicaOf(request.snapshot_id());
+  if (request.snapshot_id().empty()) {
+    return absl::InvalidArgumentError("snapshot_id: required");
+  }
+  if (absl::Status name = ids::CheckReplicaName(owner, "snapshot_id"); !name.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("snapshot_id: \"", request.snapshot_id().substr(0, 100),
+                     "\" names no replica (ids of a fleet are <replica>:<hex>)"));
+  }
+  if (owner == self) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("snapshot_id: already on this replica (", self, "); Restore it here"));
+  }
+  if (peers == nullptr || peers->empty()) {
+    return absl::FailedPreconditionError(
+        "snapshot_id: this replica knows no peers to pull from (kvcached --peers or "
+        "--etcd_endpoints)");
+  }
+  return absl::OkStatus();
+}
+
+void PullReactor::Start(absl::StatusOr<std::shared_ptr<grpc::Channel>> owner) {
+  if (!owner.ok()) {
+    Answer(owner.status());
+    return;
+  }
+  // The owner admits the caller, not this replica: its token travels on.
+  const auto& metadata = context_->client_metadata();
+  if (auto found = metadata.find("authorization"); found != metadata.end()) {
+    peer_context_.AddMetadata("authorization",
+                              std::string(found->second.data(), found->second.size()));
+  }
+  peer_context_.set_deadline(context_->deadline());
+  stub_ = v1::KvCacheService::NewStub(*owner);
+  stub_->async()->ExportSnapshot(&peer_context_, &export_request_, &reader_);
+  reader_.Begin();
+}
+
+void PullReactor::Reader::OnReadDone(bool ok) {
+  if (!ok) return;  // the stream ended: OnDone follows
+  if (pull_.file_.size() + chunk_.data().size() > pull_.max_file_bytes_) {
+    pull_.too_large_ = true;
+    pull_.peer_context_.TryCancel();
+    return;
+  }
+  pull_.file_.append(chunk_.data());
+  pull_.admitted_.CountReceived(Transport::kGrpc, chunk_.data().size());
+  StartRead(&chunk_);
+}
+
+void PullReactor::Pulled(const grpc::Status& status) {
+  if (too_large_) {
+    Answer(absl::ResourceExhaustedError(absl::StrFormat(
+        "snapshot_id: the snapshot passes %d bytes, the most this replica takes (its pool)",
+        max_file_bytes_)));
+  } else if (!status.ok()) {
+    // The owner's answer as it gave it (gRPC's codes are absl's).
+    Answer(absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("replica ", owner_name_, ": ", status.error_message())));
+  } else {
+    Answer(admitted_.handlers().ImportFile(options_, file_, response_));
+  }
+}
+
+void PullReactor::Answer(const absl::Status& status) {
+  admitted_.Answering();
+  Finish(ToGrpcStatus(status));
+}
+
+}  // namespace kvcache::service
