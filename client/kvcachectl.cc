@@ -22,12 +22,13 @@
 //   kvcachectl saved                                         (the server's data dir)
 //   kvcachectl store SNAPSHOT_ID NAME [--metadata=k=v,...] | load-saved NAME
 //   kvcachectl download NAME FILE | delete-saved NAME
+//   kvcachectl pull SNAPSHOT_ID [--pinned] [--ttl=S]  (the server copies a peer's snapshot)
 // A fleet (client/sharded_client.h), --peers=NAME=HOST:PORT,... or dns:HOST:PORT,
 // or the replicas etcd lists (--etcd_endpoints=HOST:PORT,...):
 //   replicas lists them; stats, caches, snapshots, prefixes, saved and health ask every replica;
 //   commands naming an id go to the replica the id names (restore from a
-//   snapshot of another replica copies it over); load, load-saved, download
-//   and delete-saved go to --replica=NAME.
+//   snapshot of another replica copies it over); load, load-saved, download,
+//   delete-saved and pull go to --replica=NAME.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +64,7 @@ ABSL_FLAG(std::string, etcd_cert, "", "PEM client certificate for etcd");
 ABSL_FLAG(std::string, etcd_key, "", "PEM private key of --etcd_cert");
 ABSL_FLAG(std::string, replica, "",
           "with --peers: the replica for load, load-saved, download, "
-          "delete-saved");
+          "delete-saved, and the one that pulls");
 ABSL_FLAG(bool, tls, false, "TLS to kvcached (kvcached --tls_cert), trusting the system's CAs");
 ABSL_FLAG(std::string, tls_ca, "", "TLS, trusting this PEM CA bundle (implies --tls)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate for mutual TLS");
@@ -415,6 +416,15 @@ int Load(kvcache::Client& client, const Args& args) {
   return 0;
 }
 
+// The server copies a snapshot of another replica of its fleet (its peer).
+int Pull(kvcache::Client& client, const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: pull SNAPSHOT_ID"));
+  auto pulled = client.PullSnapshot(args[1], absl::GetFlag(FLAGS_pinned), absl::GetFlag(FLAGS_ttl));
+  if (!pulled.ok()) return Fail(pulled.status());
+  PrintLoaded(*pulled);
+  return 0;
+}
+
 int Saved(kvcache::Client& client) {
   auto files = client.ListSaved();
   if (!files.ok()) return Fail(files.status());
@@ -556,7 +566,7 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
     return worst;
   }
   if (command == "load" || command == "load-saved" || command == "download" ||
-      command == "delete-saved") {
+      command == "delete-saved" || command == "pull") {
     const std::string wanted = absl::GetFlag(FLAGS_replica);
     for (size_t i = 0; i < (*fleet)->size(); ++i) {
       if ((*fleet)->replica(i).name == wanted) return OnServer((*fleet)->client(i), args);
@@ -595,7 +605,7 @@ int main(int argc, char** argv) {
       "SNAPSHOT "
       "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
       "FILE "
-      "[--name=NAME] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
+      "[--name=NAME] | pull SNAPSHOT [--pinned] [--ttl=S] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
       "delete-saved NAME | describe ID | health [SERVICE] | metrics [FILTER] "
       "[--metrics=HOST:PORT]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -640,6 +650,7 @@ int OnServer(kvcache::Client& server, const Args& args) {
   if (command == "prefixes") return Prefixes(*client);
   if (command == "save") return Save(*client, args);
   if (command == "load") return Load(*client, args);
+  if (command == "pull") return Pull(*client, args);
   if (command == "saved") return Saved(*client);
   if (command == "store") return Store(*client, args);
   if (command == "load-saved") return LoadSaved(*client, args);

@@ -27,11 +27,12 @@ namespace kvcache {
 namespace {
 
 // Whether a PullSnapshot failed because the replica could not pull at all
-// (no peer list, the owner missing from it, a server that predates the
-// call), rather than because the snapshot or its owner failed: then the
-// client can still stream it across itself.
+// (no peer list, the owner missing from it or out of its reach, a server
+// that predates the call), rather than because of the snapshot: then the
+// client, which reaches both, can still stream it across itself.
 bool CannotPull(const absl::Status& pulled) {
   return absl::IsFailedPrecondition(pulled) || absl::IsUnimplemented(pulled) ||
+         absl::IsUnavailable(pulled) ||
          (absl::IsNotFound(pulled) && absl::StartsWith(pulled.message(), "snapshot_id: replica"));
 }
 

@@ -49,10 +49,8 @@ struct Peers::EtcdLookup {
 };
 
 absl::StatusOr<std::unique_ptr<Peers>> Peers::Make(PeersConfig config) {
-  if (config.listed.contains(config.self)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("peers: lists this replica's own name, ", config.self));
-  }
+  // One list serves the whole fleet: each replica skips its own name.
+  config.listed.erase(config.self);
   std::unique_ptr<Peers> peers(new Peers(std::move(config)));
   if (!peers->config_.etcd.endpoints.empty()) {
     absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(peers->config_.etcd);

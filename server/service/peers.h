@@ -25,7 +25,7 @@ class ChannelCredentials;
 namespace kvcache::service {
 
 struct PeersConfig {
-  // This replica's name: never a peer of its own.
+  // This replica's name: never a peer of its own (skipped in `listed`).
   std::string self;
   // name -> host:port, as the operator listed them (ParsePeerList).
   std::map<std::string, std::string> listed;

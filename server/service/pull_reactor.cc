@@ -1,5 +1,7 @@
 #include "service/pull_reactor.h"
 
+#include <grpcpp/channel.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ids/replica_id.h"

@@ -50,6 +50,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.kv_events = setup.kv_events;
   config.replica_name = setup.replica_name;
   config.peers = setup.peers;
+  config.peer_ca_file = setup.peer_ca_file;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

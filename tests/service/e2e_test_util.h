@@ -65,9 +65,10 @@ struct ServerSetup {
   bool access_log = false;
   // The server's --kv_events_* (no endpoint: no events).
   KvEventsConfig kv_events;
-  // The server's --replica_name and --peers (name=host:port,...).
+  // The server's --replica_name, --peers (name=host:port,...) and --peer_ca.
   std::string replica_name;
   std::string peers;
+  std::string peer_ca_file;
 };
 
 class TestServer {

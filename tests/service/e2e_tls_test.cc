@@ -326,6 +326,52 @@ TEST_F(E2eTlsTest, MutualTlsRefusesClientsWithoutACertificateOfTheCa) {
   EXPECT_EQ(lane_without.code(), absl::StatusCode::kUnavailable) << lane_without;
 }
 
+// Replicas of a fleet with mutual TLS pull from each other: the puller
+// trusts the fleet's CA (its --tls_client_ca) and shows the owner its own
+// certificate. One that trusts another CA (--peer_ca) reaches nothing.
+TEST_F(E2eTlsTest, ReplicasPullSnapshotsFromEachOtherOverMutualTls) {
+  ClientOptions with_cert = Trusting("ca.pem");
+  with_cert.tls_client_cert_pem = ReadText(*dir_ / "client.pem");
+  with_cert.tls_client_key_pem = ReadText(*dir_ / "client.key");
+  server_ = TestServer::Start(
+      {.tls = ServerTls(true), .client_tls = with_cert, .replica_name = "owner"});
+  ASSERT_NE(server_, nullptr);
+  const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(2, 8), StandardLayerSpec(2, 8)});
+  absl::StatusOr<v1::CacheInfo> cache = server_->client().CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(spec);
+  std::mt19937_64 rng(17);
+  ASSERT_TRUE(StepBoth(server_->client(), cache->cache_id(), reference, 40, rng).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = server_->client().Snapshot(cache->cache_id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+
+  const std::string peers = "owner=" + server_->server().address();
+  std::unique_ptr<TestServer> puller = TestServer::Start({.tls = ServerTls(true),
+                                                          .client_tls = with_cert,
+                                                          .replica_name = "puller",
+                                                          .peers = peers});
+  ASSERT_NE(puller, nullptr);
+  absl::StatusOr<v1::LoadSnapshotResponse> pulled =
+      puller->client().PullSnapshot(snapshot->snapshot_id());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  absl::StatusOr<v1::CacheInfo> copy = puller->client().CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE(
+      puller->client().Restore(copy->cache_id(), pulled->snapshot().snapshot_id(), 40).ok());
+  EXPECT_TRUE(CacheMatchesReference(puller->client(), copy->cache_id(), reference));
+
+  std::unique_ptr<TestServer> misled = TestServer::Start({.tls = ServerTls(true),
+                                                          .client_tls = with_cert,
+                                                          .replica_name = "misled",
+                                                          .peers = peers,
+                                                          .peer_ca_file = File("other_ca.pem")});
+  ASSERT_NE(misled, nullptr);
+  const absl::Status refused = misled->client().PullSnapshot(snapshot->snapshot_id()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  puller->CleanUpAndCheck();
+  misled->CleanUpAndCheck();
+}
+
 TEST_F(E2eTlsTest, APlaintextLaneBeyondLoopbackNeedsAnExplicitFlag) {
   ServerConfig config;
   config.listen = "127.0.0.1:0";
