@@ -457,8 +457,11 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
   }
   absl::StatusOr<Client*> from = Owner(snapshot_id);
   if (!from.ok()) return from.status();
+  // A copy on its own replica is no pull.
+  const bool same_replica = *from == &client(to);
   absl::StatusOr<v1::LoadSnapshotResponse> copied =
-      client(to).PullSnapshot(snapshot_id, pinned, ttl_seconds);
+      same_replica ? absl::FailedPreconditionError("the owner itself")
+                   : client(to).PullSnapshot(snapshot_id, pinned, ttl_seconds);
   if (!copied.ok() && CannotPull(copied.status())) {
     v1::ExportSnapshotRequest request;
     request.set_snapshot_id(snapshot_id);

@@ -2,9 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -18,6 +21,22 @@ namespace {
 // rather than holding it.
 constexpr absl::Duration kEtcdLookupTimeout = absl::Seconds(3);
 
+// host:port: a host (a name or an address, no scheme, no path) and a port,
+// so that a listed value can only ever name a TCP peer.
+bool IsHostPort(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  uint32_t port = 0;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0 || port > 65535) {
+    return false;
+  }
+  const absl::string_view host = address.substr(0, colon);
+  return std::all_of(host.begin(), host.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' ||
+           c == ':' || c == '[' || c == ']';
+  });
+}
+
 }  // namespace
 
 absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_view list,
@@ -26,7 +45,7 @@ absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_vi
   for (absl::string_view entry : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
     entry = absl::StripAsciiWhitespace(entry);
     const std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::MaxSplits('=', 1));
-    if (parts.size() != 2 || parts[1].empty()) {
+    if (parts.size() != 2 || !IsHostPort(parts[1])) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": \"", entry.substr(0, 80), "\" is not name=host:port"));
     }
@@ -61,6 +80,12 @@ absl::StatusOr<std::unique_ptr<Peers>> Peers::Make(PeersConfig config) {
 }
 
 Peers::~Peers() = default;
+
+bool Peers::BeginPull() {
+  if (pulls_.fetch_add(1, std::memory_order_relaxed) < kMaxPulls) return true;
+  EndPull();
+  return false;
+}
 
 std::shared_ptr<grpc::Channel> Peers::ChannelTo(const std::string& address) {
   absl::MutexLock lock(&mu_);
@@ -98,11 +123,18 @@ void Peers::Find(const std::string& name, Found found) {
           if (etcd_->current_endpoint() == done->endpoint) etcd_->Next();
         }
         if (!status.ok()) {
-          std::move(done->found)(etcd::EtcdError(status, "Range", done->endpoint));
+          // UNAVAILABLE whatever etcd said: its own refusals are not the caller's.
+          std::move(done->found)(absl::UnavailableError(
+              absl::StrCat("snapshot_id: replica \"", name, "\" could not be looked up: ",
+                           etcd::EtcdError(status, "Range", done->endpoint).message())));
         } else if (done->response.kvs_size() == 0) {
           std::move(done->found)(absl::NotFoundError(absl::StrCat(
               "snapshot_id: replica \"", name, "\" is not listed in etcd (",
               done->request.key(), ")")));
+        } else if (!IsHostPort(done->response.kvs(0).value())) {
+          std::move(done->found)(absl::UnavailableError(
+              absl::StrCat("snapshot_id: replica \"", name, "\" is listed in etcd (",
+                           done->request.key(), ") without a host:port")));
         } else {
           std::move(done->found)(ChannelTo(done->response.kvs(0).value()));
         }

@@ -6,6 +6,7 @@
 // replica at a host of its choosing.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,7 +38,8 @@ struct PeersConfig {
 };
 
 // "name=host:port,name=host:port" as a map; INVALID_ARGUMENT naming `field`
-// for an entry that is not one, a bad name, or a name given twice.
+// for an entry that is not one (an address is host:port and nothing else),
+// a bad name, or a name given twice.
 absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_view list,
                                                                  absl::string_view field);
 
@@ -50,9 +52,14 @@ class Peers {
 
   // Whether any peer can be found (a list, or etcd).
   bool empty() const { return config_.listed.empty() && !etcd_; }
+  // A pull buffers a whole snapshot that a request of a few bytes asked
+  // for, so few run at once: false when kMaxPulls do (EndPull frees one).
+  bool BeginPull();
+  void EndPull() { pulls_.fetch_sub(1, std::memory_order_relaxed); }
+  static constexpr int kMaxPulls = 4;
   // Calls `found` once, inline or from a gRPC thread, with a channel to
   // replica `name`, or NOT_FOUND naming snapshot_id where no list has it
-  // (UNAVAILABLE where etcd could not be asked).
+  // (UNAVAILABLE where etcd could not be asked, or lists no host:port).
   void Find(const std::string& name, Found found);
 
  private:
@@ -61,6 +68,7 @@ class Peers {
   std::shared_ptr<grpc::Channel> ChannelTo(const std::string& address);
 
   const PeersConfig config_;
+  std::atomic<int> pulls_{0};
   absl::Mutex mu_;
   std::unique_ptr<etcd::EtcdChannels> etcd_ ABSL_PT_GUARDED_BY(mu_);  // set by Make only
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

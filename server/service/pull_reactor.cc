@@ -21,6 +21,13 @@ PullReactor::PullReactor(Admitted admitted, grpc::CallbackServerContext* context
     Answer(checked);
     return;
   }
+  if (!peers->BeginPull()) {
+    Answer(absl::ResourceExhaustedError(
+        absl::StrCat("snapshot_id: ", Peers::kMaxPulls,
+                     " pulls are running, the most this replica runs at once; try again")));
+    return;
+  }
+  pull_slot_ = peers;
   options_.set_pinned(request.pinned());
   options_.set_ttl_seconds(request.ttl_seconds());
   export_request_.set_snapshot_id(request.snapshot_id());
@@ -91,6 +98,10 @@ void PullReactor::Pulled(const grpc::Status& status) {
     // The owner's answer as it gave it (gRPC's codes are absl's).
     Answer(absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                         absl::StrCat("replica ", owner_name_, ": ", status.error_message())));
+  } else if (context_->IsCancelled()) {
+    // The caller went (or its deadline passed): no one would learn the new
+    // snapshot's id, so none is made.
+    Answer(absl::CancelledError("the pull was cancelled"));
   } else {
     Answer(admitted_.handlers().ImportFile(options_, file_, response_));
   }

@@ -26,6 +26,9 @@ class PullReactor final : public grpc::ServerUnaryReactor {
               Peers* peers, const std::string& self);
   void OnCancel() override { peer_context_.TryCancel(); }
   void OnDone() override { delete this; }
+  ~PullReactor() override {
+    if (pull_slot_ != nullptr) pull_slot_->EndPull();
+  }
 
  private:
   // The ExportSnapshot stream from the owner; its bytes go to file_.
@@ -51,6 +54,7 @@ class PullReactor final : public grpc::ServerUnaryReactor {
   void Answer(const absl::Status& status);
 
   const Admitted admitted_;
+  Peers* pull_slot_ = nullptr;  // the Peers whose BeginPull this holds
   grpc::CallbackServerContext* const context_;
   v1::LoadSnapshotResponse* const response_;
   const uint64_t max_file_bytes_;  // Handlers::MaxImportBytes

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -55,16 +57,29 @@ inline uint16_t FreePort() {
 }
 
 // Runs args[0] with `args`, its output appended to `log`: its pid.
-inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log) {
-  std::vector<char*> argv;  // built before fork: the child only opens, dups and execs
+// `env` entries (NAME=value) replace the parent's of that name in the child.
+inline pid_t SpawnLogged(const std::vector<std::string>& args, const std::string& log,
+                         const std::vector<std::string>& env = {}) {
+  // Built before fork: the child only opens, dups and execs.
+  std::vector<char*> argv;
   for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string_view inherited(*entry);
+    const bool replaced = std::any_of(env.begin(), env.end(), [&](const std::string& own) {
+      return inherited.substr(0, inherited.find('=') + 1) == own.substr(0, own.find('=') + 1);
+    });
+    if (!replaced) envp.push_back(*entry);
+  }
+  for (const std::string& own : env) envp.push_back(const_cast<char*>(own.c_str()));
+  envp.push_back(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     dup2(fd, STDERR_FILENO);
     dup2(fd, STDOUT_FILENO);
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   return pid;
@@ -95,7 +110,7 @@ class KvcachedProcess {
                                      replica_flag_};
     args.insert(args.end(), extra_flags_.begin(), extra_flags_.end());
     const std::string log = data_dir_ + ".log";
-    pid_ = SpawnLogged(args, log);
+    pid_ = SpawnLogged(args, log, env_);
     // It serves once it logs that it listens (a client's probes would back
     // off for a second or more after the first refused connection).
     const absl::Time deadline = absl::Now() + absl::Seconds(120);
@@ -145,6 +160,8 @@ class KvcachedProcess {
   void add_flags(const std::vector<std::string>& flags) {
     extra_flags_.insert(extra_flags_.end(), flags.begin(), flags.end());
   }
+  // Environment entries (NAME=value) of every later Start.
+  void set_env(std::vector<std::string> env) { env_ = std::move(env); }
   // The next Start listens on another gRPC port (a pod that moved).
   void Relocate() { address_ = absl::StrCat("127.0.0.1:", FreePort()); }
   const std::string& name() const { return name_; }
@@ -153,6 +170,7 @@ class KvcachedProcess {
  private:
   std::string name_, data_dir_, replica_flag_, address_, lane_;
   std::vector<std::string> extra_flags_;
+  std::vector<std::string> env_;
   pid_t pid_ = -1;
   size_t logged_ = 0;  // the log's bytes of earlier runs
 };

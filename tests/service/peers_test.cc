@@ -14,15 +14,20 @@ using ::testing::HasSubstr;
 
 TEST(PeersTest, ParsesNamedAddresses) {
   absl::StatusOr<std::map<std::string, std::string>> peers =
-      ParsePeerList(" a=10.0.0.1:50051, b-1=kvcached-1.kvcached:50051 ,", "peers");
+      ParsePeerList(" a=10.0.0.1:50051, b-1=kvcached-1.kvcached:50051 ,c=[::1]:7", "peers");
   ASSERT_TRUE(peers.ok()) << peers.status();
-  EXPECT_EQ(*peers, (std::map<std::string, std::string>{{"a", "10.0.0.1:50051"},
-                                                        {"b-1", "kvcached-1.kvcached:50051"}}));
+  EXPECT_EQ(*peers,
+            (std::map<std::string, std::string>{
+                {"a", "10.0.0.1:50051"}, {"b-1", "kvcached-1.kvcached:50051"}, {"c", "[::1]:7"}}));
   EXPECT_TRUE(ParsePeerList("", "peers").value().empty());
 }
 
 TEST(PeersTest, RefusesEntriesThatAreNotNamedAddresses) {
-  for (const char* bad : {"10.0.0.1:50051", "a=", "=10.0.0.1:1", "a/b=h:1", "a=h:1,a=h:2"}) {
+  // An address is host:port only: no other gRPC target (a unix socket, a
+  // resolver's scheme) can be named, nor a port out of range.
+  for (const char* bad :
+       {"10.0.0.1:50051", "a=", "=10.0.0.1:1", "a/b=h:1", "a=h:1,a=h:2", "a=unix:/tmp/socket",
+        "a=dns:///h:1", "a=h", "a=h:0", "a=h:65536", "a=h:x"}) {
     absl::StatusOr<std::map<std::string, std::string>> peers = ParsePeerList(bad, "peers");
     EXPECT_EQ(peers.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(peers.status().message(), HasSubstr("peers")) << bad;
