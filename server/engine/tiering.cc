@@ -82,7 +82,8 @@ bool Tiering::Relievable(const absl::Status& status, uint64_t refused) const {
   if (status.code() != absl::StatusCode::kResourceExhausted) return false;
   if (absl::StrContains(status.message(), gpu::kPoolExhausted) ||
       absl::StrContains(status.message(), gpu::kAccountExhausted)) {
-    return pool_.refused_allocations() != refused;  // this call's, not an old message
+    // This call's, not an old message.
+    return gpu::PagePool::RefusalsOnThisThread().count != refused;
   }
   return absl::StartsWith(status.message(), kMetadataBudgetName);
 }

@@ -92,7 +92,8 @@ class Tiering {
   bool Resident(const CacheSnapshot& snapshot) const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
   // Whether `status` is the refusal of a budget that dropping cached entries
   // can relieve: the pool's (since `refused`, its count before the call) or
-  // the metadata budget's.
+  // the metadata budget's. Counted per thread: another thread's refusal meanwhile
+  // says nothing of this call's.
   bool Relievable(const absl::Status& status, uint64_t refused) const;
   // The pool's refusal, as the caller sees it once eviction cannot help.
   static absl::Status NothingToEvict(const absl::Status& refused);
@@ -113,7 +114,7 @@ class Tiering {
 template <typename Op>
 auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
   for (int round = 0;; ++round) {
-    const uint64_t refused = pool_.refused_allocations();
+    const uint64_t refused = gpu::PagePool::RefusalsOnThisThread().count;
     auto result = op();
     if (result.ok()) return result;
     const absl::Status status = StatusOf(result);
@@ -123,7 +124,8 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
     const bool quota_refused = absl::StrContains(status.message(), gpu::kAccountExhausted);
     const bool pool_refused =
         quota_refused || absl::StrContains(status.message(), gpu::kPoolExhausted);
-    const uint32_t shortfall = pool_refused ? pool_.last_shortfall() : 0;
+    const uint32_t shortfall =
+        pool_refused ? gpu::PagePool::RefusalsOnThisThread().last_shortfall : 0;
     if (round + 1 == kMaxEvictionRounds) return pool_refused ? NothingToEvict(status) : result;
     if (pool_refused && enabled()) {
       absl::StatusOr<uint32_t> moved = Evict(shortfall);

@@ -181,12 +181,24 @@ uint32_t PageAllocator::AvailableLocked() const {
   return static_cast<uint32_t>(free_.size()) + unbacked;
 }
 
+namespace {
+thread_local PagePool::Refusals refusals_on_this_thread;
+}  // namespace
+
+PagePool::Refusals PageAllocator::RefusalsOnThisThread() { return refusals_on_this_thread; }
+
+void PageAllocator::CountRefusal(uint32_t shortfall) {
+  last_shortfall_.store(shortfall, std::memory_order_relaxed);
+  refused_.fetch_add(1, std::memory_order_release);
+  ++refusals_on_this_thread.count;
+  refusals_on_this_thread.last_shortfall = shortfall;
+}
+
 absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out, AccountId account) {
   absl::MutexLock lock(&mutex_);
   const uint32_t room = RoomLocked(Tier::kDevice, account);
   if (count > room) {
-    last_shortfall_.store(count - room, std::memory_order_relaxed);
-    refused_.fetch_add(1, std::memory_order_release);
+    CountRefusal(count - room);
     const uint32_t limit = accounts_[account].limits.device_pages;
     return absl::ResourceExhaustedError(absl::StrCat(
         "max_device_bytes: ", kAccountExhausted, ": ", count, " pages requested, ", room, " of ",
@@ -194,8 +206,7 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out, A
   }
   const uint32_t available = AvailableLocked();
   if (count > available) {
-    last_shortfall_.store(count - available, std::memory_order_relaxed);
-    refused_.fetch_add(1, std::memory_order_release);
+    CountRefusal(count - available);
     return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
                                                      " pages requested, ", available, " of ",
                                                      plan_.max_pages, " available"));
@@ -316,58 +327,73 @@ void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
   where_[page].store(Encode(tier, slot), std::memory_order_release);
   // Only a disk tier ever asks which host page came first.
   if (tier == Tier::kHost && plan_.max_disk_pages > 0) {
-    host_arrivals_.emplace_back(page, slot);
-    // Entries of pages that left or were freed stay until popped; keep them
-    // from outgrowing the host tier.
-    if (host_arrivals_.size() > 2 * uint64_t{plan_.max_host_pages}) DropStaleArrivalsLocked();
-  }
-}
-
-void PageAllocator::DropStaleArrivalsLocked() {
-  std::deque<std::pair<PageId, uint32_t>> live;
-  for (const auto& [page, slot] : host_arrivals_) {
-    if (where_[page].load(std::memory_order_relaxed) == Encode(Tier::kHost, slot)) {
-      live.emplace_back(page, slot);
+    Account& account = AccountLocked(account_of_[page]);
+    account.host_arrivals.push_back({.order = host_arrivals_++, .page = page, .slot = slot});
+    // Entries of pages that left or were freed stay until looked at; keep
+    // them from outgrowing the pages the account holds there.
+    if (account.host_arrivals.size() >
+        2 * uint64_t{account.used[static_cast<int>(Tier::kHost)]} + 64) {
+      DropStaleArrivalsLocked(account);
     }
   }
-  host_arrivals_.swap(live);
 }
 
-std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote() {
+// Checked under the lock that frees ids: a page freed (its count at zero, its
+// id perhaps reused) or moved since it arrived is no longer that arrival.
+bool PageAllocator::StaleLocked(const HostArrival& arrival) const {
+  return where_[arrival.page].load(std::memory_order_relaxed) != Encode(Tier::kHost, arrival.slot);
+}
+
+void PageAllocator::DropStaleArrivalsLocked(Account& account) {
+  std::deque<HostArrival> live;
+  for (const HostArrival& arrival : account.host_arrivals) {
+    if (!StaleLocked(arrival)) live.push_back(arrival);
+  }
+  account.host_arrivals.swap(live);
+}
+
+const PageAllocator::HostArrival* PageAllocator::OldestArrivalLocked(Account& account) {
+  while (!account.host_arrivals.empty() && StaleLocked(account.host_arrivals.front())) {
+    account.host_arrivals.pop_front();
+  }
+  return account.host_arrivals.empty() ? nullptr : &account.host_arrivals.front();
+}
+
+std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote(
+    std::optional<AccountId> only) {
   absl::MutexLock lock(&mutex_);
-  // A page whose account has no room left on disk stays, and is passed over:
-  // one tenant's full disk share must not keep the others' pages from moving
-  // down. The scan is bounded; past it, nothing moves this time.
-  uint32_t passed_over = 0;
-  for (auto entry = host_arrivals_.begin();
-       entry != host_arrivals_.end() && passed_over < kMaxPassedOver;) {
-    const auto [page, slot] = *entry;
-    // Checked and retained under the lock that frees ids: a page freed (its
-    // count at zero, its id perhaps reused) since it arrived is dropped.
-    if (where_[page].load(std::memory_order_relaxed) != Encode(Tier::kHost, slot)) {
-      entry = host_arrivals_.erase(entry);
-      continue;
+  for (;;) {
+    // The oldest arrival among the accounts with room left on disk: a page
+    // whose account has none stays, and is passed over, so that one tenant's
+    // full disk share does not keep the others' pages from moving down.
+    AccountId oldest_account = 0;
+    const HostArrival* oldest = nullptr;
+    for (size_t index = 0; index < accounts_.size(); ++index) {
+      const auto id = static_cast<AccountId>(index);
+      if (only.has_value() && id != *only) continue;
+      if (RoomLocked(Tier::kDisk, id) == 0) continue;
+      const HostArrival* arrival = OldestArrivalLocked(accounts_[id]);
+      if (arrival != nullptr && (oldest == nullptr || arrival->order < oldest->order)) {
+        oldest = arrival;
+        oldest_account = id;
+      }
     }
-    const AccountId account = account_of_[page];
-    if (RoomLocked(Tier::kDisk, account) == 0) {
-      ++passed_over;
-      ++entry;
-      continue;
-    }
+    if (oldest == nullptr) return std::nullopt;
+    const PageId page = oldest->page;
+    const uint32_t host_slot = oldest->slot;
     // None when the disk tier itself is full: no other page could go either.
-    const std::optional<uint32_t> disk_slot = TakeSlotLocked(Tier::kDisk, account);
+    const std::optional<uint32_t> disk_slot = TakeSlotLocked(Tier::kDisk, oldest_account);
     if (!disk_slot.has_value()) return std::nullopt;
-    entry = host_arrivals_.erase(entry);
+    accounts_[oldest_account].host_arrivals.pop_front();
     if (!TryRetain(page)) {
       // Back on the free list as it was taken: still charged to the disk
       // budget, so the next demotion need not win that room again.
       disk_free_.push_back(*disk_slot);
-      --AccountLocked(account).used[static_cast<int>(Tier::kDisk)];
+      --accounts_[oldest_account].used[static_cast<int>(Tier::kDisk)];
       continue;
     }
-    return Demotion{.page = page, .host_slot = slot, .disk_slot = *disk_slot};
+    return Demotion{.page = page, .host_slot = host_slot, .disk_slot = *disk_slot};
   }
-  return std::nullopt;
 }
 
 void PageAllocator::CountMoves(Tier from, Tier to, uint32_t pages) {

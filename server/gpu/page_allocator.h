@@ -95,6 +95,7 @@ class PageAllocator {
   absl::Status Allocate(uint32_t count, std::vector<PageId>& out, AccountId account);
   uint64_t refused_allocations() const { return refused_.load(std::memory_order_acquire); }
   uint32_t last_shortfall() const { return last_shortfall_.load(std::memory_order_acquire); }
+  static PagePool::Refusals RefusalsOnThisThread();
   void Retain(PageId page);
   bool TryRetain(PageId page);
   void Release(PageId page);
@@ -118,29 +119,38 @@ class PageAllocator {
   void ReturnSlot(Tier tier, uint32_t slot, AccountId account);
   // The page's bytes now live in `slot` of `tier`; its old slot is freed.
   void Relocate(PageId page, Tier tier, uint32_t slot);
-  // The host page that went there first and is still there, retained (the
-  // caller releases it once moved), with its host slot and a disk slot taken
-  // for it; none when no host page is left or the disk tier is full. Pages
-  // whose account has no room left on disk keep their place in line and are
-  // passed over (at most kMaxPassedOver of them). Only kept when there is a
-  // disk tier to move it to.
-  static constexpr uint32_t kMaxPassedOver = 64;
+  // The host page that went there first and is still there (of `only`'s
+  // pages, when given), retained (the caller releases it once moved), with its
+  // host slot and a disk slot taken for it; none when no such page is left or
+  // the disk tier is full. Pages whose account has no room left on disk keep
+  // their place in line and are passed over. Only kept when there is a disk
+  // tier to move it to.
   struct Demotion {
     PageId page;
     uint32_t host_slot;
     uint32_t disk_slot;
   };
-  std::optional<Demotion> TakeOldestHostPageToDemote();
+  std::optional<Demotion> TakeOldestHostPageToDemote(std::optional<AccountId> only = std::nullopt);
   void CountMoves(Tier from, Tier to, uint32_t pages);
   // How a freed disk slot's space goes back to the file system (true: it
   // did); until it does, the slot stays charged to the disk budget.
   void SetDiskDiscard(std::function<bool(uint32_t)> discard);
 
  private:
-  // What the account keeps per tier: its limits and the slots it holds.
+  // A page's arrival in host memory; `order` counts arrivals pool-wide.
+  struct HostArrival {
+    uint64_t order;
+    PageId page;
+    uint32_t slot;
+  };
+  // What the account keeps per tier: its limits and the slots it holds, and
+  // its host pages in the order they arrived (entries go stale when the page
+  // leaves or is freed: checked against where_ when looked at). One queue per
+  // account, so that its own oldest page is found as fast as the pool's.
   struct Account {
     AccountLimits limits;
     uint32_t used[3] = {};
+    std::deque<HostArrival> host_arrivals;
   };
 
   uint32_t AvailableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
@@ -154,12 +164,17 @@ class PageAllocator {
   void FreeSlotLocked(Tier tier, uint32_t slot, AccountId account)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   std::vector<uint32_t>& FreeSlotsLocked(Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  void DropStaleArrivalsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  bool StaleLocked(const HostArrival& arrival) const ABSL_SHARED_LOCKS_REQUIRED(mutex_);
+  void DropStaleArrivalsLocked(Account& account) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // The account's oldest host page still there (stale entries ahead of it
+  // dropped), or null.
+  const HostArrival* OldestArrivalLocked(Account& account) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Allocates the next slab and pushes its pages onto the free list.
   absl::Status AddSlabLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // A reference-count call on a page that is not allocated: a bug in the caller.
   // Asserts in debug builds; logs and ignores the call in release builds.
   static void ReportMisuse(std::string_view operation, PageId page);
+  void CountRefusal(uint32_t shortfall);
 
   const Device& device_;
   const PagePlan plan_;
@@ -188,9 +203,7 @@ class PageAllocator {
   // Disk slots whose space is charged to disk_budget_ (written, not discarded).
   std::vector<bool> disk_charged_ ABSL_GUARDED_BY(mutex_);
   std::function<bool(uint32_t)> discard_disk_slot_ ABSL_GUARDED_BY(mutex_);
-  // Host pages in the order they arrived (entries go stale when the page
-  // leaves or is freed: checked against where_ when popped).
-  std::deque<std::pair<PageId, uint32_t>> host_arrivals_ ABSL_GUARDED_BY(mutex_);
+  uint64_t host_arrivals_ ABSL_GUARDED_BY(mutex_) = 0;
   uint64_t moves_[3][3] ABSL_GUARDED_BY(mutex_) = {};  // [from tier][to tier], pages
   std::vector<Account> accounts_ ABSL_GUARDED_BY(mutex_);  // by AccountId, grown on use
   std::atomic<uint64_t> refused_{0};

@@ -319,6 +319,9 @@ bool PagePool::TryRetain(PageId page) { return impl_->pages.TryRetain(page); }
 uint32_t PagePool::max_page_ids() const { return impl_->pages.max_ids(); }
 uint64_t PagePool::refused_allocations() const { return impl_->pages.refused_allocations(); }
 uint32_t PagePool::last_shortfall() const { return impl_->pages.last_shortfall(); }
+PagePool::Refusals PagePool::RefusalsOnThisThread() {
+  return PageAllocator::RefusalsOnThisThread();
+}
 Tier PagePool::Where(PageId page) const { return impl_->pages.Where(page); }
 absl::StatusOr<uint32_t> PagePool::Evict(absl::Span<const PageId> pages) {
   return impl_->Evict(pages);

@@ -178,6 +178,14 @@ class PagePool {
   // and how much room to make.
   uint64_t refused_allocations() const;
   uint32_t last_shortfall() const;
+  // The same, counted for the calling thread across every pool: what tells a
+  // caller that the refusal it holds is its own call's, however many other
+  // threads are refused meanwhile.
+  struct Refusals {
+    uint64_t count = 0;
+    uint32_t last_shortfall = 0;
+  };
+  static Refusals RefusalsOnThisThread();
   void Retain(PageId page);
   // Drops one reference; the page returns to the free list at zero.
   void Release(PageId page);

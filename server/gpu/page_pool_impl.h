@@ -68,8 +68,13 @@ class PagePool::Impl {
   // free by moving the oldest host page to disk, or a disk slot, within the
   // account's limits; none when full.
   absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> EvictionSlot(AccountId account);
-  // Moves the oldest host page to disk; false when none can go.
-  absl::StatusOr<bool> DemoteOldestHostPage();
+  // Moves the oldest host page (of `only`'s pages, when given) to disk; false
+  // when none can go.
+  absl::StatusOr<bool> DemoteOldestHostPage(std::optional<AccountId> only = std::nullopt);
+  // Which of `victims` (least recently used first) Evict sends straight to
+  // disk: those that a full host tier, or a full host share of their account,
+  // would move down again before the call ends.
+  std::vector<bool> StraightToDisk(absl::Span<const PageId> victims) const;
 
   // Null on the direct path. With mapped writes, pages are mapped (Write
   // copies into them) and this ring does everything else.

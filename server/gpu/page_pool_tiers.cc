@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -52,9 +53,9 @@ absl::Status PagePool::Impl::WriteSlots(
   return staged_->Write(copies);
 }
 
-absl::StatusOr<bool> PagePool::Impl::DemoteOldestHostPage() {
+absl::StatusOr<bool> PagePool::Impl::DemoteOldestHostPage(std::optional<AccountId> only) {
   // Held for the move, so it cannot be freed (and its id reused) meanwhile.
-  const std::optional<PageAllocator::Demotion> oldest = pages.TakeOldestHostPageToDemote();
+  const std::optional<PageAllocator::Demotion> oldest = pages.TakeOldestHostPageToDemote(only);
   if (!oldest.has_value()) return false;
   absl::Status written = disk_->Write(oldest->disk_slot, host_.Slot(oldest->host_slot));
   if (written.ok()) {
@@ -74,22 +75,48 @@ absl::StatusOr<std::optional<std::pair<Tier, uint32_t>>> PagePool::Impl::Evictio
     return std::make_pair(Tier::kHost, *slot);
   }
   if (disk_ == nullptr) return std::nullopt;
-  // Host memory is full but the account may use more of it: its oldest page
-  // moves down to make room (when that page's account has room on disk).
-  if (pages.HasRoom(Tier::kHost, account)) {
-    ASSIGN_OR_RETURN(const bool demoted, DemoteOldestHostPage());
-    if (demoted) {
-      if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost, account)) {
-        return std::make_pair(Tier::kHost, *slot);
-      }
+  // No host slot for it. The page being evicted was used more recently than
+  // any page already in host memory, so an older one moves down to make room
+  // (when that page's account has room on disk): the oldest in host memory
+  // when the tier is full, the account's own oldest when its host share is.
+  const bool share_full = !pages.HasRoom(Tier::kHost, account);
+  ASSIGN_OR_RETURN(const bool demoted,
+                   DemoteOldestHostPage(share_full ? std::optional(account) : std::nullopt));
+  if (demoted) {
+    if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kHost, account)) {
+      return std::make_pair(Tier::kHost, *slot);
     }
   }
-  // No host room for it (no host tier, its quota there used up, or nothing
-  // could move down): the evicted page goes straight to disk.
+  // No host room for it (no host tier, or nothing could move down): the
+  // evicted page goes straight to disk.
   if (std::optional<uint32_t> slot = pages.TakeSlot(Tier::kDisk, account)) {
     return std::make_pair(Tier::kDisk, *slot);
   }
   return std::nullopt;
+}
+
+std::vector<bool> PagePool::Impl::StraightToDisk(absl::Span<const PageId> victims) const {
+  std::vector<bool> straight(victims.size(), false);
+  if (disk_ == nullptr) return straight;
+  const uint32_t max_host = pages.plan().max_host_pages;
+  // How many of each account's victims its host share could hold.
+  absl::flat_hash_map<AccountId, std::pair<uint32_t, uint32_t>> victims_and_room;
+  std::vector<AccountId> accounts(victims.size());
+  for (size_t i = 0; i < victims.size(); ++i) {
+    accounts[i] = pages.AccountOf(victims[i]);
+    ++victims_and_room[accounts[i]].first;
+  }
+  for (auto& [account, counts] : victims_and_room) {
+    const uint32_t share = pages.Usage(account).limits.host_pages;
+    counts.second = share == 0 ? max_host : std::min(share, max_host);
+  }
+  const size_t pool_wide = victims.size() > max_host ? victims.size() - max_host : 0;
+  for (size_t i = 0; i < victims.size(); ++i) {
+    auto& [left, room] = victims_and_room[accounts[i]];
+    straight[i] = i < pool_wide || left > room;  // `left`: this one and its account's after it
+    --left;
+  }
+  return straight;
 }
 
 absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims) {
@@ -101,16 +128,15 @@ absl::StatusOr<uint32_t> PagePool::Impl::Evict(absl::Span<const PageId> victims)
   planned.reserve(victims.size());
   absl::Status status;
   // The least recently used come first. Those host memory could not hold even
-  // if it held nothing else go straight to disk; the rest go to host memory,
-  // moving older host pages down to make room.
-  const uint32_t straight_to_disk = disk_ != nullptr && victims.size() > pages.plan().max_host_pages
-                                        ? victims.size() - pages.plan().max_host_pages
-                                        : 0;
+  // if it held nothing else, or their account's share of it nothing else of
+  // theirs, go straight to disk; the rest go to host memory, moving older host
+  // pages down to make room. Each page moves once.
+  const std::vector<bool> straight_to_disk = StraightToDisk(victims);
   for (size_t i = 0; i < victims.size(); ++i) {
     const PageId page = victims[i];
     if (pages.Where(page) != Tier::kDevice) continue;
     const AccountId account = pages.AccountOf(page);
-    if (i < straight_to_disk) {
+    if (straight_to_disk[i]) {
       if (std::optional<uint32_t> disk_slot = pages.TakeSlot(Tier::kDisk, account)) {
         planned.emplace_back(page, std::make_pair(Tier::kDisk, *disk_slot));
         continue;

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -257,10 +258,11 @@ TEST_P(PageTiersTest, EvictionAndPromotionKeepEachAccountWithinItsLimits) {
   std::vector<PageId> pages;
   ASSERT_TRUE(limited->Allocate(4, pages).ok());
   const auto contents = Fill(*pool, pages);
-  // One page fits its host share, one its disk share; the rest stay.
+  // One page fits its host share, one its disk share; the rest stay. The
+  // older of the two goes lower.
   EXPECT_EQ(pool->Evict(pages).value_or(0), 2u);
-  EXPECT_EQ(pool->Where(pages[0]), Tier::kHost);
-  EXPECT_EQ(pool->Where(pages[1]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kHost);
   EXPECT_EQ(pool->Where(pages[2]), Tier::kDevice);
   AccountUsage usage = limited->account_usage();
   EXPECT_EQ(usage.device_pages, 2u);
@@ -278,7 +280,8 @@ TEST_P(PageTiersTest, EvictionAndPromotionKeepEachAccountWithinItsLimits) {
   const absl::Status promoted = pool->Promote(pages);
   EXPECT_EQ(promoted.code(), absl::StatusCode::kResourceExhausted) << promoted;
   EXPECT_THAT(std::string(promoted.message()), ::testing::StartsWith("max_device_bytes: "));
-  EXPECT_EQ(pool->Where(pages[0]), Tier::kHost) << "a refused promotion moved a page";
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kDisk) << "a refused promotion moved a page";
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kHost) << "a refused promotion moved a page";
   for (PageId page : fresh) pool->Release(page);
   ASSERT_TRUE(pool->Promote(pages).ok());
   for (size_t i = 0; i < pages.size(); ++i) EXPECT_EQ(ReadPage(*pool, pages[i]), contents[i]) << i;
@@ -352,6 +355,76 @@ TEST_P(PageTiersTest, APageThatCannotMoveDownDoesNotHoldUpTheOthers) {
   for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(ReadPage(*pool, others[i]), contents[i]);
   for (PageId page : mine) pool->Release(page);
   for (PageId page : others) pool->Release(page);
+  ExpectAllFree(*pool);
+}
+
+// An account's host share is full: its own oldest host page moves down for
+// the newcomer (which was used more recently), and no other account's page
+// does, however old.
+TEST_P(PageTiersTest, AFullHostShareMovesTheAccountsOwnOldestPageDown) {
+  auto pool = MakeTieredPool(8, 4, 8);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.host_pages = 2});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> mine;
+  std::vector<PageId> other;
+  ASSERT_TRUE(limited->Allocate(3, mine).ok());
+  ASSERT_TRUE(free->Allocate(1, other).ok());
+  const auto contents = Fill(*pool, mine);
+  ASSERT_EQ(pool->Evict(other).value_or(0), 1u);
+  for (PageId page : mine) ASSERT_EQ(pool->Evict({page}).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(mine[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(mine[1]), Tier::kHost);
+  EXPECT_EQ(pool->Where(mine[2]), Tier::kHost);
+  EXPECT_EQ(pool->Where(other[0]), Tier::kHost) << "another account's page moved for this one";
+  EXPECT_EQ(pool->stats().demotions, 1u);
+  EXPECT_EQ(limited->account_usage().host_pages, 2u);
+  ASSERT_TRUE(pool->Promote(mine).ok());
+  for (size_t i = 0; i < mine.size(); ++i) EXPECT_EQ(ReadPage(*pool, mine[i]), contents[i]) << i;
+  for (PageId page : mine) pool->Release(page);
+  pool->Release(other[0]);
+  ExpectAllFree(*pool);
+}
+
+// One eviction of more pages than the account's host share holds: the oldest
+// go straight to disk, the newest to host memory, each page moved once.
+TEST_P(PageTiersTest, WhatAHostShareCannotHoldGoesStraightToDisk) {
+  auto pool = MakeTieredPool(8, 4, 8);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.host_pages = 2});
+  std::vector<PageId> pages;
+  ASSERT_TRUE(limited->Allocate(4, pages).ok());
+  const auto contents = Fill(*pool, pages);
+  ASSERT_EQ(pool->Evict(pages).value_or(0), 4u);
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(pages[2]), Tier::kHost);
+  EXPECT_EQ(pool->Where(pages[3]), Tier::kHost);
+  EXPECT_EQ(pool->stats().demotions, 0u) << "a page went down twice";
+  ASSERT_TRUE(pool->Promote(pages).ok());
+  for (size_t i = 0; i < pages.size(); ++i) EXPECT_EQ(ReadPage(*pool, pages[i]), contents[i]) << i;
+  for (PageId page : pages) pool->Release(page);
+  ExpectAllFree(*pool);
+}
+
+// A caller that evicts when refused learns from its own thread's count that
+// the refusal is its call's: another thread's refusal does not count.
+TEST_P(PageTiersTest, RefusalsAreCountedForTheThreadRefused) {
+  auto pool = MakeTieredPool(2, 0, 0);
+  ASSERT_NE(pool, nullptr);
+  const PagePool::Refusals before = PagePool::RefusalsOnThisThread();
+  std::thread other([&] {
+    std::vector<PageId> pages;
+    EXPECT_EQ(pool->Allocate(3, pages).code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(PagePool::RefusalsOnThisThread().last_shortfall, 1u);
+  });
+  other.join();
+  EXPECT_EQ(PagePool::RefusalsOnThisThread().count, before.count);
+  EXPECT_EQ(pool->refused_allocations(), 1u);  // the pool's own count sees both
+  std::vector<PageId> pages;
+  EXPECT_EQ(pool->Allocate(5, pages).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(PagePool::RefusalsOnThisThread().count, before.count + 1);
+  EXPECT_EQ(PagePool::RefusalsOnThisThread().last_shortfall, 3u);
   ExpectAllFree(*pool);
 }
 
