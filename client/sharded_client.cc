@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "etcd_membership.h"
+#include "etcd/etcd_membership.h"
 #include "ids/replica_id.h"
 #include "rendezvous.h"
 
@@ -218,9 +218,16 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::ConnectEtcd(
     const ShardedClientOptions& options) {
   std::unique_ptr<ShardedClient> fleet(
       new ShardedClient(options.client, options.prefix_route_tokens));
-  absl::StatusOr<std::unique_ptr<EtcdMembership>> membership = EtcdMembership::Start(
+  absl::StatusOr<std::unique_ptr<etcd::EtcdMembership>> membership = etcd::EtcdMembership::Start(
       options.etcd, options.connect_timeout,
-      [raw = fleet.get()](const std::vector<Replica>& listed) { raw->SetMembers(listed); });
+      [raw = fleet.get()](const std::map<std::string, std::string>& listed) {
+        std::vector<Replica> replicas;
+        replicas.reserve(listed.size());
+        for (const auto& [name, address] : listed) {
+          replicas.push_back({.name = name, .address = address});
+        }
+        raw->SetMembers(replicas);
+      });
   if (!membership.ok()) return membership.status();
   fleet->membership_ = *std::move(membership);
   return fleet;

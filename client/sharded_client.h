@@ -18,7 +18,7 @@
 //
 // Replicas come from a static list or DNS (ParsePeers), their names (each
 // server's --replica_name) given or asked of each server at Connect; or from
-// etcd, where each replica lists itself under a lease (etcd_membership.h).
+// etcd, where each replica lists itself under a lease (etcd/etcd_membership.h).
 // With etcd the fleet changes while the client runs: a replica that joins
 // takes its share of new caches, one that leaves takes none, and its ids
 // still go to its last address (UNAVAILABLE while it is down); a replica
@@ -55,7 +55,9 @@ struct Replica {
 // Kubernetes headless Service lists one per ready pod), names asked.
 absl::StatusOr<std::vector<Replica>> ParsePeers(absl::string_view peers);
 
+namespace etcd {
 class EtcdMembership;
+}  // namespace etcd
 
 struct ShardedClientOptions {
   // A static fleet; or none, where etcd lists it.
@@ -177,7 +179,7 @@ class ShardedClient {
   std::vector<size_t> members_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> member_names_ ABSL_GUARDED_BY(mu_);
   // Declared last: its thread stops before the rest goes.
-  std::unique_ptr<EtcdMembership> membership_;
+  std::unique_ptr<etcd::EtcdMembership> membership_;
 };
 
 }  // namespace kvcache

@@ -175,7 +175,9 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
 absl::Status KvCacheServer::StartPeers(const ServerConfig& config) {
   ASSIGN_OR_RETURN(auto listed, service::ParsePeerList(config.peers, "peers"));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
-                   GrpcPeerCredentials(config.tls, config.peer_ca_file));
+                   GrpcPeerCredentials(config.tls, {.ca_file = config.peer_ca_file,
+                                                    .cert_file = config.peer_cert_file,
+                                                    .key_file = config.peer_key_file}));
   if (listed.empty() && config.etcd.endpoints.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(peers_, service::Peers::Make({.self = config.replica_name,
                                                  .listed = std::move(listed),

@@ -101,6 +101,10 @@ struct ServerConfig {
   std::string peers;
   // PEM CA of the peers' certificates where it is not tls.client_ca_file.
   std::string peer_ca_file;
+  // PEM client certificate and key this replica shows its peers; empty: its
+  // server certificate, where the fleet runs mutual TLS.
+  std::string peer_cert_file;
+  std::string peer_key_file;
 };
 
 class KvCacheServer {

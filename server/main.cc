@@ -114,9 +114,13 @@ ABSL_FLAG(std::string, advertise_address, "",
 ABSL_FLAG(std::string, peers, "",
           "the fleet's other replicas, name=host:port,... : where PullSnapshot reads a "
           "snapshot another replica made (with --etcd_endpoints, names not listed here are "
-          "looked up in etcd)");
+          "found in etcd's list, which the replica watches)");
 ABSL_FLAG(std::string, peer_ca, "",
           "PEM CA of the peers' certificates (default: --tls_client_ca; else the system's)");
+ABSL_FLAG(std::string, peer_cert, "",
+          "PEM client certificate shown to peers (default: --tls_cert, where the fleet runs "
+          "mutual TLS); with --peer_key");
+ABSL_FLAG(std::string, peer_key, "", "PEM private key of --peer_cert");
 ABSL_FLAG(bool, access_log, false,
           "log a line per gRPC call (request id, method, code, duration, peer)");
 ABSL_FLAG(std::string, log_format, "text",
@@ -176,6 +180,8 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   config.peers = absl::GetFlag(FLAGS_peers);
   config.peer_ca_file = absl::GetFlag(FLAGS_peer_ca);
+  config.peer_cert_file = absl::GetFlag(FLAGS_peer_cert);
+  config.peer_key_file = absl::GetFlag(FLAGS_peer_key);
   const std::string kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
   if (kv_events_format != "map" && kv_events_format != "array") {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -27,13 +27,23 @@ struct TlsConfig {
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> GrpcServerCredentials(
     const TlsConfig& tls);
 
+// What this replica shows and trusts when it calls its peers; each empty:
+// what its own TLS uses (GrpcPeerCredentials).
+struct PeerTlsConfig {
+  std::string ca_file;    // PEM CA of the peers' certificates
+  std::string cert_file;  // PEM client certificate chain, for fleets whose PKI
+  std::string key_file;   // keeps server and client certificates apart
+};
+
 // How this replica calls its peers (PullSnapshot): plaintext where it serves
-// plaintext; else TLS trusting `peer_ca_file` (empty: tls.client_ca_file,
-// the fleet's CA where it asks clients for certificates; else the system's
-// roots), presenting its own certificate where it asks for one (a fleet
-// with mutual TLS asks its peers too).
+// plaintext; else TLS trusting peer.ca_file (empty: tls.client_ca_file, the
+// fleet's CA where it asks clients for certificates; else the system's
+// roots), presenting peer.cert_file where given, else its own server
+// certificate where it asks clients for one (a fleet with mutual TLS asks
+// its peers too). INVALID_ARGUMENT naming the flag of a file that cannot be
+// read, or of half a pair.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcPeerCredentials(
-    const TlsConfig& tls, const std::string& peer_ca_file);
+    const TlsConfig& tls, const PeerTlsConfig& peer);
 
 // The data lane's TLS from the same files: null where TLS is off.
 absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls);

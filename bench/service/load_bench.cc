@@ -333,7 +333,9 @@ int Run() {
   std::vector<std::string> addresses = {absl::GetFlag(FLAGS_address)};
   if (const std::string peers = absl::GetFlag(FLAGS_peers); !peers.empty()) {
     addresses.clear();
-    for (const Replica& replica : ParsePeers(peers).value()) addresses.push_back(replica.address);
+    // Held here: a range-for over a temporary's value() would read it after it went.
+    const std::vector<Replica> listed = ParsePeers(peers).value();
+    for (const Replica& replica : listed) addresses.push_back(replica.address);
   }
   if (const std::string etcd = absl::GetFlag(FLAGS_etcd_endpoints); !etcd.empty()) {
     addresses.clear();

@@ -1,4 +1,4 @@
-#include "etcd_membership.h"
+#include "etcd/etcd_membership.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -8,9 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
-#include "sharded_client.h"
 
-namespace kvcache {
+namespace kvcache::etcd {
 namespace {
 
 constexpr absl::Duration kReadTimeout = absl::Seconds(5);
@@ -18,33 +17,39 @@ constexpr absl::Duration kMostBackoff = absl::Seconds(2);
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
-    const etcd::EtcdOptions& options, absl::Duration timeout, OnChange on_change) {
-  absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(options);
+absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(const EtcdOptions& options,
+                                                                      absl::Duration timeout,
+                                                                      OnChange on_change) {
+  absl::StatusOr<EtcdChannels> channels = EtcdChannels::Make(options);
   if (!channels.ok()) return channels.status();
   std::unique_ptr<EtcdMembership> membership(
       new EtcdMembership(options, *std::move(channels), std::move(on_change)));
+  const bool read = timeout > absl::ZeroDuration();
+  if (read) {
+    if (absl::Status status = membership->ReadWithin(timeout); !status.ok()) return status;
+    membership->Publish();
+  }
+  membership->runner_ = std::thread([raw = membership.get(), read] { raw->Run(read); });
+  return membership;
+}
+
+absl::Status EtcdMembership::ReadWithin(absl::Duration timeout) {
   // The endpoints in turn, each for up to 2 s (one that is unreachable must
   // not use up the whole timeout), backing off where all refuse at once.
   const absl::Time deadline = absl::Now() + timeout;
-  absl::Status read;
   for (int attempt = 1;; ++attempt) {
-    read = membership->Read(std::min(deadline - absl::Now(), absl::Seconds(2)));
-    if (read.ok()) break;
+    absl::Status read = Read(std::min(deadline - absl::Now(), absl::Seconds(2)));
+    if (read.ok()) return read;
     const bool retry = absl::IsUnavailable(read) || absl::IsDeadlineExceeded(read);
     if (!retry || absl::Now() >= deadline) {
       return absl::Status(retry ? absl::StatusCode::kUnavailable : read.code(), read.message());
     }
-    membership->channels_.Next();
-    absl::SleepFor(
-        std::min(etcd::EtcdBackoff(attempt, absl::Milliseconds(500)), deadline - absl::Now()));
+    channels_.Next();
+    absl::SleepFor(std::min(EtcdBackoff(attempt, absl::Milliseconds(500)), deadline - absl::Now()));
   }
-  membership->Publish();
-  membership->runner_ = std::thread([raw = membership.get()] { raw->Run(); });
-  return membership;
 }
 
-EtcdMembership::EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels,
+EtcdMembership::EtcdMembership(const EtcdOptions& options, EtcdChannels channels,
                                OnChange on_change)
     : prefix_(options.prefix), on_change_(std::move(on_change)), channels_(std::move(channels)) {}
 
@@ -56,17 +61,17 @@ EtcdMembership::~EtcdMembership() {
 absl::Status EtcdMembership::Read(absl::Duration timeout) {
   etcdserverpb::RangeRequest request;
   request.set_key(prefix_);
-  request.set_range_end(etcd::PrefixRangeEnd(prefix_));
+  request.set_range_end(PrefixRangeEnd(prefix_));
   etcdserverpb::RangeResponse answer;
-  etcd::StoppableCalls::Call call(calls_, timeout);
+  StoppableCalls::Call call(calls_, timeout);
   if (grpc::Status status =
           etcdserverpb::KV::NewStub(channels_.current())->Range(call.get(), request, &answer);
       !status.ok()) {
-    return etcd::EtcdError(status, absl::StrCat("Range ", prefix_), channels_.current_endpoint());
+    return EtcdError(status, absl::StrCat("Range ", prefix_), channels_.current_endpoint());
   }
   listed_.clear();
   for (const mvccpb::KeyValue& kv : answer.kvs()) {
-    absl::StatusOr<std::string> name = etcd::ReplicaOfKey(prefix_, kv.key());
+    absl::StatusOr<std::string> name = ReplicaOfKey(prefix_, kv.key());
     if (!name.ok()) continue;  // not a replica's key: never one to place caches on
     listed_[*name] = kv.value();
   }
@@ -76,7 +81,7 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
 
 absl::Status EtcdMembership::Watch() {
   // A watch has no deadline: it lasts until it breaks or the destructor cancels it.
-  etcd::StoppableCalls::Call call(calls_, absl::InfiniteDuration());
+  StoppableCalls::Call call(calls_, absl::InfiniteDuration());
   // A member cut off from its cluster's leader cancels the watch rather
   // than serving a list that no longer changes (etcd's WithRequireLeader).
   call.get()->AddMetadata("hasleader", "true");
@@ -84,7 +89,7 @@ absl::Status EtcdMembership::Watch() {
   etcdserverpb::WatchRequest request;
   etcdserverpb::WatchCreateRequest* create = request.mutable_create_request();
   create->set_key(prefix_);
-  create->set_range_end(etcd::PrefixRangeEnd(prefix_));
+  create->set_range_end(PrefixRangeEnd(prefix_));
   create->set_start_revision(revision_ + 1);
   absl::Status ended;  // OK: the stream ended by itself (an error, or etcd gone)
   etcdserverpb::WatchResponse answer;
@@ -104,7 +109,7 @@ absl::Status EtcdMembership::Watch() {
       }
       bool changed = false;
       for (const mvccpb::Event& event : answer.events()) {
-        absl::StatusOr<std::string> name = etcd::ReplicaOfKey(prefix_, event.kv().key());
+        absl::StatusOr<std::string> name = ReplicaOfKey(prefix_, event.kv().key());
         if (!name.ok()) continue;
         if (event.type() == mvccpb::Event::PUT) {
           changed |= !listed_.contains(*name) || listed_[*name] != event.kv().value();
@@ -120,14 +125,13 @@ absl::Status EtcdMembership::Watch() {
   grpc::Status finished = stream->Finish();
   if (calls_.stopping()) return absl::OkStatus();
   if (!ended.ok()) return ended;
-  return etcd::EtcdError(
+  return EtcdError(
       finished.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream closed") : finished,
       absl::StrCat("Watch ", prefix_), channels_.current_endpoint());
 }
 
-void EtcdMembership::Run() {
+void EtcdMembership::Run(bool read) {
   int failures = 0;
-  bool read = true;  // Start read the list
   while (!calls_.stopping()) {
     if (!read) {
       absl::Status reread = Read(kReadTimeout);
@@ -138,7 +142,7 @@ void EtcdMembership::Run() {
       } else {
         if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", reread.ToString().c_str());
         channels_.Next();
-        calls_.WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+        calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
         continue;
       }
     }
@@ -148,18 +152,11 @@ void EtcdMembership::Run() {
     if (!absl::IsAborted(watched)) {
       if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", watched.ToString().c_str());
       channels_.Next();
-      calls_.WaitStopping(etcd::EtcdBackoff(failures, kMostBackoff));
+      calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
     }
   }
 }
 
-void EtcdMembership::Publish() const {
-  std::vector<Replica> replicas;
-  replicas.reserve(listed_.size());
-  for (const auto& [name, address] : listed_) {
-    replicas.push_back({.name = name, .address = address});
-  }
-  on_change_(replicas);
-}
+void EtcdMembership::Publish() const { on_change_(listed_); }
 
-}  // namespace kvcache
+}  // namespace kvcache::etcd

@@ -1,8 +1,9 @@
 // A fleet's replicas as etcd lists them (etcd/etcd_fleet.h), for a
-// ShardedClient: the list is read once, then watched from its revision on,
-// and every change hands the whole list to the client. A watch that breaks
-// (etcd restarted, an endpoint gone, history compacted) is followed by a
-// fresh read, the next endpoint first, so no change is missed for long.
+// ShardedClient (where to place caches) and for a replica (where its peers
+// are): the list is read once, then watched from its revision on, and every
+// change hands the whole list to the owner. A watch that breaks (etcd
+// restarted, an endpoint gone, history compacted) is followed by a fresh
+// read, the next endpoint first, so no change is missed for long.
 #pragma once
 
 #include <cstdint>
@@ -11,48 +12,49 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "etcd/etcd_fleet.h"
 
-namespace kvcache {
-
-struct Replica;
+namespace kvcache::etcd {
 
 class EtcdMembership {
  public:
-  // Every replica listed, by name.
-  using OnChange = std::function<void(const std::vector<Replica>& listed)>;
+  // Every replica listed: name -> the address it listed.
+  using OnChange = std::function<void(const std::map<std::string, std::string>& listed)>;
 
   // Reads the list (UNAVAILABLE where no endpoint answers within `timeout`,
-  // each tried in turn),
-  // calls `on_change` with it before returning, and then from a thread of its
-  // own after each change until destroyed.
-  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(const etcd::EtcdOptions& options,
+  // each tried in turn), calls `on_change` with it before returning, and then
+  // from a thread of its own after each change until destroyed. A zero
+  // `timeout` returns at once and leaves the first read to that thread, which
+  // retries it until etcd answers.
+  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(const EtcdOptions& options,
                                                                absl::Duration timeout,
                                                                OnChange on_change);
   ~EtcdMembership();
 
  private:
-  EtcdMembership(const etcd::EtcdOptions& options, etcd::EtcdChannels channels, OnChange on_change);
+  EtcdMembership(const EtcdOptions& options, EtcdChannels channels, OnChange on_change);
   // Range over the prefix: the whole list and its revision.
   absl::Status Read(absl::Duration timeout);
+  // Read, retried on the endpoints in turn until `timeout`.
+  absl::Status ReadWithin(absl::Duration timeout);
   // Applies the changes after revision_ until the stream ends (an error) or
   // the destructor cancels it (OK).
   absl::Status Watch();
-  void Run();
+  // `read`: the list was read (by Start).
+  void Run(bool read);
   void Publish() const;
 
   const std::string prefix_;
   const OnChange on_change_;
-  etcd::EtcdChannels channels_;                // Run's (Start's before it)
+  EtcdChannels channels_;                      // Run's (Start's before it)
   std::map<std::string, std::string> listed_;  // name -> address; likewise
   int64_t revision_ = 0;                       // of listed_; likewise
 
-  etcd::StoppableCalls calls_;  // Run's, stopped by the destructor
+  StoppableCalls calls_;  // Run's, stopped by the destructor
   std::thread runner_;
 };
 
-}  // namespace kvcache
+}  // namespace kvcache::etcd

@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <iterator>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -11,15 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
+#include "core/status_macros.h"
 #include "ids/replica_id.h"
 
 namespace kvcache::service {
 namespace {
-
-// An etcd that does not answer within this fails the pull (UNAVAILABLE)
-// rather than holding it.
-constexpr absl::Duration kEtcdLookupTimeout = absl::Seconds(3);
 
 // host:port: a host (a name or an address, no scheme, no path) and a port,
 // so that a listed value can only ever name a TCP peer.
@@ -57,29 +55,24 @@ absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_vi
   return peers;
 }
 
-// One etcd read of a replica's key, alive until its answer.
-struct Peers::EtcdLookup {
-  std::unique_ptr<etcdserverpb::KV::Stub> stub;
-  grpc::ClientContext context;
-  etcdserverpb::RangeRequest request;
-  etcdserverpb::RangeResponse response;
-  std::string endpoint;
-  Found found;
-};
-
 absl::StatusOr<std::unique_ptr<Peers>> Peers::Make(PeersConfig config) {
   // One list serves the whole fleet: each replica skips its own name.
   config.listed.erase(config.self);
   std::unique_ptr<Peers> peers(new Peers(std::move(config)));
   if (!peers->config_.etcd.endpoints.empty()) {
-    absl::StatusOr<etcd::EtcdChannels> channels = etcd::EtcdChannels::Make(peers->config_.etcd);
-    if (!channels.ok()) return channels.status();
-    peers->etcd_ = std::make_unique<etcd::EtcdChannels>(*std::move(channels));
+    // Not waited for: a replica serves (and pulls from its --peers) while
+    // etcd is away; pulls of replicas only etcd lists wait for its answer.
+    ASSIGN_OR_RETURN(peers->membership_,
+                     etcd::EtcdMembership::Start(
+                         peers->config_.etcd, absl::ZeroDuration(),
+                         [raw = peers.get()](const std::map<std::string, std::string>& listed) {
+                           raw->SetEtcdList(listed);
+                         }));
   }
   return peers;
 }
 
-Peers::~Peers() = default;
+Peers::~Peers() { membership_.reset(); }
 
 bool Peers::BeginPull() {
   if (pulls_.fetch_add(1, std::memory_order_relaxed) < kMaxPulls) return true;
@@ -87,58 +80,51 @@ bool Peers::BeginPull() {
   return false;
 }
 
-std::shared_ptr<grpc::Channel> Peers::ChannelTo(const std::string& address) {
+void Peers::SetEtcdList(const std::map<std::string, std::string>& listed) {
   absl::MutexLock lock(&mu_);
+  etcd_read_ = true;
+  etcd_listed_ = listed;
+  etcd_listed_.erase(config_.self);
+  // Channels to addresses that no list names (a replica moved) go.
+  std::set<std::string> named;
+  for (const auto& [name, address] : config_.listed) named.insert(address);
+  for (const auto& [name, address] : etcd_listed_) named.insert(address);
+  for (auto channel = channels_.begin(); channel != channels_.end();) {
+    channel = named.contains(channel->first) ? std::next(channel) : channels_.erase(channel);
+  }
+}
+
+std::shared_ptr<grpc::Channel> Peers::ChannelToLocked(const std::string& address) {
   std::shared_ptr<grpc::Channel>& channel = channels_[address];
   if (channel == nullptr) channel = grpc::CreateChannel(address, config_.credentials);
   return channel;
 }
 
-void Peers::Find(const std::string& name, Found found) {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Peers::Find(const std::string& name) {
+  absl::MutexLock lock(&mu_);
   if (auto listed = config_.listed.find(name); listed != config_.listed.end()) {
-    std::move(found)(ChannelTo(listed->second));
-    return;
+    return ChannelToLocked(listed->second);
   }
-  if (!etcd_) {
-    std::move(found)(absl::NotFoundError(absl::StrCat(
-        "snapshot_id: replica \"", name, "\" is not among this replica's peers (--peers)")));
-    return;
+  if (!membership_) {
+    return absl::NotFoundError(absl::StrCat("snapshot_id: replica \"", name,
+                                            "\" is not among this replica's peers (--peers)"));
   }
-  auto lookup = std::make_unique<EtcdLookup>();
-  lookup->request.set_key(etcd::ReplicaKey(config_.etcd.prefix, name));
-  lookup->context.set_deadline(absl::ToChronoTime(absl::Now() + kEtcdLookupTimeout));
-  lookup->found = std::move(found);
-  {
-    absl::MutexLock lock(&mu_);
-    lookup->stub = etcdserverpb::KV::NewStub(etcd_->current());
-    lookup->endpoint = etcd_->current_endpoint();
+  if (!etcd_read_) {
+    return absl::UnavailableError(absl::StrCat(
+        "snapshot_id: replica \"", name,
+        "\" could not be looked up: this replica has not read the fleet's list from etcd yet"));
   }
-  EtcdLookup* raw = lookup.release();  // the callback owns it
-  raw->stub->async()->Range(
-      &raw->context, &raw->request, &raw->response, [this, raw, name](grpc::Status status) {
-        std::unique_ptr<EtcdLookup> done(raw);
-        if (!status.ok()) {
-          // The next lookup asks the next endpoint (etcd's members all serve reads).
-          absl::MutexLock lock(&mu_);
-          if (etcd_->current_endpoint() == done->endpoint) etcd_->Next();
-        }
-        if (!status.ok()) {
-          // UNAVAILABLE whatever etcd said: its own refusals are not the caller's.
-          std::move(done->found)(absl::UnavailableError(
-              absl::StrCat("snapshot_id: replica \"", name, "\" could not be looked up: ",
-                           etcd::EtcdError(status, "Range", done->endpoint).message())));
-        } else if (done->response.kvs_size() == 0) {
-          std::move(done->found)(absl::NotFoundError(absl::StrCat(
-              "snapshot_id: replica \"", name, "\" is not listed in etcd (",
-              done->request.key(), ")")));
-        } else if (!IsHostPort(done->response.kvs(0).value())) {
-          std::move(done->found)(absl::UnavailableError(
-              absl::StrCat("snapshot_id: replica \"", name, "\" is listed in etcd (",
-                           done->request.key(), ") without a host:port")));
-        } else {
-          std::move(done->found)(ChannelTo(done->response.kvs(0).value()));
-        }
-      });
+  const auto listed = etcd_listed_.find(name);
+  const std::string key = etcd::ReplicaKey(config_.etcd.prefix, name);
+  if (listed == etcd_listed_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("snapshot_id: replica \"", name, "\" is not listed in etcd (", key, ")"));
+  }
+  if (!IsHostPort(listed->second)) {
+    return absl::UnavailableError(absl::StrCat(
+        "snapshot_id: replica \"", name, "\" is listed in etcd (", key, ") without a host:port"));
+  }
+  return ChannelToLocked(listed->second);
 }
 
 }  // namespace kvcache::service

@@ -32,9 +32,7 @@ PullReactor::PullReactor(Admitted admitted, grpc::CallbackServerContext* context
   options_.set_ttl_seconds(request.ttl_seconds());
   export_request_.set_snapshot_id(request.snapshot_id());
   owner_name_ = std::string(ids::ReplicaOf(request.snapshot_id()));
-  peers->Find(owner_name_, [this](absl::StatusOr<std::shared_ptr<grpc::Channel>> owner) {
-    Start(std::move(owner));
-  });
+  Start(peers->Find(owner_name_));
 }
 
 absl::Status PullReactor::Check(const v1::PullSnapshotRequest& request, Peers* peers,

@@ -9,8 +9,12 @@
 #include <random>
 #include <set>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "etcd_process.h"
 #include "fleet_test_util.h"
+#include "http_get.h"
 
 namespace kvcache::testing {
 namespace {
@@ -68,6 +72,24 @@ class E2eFleetEtcdTest : public E2eFleetTest {
     return true;
   }
 
+  // How many Range calls etcd has served, from its own metrics.
+  absl::StatusOr<double> EtcdRanges() const {
+    absl::StatusOr<std::string> metrics = HttpGet(etcd_->endpoint(), "/metrics");
+    if (!metrics.ok()) return metrics.status();
+    double ranges = 0;
+    for (absl::string_view line : absl::StrSplit(*metrics, '\n')) {
+      if (!absl::StartsWith(line, "grpc_server_started_total{") ||
+          !absl::StrContains(line, "grpc_method=\"Range\"")) {
+        continue;
+      }
+      double count = 0;
+      if (!absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &count)) {
+        return absl::InternalError(absl::StrCat("etcd metrics: ", line));
+      }
+      ranges += count;
+    }
+    return ranges;
+  }
   bool MembersAre(const std::vector<size_t>& expected) {
     return Eventually([&] { return fleet_->Members() == expected; });
   }
@@ -153,10 +175,45 @@ TEST_F(E2eFleetEtcdTest, AReplicaPullsASnapshotFromTheOwnerEtcdLists) {
   ASSERT_TRUE(fleet_->client(1).ReleaseSnapshot(pulled->snapshot().snapshot_id()).ok());
   ASSERT_TRUE(fleet_->client(0).ReleaseSnapshot(snapshot->snapshot_id()).ok());
 
-  // A name etcd does not list is no peer.
-  const absl::Status unlisted = fleet_->client(1).PullSnapshot("kvcached-9:00").status();
-  EXPECT_EQ(unlisted.code(), absl::StatusCode::kNotFound) << unlisted;
-  EXPECT_NE(unlisted.message().find("not listed in etcd"), absl::string_view::npos) << unlisted;
+  // A name etcd does not list is no peer, and asking for made-up names costs
+  // etcd nothing: the replica looks them up in the list it watches.
+  const absl::StatusOr<double> ranges_before = EtcdRanges();
+  ASSERT_TRUE(ranges_before.ok()) << ranges_before.status();
+  ASSERT_GT(*ranges_before, 0) << "etcd's metrics count no Range call (the fleet made some)";
+  for (int i = 0; i < 20; ++i) {
+    const absl::Status unlisted =
+        fleet_->client(1).PullSnapshot(absl::StrCat("kvcached-made-up-", i, ":00")).status();
+    EXPECT_EQ(unlisted.code(), absl::StatusCode::kNotFound) << unlisted;
+    EXPECT_NE(unlisted.message().find("not listed in etcd"), absl::string_view::npos) << unlisted;
+  }
+  const absl::StatusOr<double> ranges_after = EtcdRanges();
+  ASSERT_TRUE(ranges_after.ok()) << ranges_after.status();
+  EXPECT_LT(*ranges_after - *ranges_before, 20) << "a lookup read etcd";
+}
+
+// A replica that joins after the others started is found by them: each
+// watches etcd's list.
+TEST_F(E2eFleetEtcdTest, AReplicaThatJoinsLaterIsFoundByThePeersWatch) {
+  EXPECT_EQ(replicas_[2]->Stop(), 0);
+  ASSERT_TRUE(MembersAre({0, 1}));
+  ASSERT_TRUE(replicas_[2]->Start());
+  ASSERT_TRUE(MembersAre({0, 1, 2}));
+  std::mt19937_64 random(5);
+  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "late"));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Written written;
+  ASSERT_TRUE(Append(fleet_->client(2), cache->cache_id(), 24, random, written).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(cache->cache_id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  absl::StatusOr<v1::LoadSnapshotResponse> pulled;
+  // The puller's watch may see the new key a moment after the client's did.
+  EXPECT_TRUE(Eventually([&] {
+    pulled = fleet_->client(0).PullSnapshot(snapshot->snapshot_id());
+    return pulled.ok();
+  })) << pulled.status();
+  ASSERT_TRUE(pulled.ok());
+  ASSERT_TRUE(fleet_->client(0).ReleaseSnapshot(pulled->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(fleet_->client(2).ReleaseSnapshot(snapshot->snapshot_id()).ok());
 }
 
 TEST_F(E2eFleetEtcdTest, AKilledReplicaLeavesWhenItsLeaseRunsOut) {

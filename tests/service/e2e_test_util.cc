@@ -51,6 +51,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.replica_name = setup.replica_name;
   config.peers = setup.peers;
   config.peer_ca_file = setup.peer_ca_file;
+  config.peer_cert_file = setup.peer_cert_file;
+  config.peer_key_file = setup.peer_key_file;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
   if (!server.ok()) {
     ADD_FAILURE() << "KvCacheServer::Start: " << server.status();

@@ -65,10 +65,13 @@ struct ServerSetup {
   bool access_log = false;
   // The server's --kv_events_* (no endpoint: no events).
   KvEventsConfig kv_events;
-  // The server's --replica_name, --peers (name=host:port,...) and --peer_ca.
+  // The server's --replica_name, --peers (name=host:port,...), --peer_ca,
+  // --peer_cert and --peer_key.
   std::string replica_name;
   std::string peers;
   std::string peer_ca_file;
+  std::string peer_cert_file;
+  std::string peer_key_file;
 };
 
 class TestServer {

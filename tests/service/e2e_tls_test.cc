@@ -368,8 +368,54 @@ TEST_F(E2eTlsTest, ReplicasPullSnapshotsFromEachOtherOverMutualTls) {
   ASSERT_NE(misled, nullptr);
   const absl::Status refused = misled->client().PullSnapshot(snapshot->snapshot_id()).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+
+  // A client certificate of its own (--peer_cert), where the fleet's PKI
+  // keeps server and client certificates apart: one the owner's CA signed
+  // is admitted; one it did not sign is refused (its server certificate,
+  // which the owner would admit, is then not shown).
+  const auto showing = [&](const std::string& name, const std::string& cert) {
+    return TestServer::Start({.tls = ServerTls(true),
+                              .client_tls = with_cert,
+                              .replica_name = name,
+                              .peers = peers,
+                              .peer_cert_file = File(cert + ".pem"),
+                              .peer_key_file = File(cert + ".key")});
+  };
+  std::unique_ptr<TestServer> client_cert = showing("client-cert", "client");
+  ASSERT_NE(client_cert, nullptr);
+  absl::StatusOr<v1::LoadSnapshotResponse> shown =
+      client_cert->client().PullSnapshot(snapshot->snapshot_id());
+  EXPECT_TRUE(shown.ok()) << shown.status();
+  std::unique_ptr<TestServer> stranger = showing("stranger", "other_ca");
+  ASSERT_NE(stranger, nullptr);
+  const absl::Status unknown = stranger->client().PullSnapshot(snapshot->snapshot_id()).status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kUnavailable) << unknown;
+  if (shown.ok()) {
+    ASSERT_TRUE(client_cert->client().ReleaseSnapshot(shown->snapshot().snapshot_id()).ok());
+  }
   puller->CleanUpAndCheck();
   misled->CleanUpAndCheck();
+  client_cert->CleanUpAndCheck();
+  stranger->CleanUpAndCheck();
+}
+
+TEST_F(E2eTlsTest, HalfAPeerCertificatePairIsRefusedByName) {
+  ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.pool.budget_bytes = 4 << 20;
+  config.tls = ServerTls(true);
+  config.peers = "owner=127.0.0.1:1";
+  config.peer_cert_file = File("client.pem");
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> refused = KvCacheServer::Start(config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("peer_key"));
+  config.tls = {};
+  config.peer_key_file = File("client.key");
+  refused = KvCacheServer::Start(config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("peer_cert: peers are called over TLS only"));
 }
 
 TEST_F(E2eTlsTest, APlaintextLaneBeyondLoopbackNeedsAnExplicitFlag) {

@@ -1,5 +1,6 @@
-// The peer list's parsing (service/peers.h): name=host:port entries with
-// replica names, each once, and never this replica's own name.
+// The peer list (service/peers.h): name=host:port entries with replica
+// names, each once, and never this replica's own name; lookups in it, and
+// an etcd list that is not there yet.
 #include "service/peers.h"
 
 #include <grpcpp/security/credentials.h>
@@ -44,6 +45,36 @@ TEST(PeersTest, SkipsItsOwnName) {
   };
   EXPECT_TRUE(make({{"a", "127.0.0.1:1"}})->empty());
   EXPECT_FALSE(make({{"a", "127.0.0.1:1"}, {"b", "127.0.0.1:2"}})->empty());
+}
+
+TEST(PeersTest, FindsListedPeersAndNamesTheListThatLacksOne) {
+  std::unique_ptr<Peers> peers = Peers::Make({.self = "a",
+                                              .listed = {{"b", "127.0.0.1:2"}},
+                                              .credentials = grpc::InsecureChannelCredentials()})
+                                     .value();
+  EXPECT_TRUE(peers->Find("b").ok());
+  const absl::Status missing = peers->Find("c").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_THAT(missing.message(), HasSubstr("--peers"));
+}
+
+// etcd away: the replica starts at once (its --peers still serve), a name
+// only etcd could list is UNAVAILABLE until its list is read, and the
+// watch that keeps trying stops with the replica.
+TEST(PeersTest, AnEtcdThatIsAwayHoldsUpNothing) {
+  const absl::Time start = absl::Now();
+  std::unique_ptr<Peers> peers = Peers::Make({.self = "a",
+                                              .listed = {{"b", "127.0.0.1:2"}},
+                                              .etcd = {.endpoints = "127.0.0.1:1"},
+                                              .credentials = grpc::InsecureChannelCredentials()})
+                                     .value();
+  EXPECT_FALSE(peers->empty());
+  EXPECT_TRUE(peers->Find("b").ok());
+  const absl::Status unread = peers->Find("c").status();
+  EXPECT_EQ(unread.code(), absl::StatusCode::kUnavailable) << unread;
+  EXPECT_THAT(unread.message(), HasSubstr("not read the fleet's list from etcd yet"));
+  peers.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
 }
 
 }  // namespace
