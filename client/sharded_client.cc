@@ -216,6 +216,10 @@ std::unique_ptr<ShardedClient> ShardedClient::MakeStatic(const ShardedClientOpti
 
 absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::ConnectEtcd(
     const ShardedClientOptions& options) {
+  if (options.connect_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "connect_timeout: must be positive (etcd's list is read first)");
+  }
   std::unique_ptr<ShardedClient> fleet(
       new ShardedClient(options.client, options.prefix_route_tokens));
   absl::StatusOr<std::unique_ptr<etcd::EtcdMembership>> membership = etcd::EtcdMembership::Start(

@@ -76,10 +76,12 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
     listed_[*name] = kv.value();
   }
   revision_ = answer.header().revision();
+  absl::MutexLock lock(&failure_mu_);
+  last_failure_ = absl::OkStatus();
   return absl::OkStatus();
 }
 
-absl::Status EtcdMembership::Watch() {
+absl::Status EtcdMembership::Watch(bool& answered) {
   // A watch has no deadline: it lasts until it breaks or the destructor cancels it.
   StoppableCalls::Call call(calls_, absl::InfiniteDuration());
   // A member cut off from its cluster's leader cancels the watch rather
@@ -95,6 +97,7 @@ absl::Status EtcdMembership::Watch() {
   etcdserverpb::WatchResponse answer;
   if (stream->Write(request)) {
     while (stream->Read(&answer)) {
+      answered = true;
       if (answer.compact_revision() > 0) {
         // History after our revision is gone: read the list anew, at once.
         ended = absl::AbortedError("compacted");
@@ -135,26 +138,39 @@ void EtcdMembership::Run(bool read) {
   while (!calls_.stopping()) {
     if (!read) {
       absl::Status reread = Read(kReadTimeout);
-      if (reread.ok()) {
-        read = true;
-        failures = 0;
-        Publish();
-      } else {
-        if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", reread.ToString().c_str());
-        channels_.Next();
-        calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
+      if (!reread.ok()) {
+        Failed(reread, failures);
         continue;
       }
+      read = true;
+      Publish();
     }
-    absl::Status watched = Watch();
+    bool answered = false;
+    absl::Status watched = Watch(answered);
+    // Only a watch that etcd answered ends a run of failures: one refused
+    // at once (no permission, a proxy that closes it) keeps backing off
+    // rather than reading the list again ten times a second.
+    if (answered) failures = 0;
     if (watched.ok()) continue;  // stopping
     read = false;                // the list may have changed meanwhile
-    if (!absl::IsAborted(watched)) {
-      if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", watched.ToString().c_str());
-      channels_.Next();
-      calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
-    }
+    if (!absl::IsAborted(watched)) Failed(watched, failures);
   }
+}
+
+void EtcdMembership::Failed(const absl::Status& status, int& failures) {
+  if (calls_.stopping()) return;  // the destructor's cancellation, no failure
+  {
+    absl::MutexLock lock(&failure_mu_);
+    last_failure_ = status;
+  }
+  if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", status.ToString().c_str());
+  channels_.Next();
+  calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
+}
+
+absl::Status EtcdMembership::last_failure() const {
+  absl::MutexLock lock(&failure_mu_);
+  return last_failure_;
 }
 
 void EtcdMembership::Publish() const { on_change_(listed_); }

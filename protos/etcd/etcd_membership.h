@@ -13,7 +13,9 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "etcd/etcd_fleet.h"
 
@@ -33,6 +35,9 @@ class EtcdMembership {
                                                                absl::Duration timeout,
                                                                OnChange on_change);
   ~EtcdMembership();
+  // Why the list could not be read or watched the last time it could not
+  // (OK once it was read again): for callers asking before the first read.
+  absl::Status last_failure() const;
 
  private:
   EtcdMembership(const EtcdOptions& options, EtcdChannels channels, OnChange on_change);
@@ -42,10 +47,13 @@ class EtcdMembership {
   absl::Status ReadWithin(absl::Duration timeout);
   // Applies the changes after revision_ until the stream ends (an error) or
   // the destructor cancels it (OK).
-  absl::Status Watch();
+  // `answered`: etcd answered it at least once.
+  absl::Status Watch(bool& answered);
   // `read`: the list was read (by Start).
   void Run(bool read);
   void Publish() const;
+  // Notes a failure, logs the first of a run of them and backs off.
+  void Failed(const absl::Status& status, int& failures);
 
   const std::string prefix_;
   const OnChange on_change_;
@@ -53,6 +61,8 @@ class EtcdMembership {
   std::map<std::string, std::string> listed_;  // name -> address; likewise
   int64_t revision_ = 0;                       // of listed_; likewise
 
+  mutable absl::Mutex failure_mu_;
+  absl::Status last_failure_ ABSL_GUARDED_BY(failure_mu_);
   StoppableCalls calls_;  // Run's, stopped by the destructor
   std::thread runner_;
 };

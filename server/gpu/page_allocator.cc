@@ -93,6 +93,7 @@ PageAllocator::PageAllocator(const Device& device, const PagePlan& plan, bool ho
       where_(new std::atomic<uint32_t>[max_ids_]),
       slabs_(new std::unique_ptr<Buffer>[max_slabs_]),
       account_of_(new AccountId[max_ids_]()),
+      arrival_of_(plan.max_disk_pages > 0 ? new uint64_t[max_ids_]() : nullptr),
       accounts_(1) {
   free_ids_.reserve(max_ids_);
   for (uint32_t id = max_ids_; id > 0; --id) {
@@ -328,6 +329,7 @@ void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
   // Only a disk tier ever asks which host page came first.
   if (tier == Tier::kHost && plan_.max_disk_pages > 0) {
     Account& account = AccountLocked(account_of_[page]);
+    arrival_of_[page] = host_arrivals_;
     account.host_arrivals.push_back({.order = host_arrivals_++, .page = page, .slot = slot});
     // Entries of pages that left or were freed stay until looked at; keep
     // them from outgrowing the pages the account holds there.
@@ -339,9 +341,12 @@ void PageAllocator::Relocate(PageId page, Tier tier, uint32_t slot) {
 }
 
 // Checked under the lock that frees ids: a page freed (its count at zero, its
-// id perhaps reused) or moved since it arrived is no longer that arrival.
+// id perhaps reused, by any account) or moved since it arrived is no longer
+// that arrival, even where it is back in host memory.
 bool PageAllocator::StaleLocked(const HostArrival& arrival) const {
-  return where_[arrival.page].load(std::memory_order_relaxed) != Encode(Tier::kHost, arrival.slot);
+  return where_[arrival.page].load(std::memory_order_relaxed) !=
+             Encode(Tier::kHost, arrival.slot) ||
+         arrival_of_[arrival.page] != arrival.order;
 }
 
 void PageAllocator::DropStaleArrivalsLocked(Account& account) {

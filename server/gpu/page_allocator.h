@@ -192,6 +192,11 @@ class PageAllocator {
   std::atomic<uint32_t> backed_pages_{0};
   // The account of each allocated id; read and written under mutex_ only.
   const std::unique_ptr<AccountId[]> account_of_;
+  // Each host page's last arrival (HostArrival::order), under mutex_; only
+  // with a disk tier. An entry is the page's arrival only while they agree:
+  // an id freed and reused by another account, or a page that left and came
+  // back to the same slot, leaves an older entry that must not count.
+  const std::unique_ptr<uint64_t[]> arrival_of_;
 
   mutable absl::Mutex mutex_;
   uint32_t slab_count_ ABSL_GUARDED_BY(mutex_) = 0;

@@ -110,9 +110,11 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Peers::Find(const std::string& na
                                             "\" is not among this replica's peers (--peers)"));
   }
   if (!etcd_read_) {
+    const absl::Status failure = membership_->last_failure();
     return absl::UnavailableError(absl::StrCat(
         "snapshot_id: replica \"", name,
-        "\" could not be looked up: this replica has not read the fleet's list from etcd yet"));
+        "\" could not be looked up: this replica has not read the fleet's list from etcd yet",
+        failure.ok() ? "" : absl::StrCat(" (", failure.message(), ")")));
   }
   const auto listed = etcd_listed_.find(name);
   const std::string key = etcd::ReplicaKey(config_.etcd.prefix, name);

@@ -386,6 +386,40 @@ TEST_P(PageTiersTest, AFullHostShareMovesTheAccountsOwnOldestPageDown) {
   ExpectAllFree(*pool);
 }
 
+// A host page freed, its id and host slot taken by another account's page
+// (both are reused last in, first out): the old arrival is not that page's,
+// so the first account's full share moves its own page down, not the other's.
+TEST_P(PageTiersTest, AReusedIdAndSlotAreNotTheOldArrival) {
+  auto pool = MakeTieredPool(8, 4, 8);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> limited = pool->ForAccount(1, {.host_pages = 2});
+  std::unique_ptr<PagePool> free = pool->ForAccount(2, {});
+  std::vector<PageId> mine;
+  ASSERT_TRUE(limited->Allocate(2, mine).ok());
+  for (PageId page : mine) ASSERT_EQ(pool->Evict({page}).value_or(0), 1u);
+  pool->Release(mine[0]);
+  std::vector<PageId> other;
+  ASSERT_TRUE(free->Allocate(1, other).ok());
+  ASSERT_EQ(pool->Evict(other).value_or(0), 1u);
+  ASSERT_EQ(other[0], mine[0]) << "the test needs the id reused";
+  std::vector<PageId> more;
+  ASSERT_TRUE(limited->Allocate(2, more).ok());
+  for (PageId page : more) ASSERT_EQ(pool->Evict({page}).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(other[0]), Tier::kHost) << "another account's page moved down";
+  EXPECT_EQ(pool->Where(mine[1]), Tier::kDisk);
+  EXPECT_EQ(pool->Where(more[0]), Tier::kHost);
+  EXPECT_EQ(pool->Where(more[1]), Tier::kHost);
+  EXPECT_EQ(limited->account_usage().host_pages, 2u);
+  EXPECT_EQ(limited->account_usage().disk_pages, 1u);
+  EXPECT_EQ(free->account_usage().host_pages, 1u);
+  EXPECT_EQ(free->account_usage().disk_pages, 0u);
+  pool->Release(mine[1]);
+  pool->Release(other[0]);
+  for (PageId page : more) pool->Release(page);
+  EXPECT_EQ(limited->account_usage().disk_pages, 0u);
+  ExpectAllFree(*pool);
+}
+
 // One eviction of more pages than the account's host share holds: the oldest
 // go straight to disk, the newest to host memory, each page moved once.
 TEST_P(PageTiersTest, WhatAHostShareCannotHoldGoesStraightToDisk) {

@@ -180,7 +180,8 @@ TEST_F(E2eFleetEtcdTest, AReplicaPullsASnapshotFromTheOwnerEtcdLists) {
   const absl::StatusOr<double> ranges_before = EtcdRanges();
   ASSERT_TRUE(ranges_before.ok()) << ranges_before.status();
   ASSERT_GT(*ranges_before, 0) << "etcd's metrics count no Range call (the fleet made some)";
-  for (int i = 0; i < 20; ++i) {
+  // 200 lookups; the replicas' own lease renewals read etcd too, a few a second.
+  for (int i = 0; i < 200; ++i) {
     const absl::Status unlisted =
         fleet_->client(1).PullSnapshot(absl::StrCat("kvcached-made-up-", i, ":00")).status();
     EXPECT_EQ(unlisted.code(), absl::StatusCode::kNotFound) << unlisted;
@@ -188,7 +189,7 @@ TEST_F(E2eFleetEtcdTest, AReplicaPullsASnapshotFromTheOwnerEtcdLists) {
   }
   const absl::StatusOr<double> ranges_after = EtcdRanges();
   ASSERT_TRUE(ranges_after.ok()) << ranges_after.status();
-  EXPECT_LT(*ranges_after - *ranges_before, 20) << "a lookup read etcd";
+  EXPECT_LT(*ranges_after - *ranges_before, 100) << "lookups read etcd";
 }
 
 // A replica that joins after the others started is found by them: each

@@ -5,6 +5,8 @@
 
 #include <grpcpp/security/credentials.h>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -62,19 +64,28 @@ TEST(PeersTest, FindsListedPeersAndNamesTheListThatLacksOne) {
 // only etcd could list is UNAVAILABLE until its list is read, and the
 // watch that keeps trying stops with the replica.
 TEST(PeersTest, AnEtcdThatIsAwayHoldsUpNothing) {
-  const absl::Time start = absl::Now();
+  absl::Time start = absl::Now();
   std::unique_ptr<Peers> peers = Peers::Make({.self = "a",
                                               .listed = {{"b", "127.0.0.1:2"}},
                                               .etcd = {.endpoints = "127.0.0.1:1"},
                                               .credentials = grpc::InsecureChannelCredentials()})
                                      .value();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "Make waited for etcd";
   EXPECT_FALSE(peers->empty());
   EXPECT_TRUE(peers->Find("b").ok());
-  const absl::Status unread = peers->Find("c").status();
+  absl::Status unread = peers->Find("c").status();
   EXPECT_EQ(unread.code(), absl::StatusCode::kUnavailable) << unread;
   EXPECT_THAT(unread.message(), HasSubstr("not read the fleet's list from etcd yet"));
+  // Once a read has failed, the answer says why.
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
+       absl::Now() < deadline && !absl::StrContains(unread.message(), "etcd at 127.0.0.1:1");
+       absl::SleepFor(absl::Milliseconds(20))) {
+    unread = peers->Find("c").status();
+  }
+  EXPECT_THAT(unread.message(), HasSubstr("etcd at 127.0.0.1:1")) << unread;
+  start = absl::Now();
   peers.reset();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "the watch did not stop with the replica";
 }
 
 }  // namespace
