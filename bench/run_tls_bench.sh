@@ -11,7 +11,9 @@
 # Certificates are made for the run (openssl) and deleted after it. Builds
 # Release into build-bench/ like run_service_bench.sh. Each row runs REPEATS
 # times, the systems alternating within a round; the table gives medians.
-# Raw rows go to build-bench/tls_bench_raw.txt. About 6 minutes after the build.
+# Raw rows go to build-bench/tls_bench_raw.txt (or RAW). About 6 minutes after
+# the build. BINARIES=DIR runs the kvcached and service_bench in DIR instead of
+# building (a GPU machine that lacks the toolchain: bench/gpu/device_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,9 +22,11 @@ ROW_SECONDS=${ROW_SECONDS:-2}
 STREAMS=${STREAMS:-"1 4"}
 CHUNKS=${CHUNKS:-"262144 1048576"}
 BUILD_DIR=${BUILD_DIR:-build-bench}
-KVCACHED=$BUILD_DIR/server/kvcached
+BINARIES=${BINARIES:-}
+KVCACHED=${BINARIES:-$BUILD_DIR/server}/kvcached
+SERVICE_BENCH=${BINARIES:-$BUILD_DIR/bench/service}/service_bench
 work=$(mktemp -d)
-raw="$BUILD_DIR/tls_bench_raw.txt"
+raw=${RAW:-$BUILD_DIR/tls_bench_raw.txt}
 pids=()
 
 cleanup() {
@@ -105,7 +109,7 @@ redis_row() {
 }
 
 run_rows() {
-  local kv="$BUILD_DIR/bench/service/service_bench"
+  local kv=$SERVICE_BENCH
   local common=(--seconds="$ROW_SECONDS" --warmup=0.5)
   local tls=(--tls_ca="$work/ca.pem")
   : >"$raw"
@@ -164,7 +168,7 @@ print_machine() {
   echo "- $REPEATS rounds of ${ROW_SECONDS} s per row (after 0.5 s warm-up); medians; Redis by redis-benchmark -P 4"
 }
 
-build
+[[ -n $BINARIES ]] || build
 make_certs
 start_peers
 run_rows

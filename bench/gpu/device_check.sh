@@ -6,12 +6,13 @@
 #
 #   bash bench/gpu/device_check.sh pack     # here, after building build/ and
 #                                           # build-bench/: fills .devrun/
-#   bash bench/gpu/device_check.sh run OUT  # there, from the repository root
+#   bash bench/gpu/device_check.sh run OUT [all|benchmarks|tests]
+#                                           # there, from the repository root
 #                                           # (with .devrun/ copied along)
 #
-# `run` writes each step's output under OUT and prints a summary: gpu, engine
-# and e2e tests in shards over the cores (validation on), copy, quantize and
-# service benchmarks. bench/RESULTS.md ("the first run on a real GPU") has
+# `run` writes each step's output under OUT and prints a summary: the TLS,
+# service, tier, saved-file and copy benchmarks, then gpu, engine and e2e tests
+# in shards over the cores (validation on). bench/RESULTS.md ("the first run on a real GPU") has
 # the figures of an H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,15 +25,28 @@ pack() {
     bench/gpu/gpu_copy_bench bench/gpu/gpu_quant_bench; do
     strip -o "$CARRY/bin/$(basename $b)" "build/$b" || exit 1
   done
-  for b in server/kvcached bench/service/service_bench; do
+  for b in server/kvcached bench/service/service_bench bench/engine/tiers_bench \
+    bench/engine/saved_files_bench; do
     strip -o "$CARRY/rel/$(basename $b)" "build-bench/$b" || exit 1
   done
+  # The TLS benchmark's peers: Redis with its TLS port, and openssl for the
+  # run's certificates.
+  cp /usr/bin/redis-server /usr/bin/redis-benchmark /usr/bin/redis-cli /usr/bin/openssl \
+    "$CARRY/rel/" || exit 1
   # Every library but glibc's own (the host's newer glibc runs these).
   ldd "$CARRY"/bin/* "$CARRY"/rel/* | awk '/=> \//{print $3}' | sort -u |
     grep -v -E '/(libc|libm|libpthread|libdl|librt|ld-linux-x86-64|libresolv)\.so' |
     xargs -I{} cp -L {} "$CARRY/lib/"
+  # NVIDIA's Vulkan driver (libGLX_nvidia) needs glvnd's EGL and GLX
+  # libraries, which a CUDA-only image may lack.
   (cd "$CARRY/deb" && apt-get download libvulkan1 vulkan-validationlayers) || exit 1
+  mkdir -p "$CARRY/deb/glvnd"
+  (cd "$CARRY/deb/glvnd" && apt-get download libegl1 libglvnd0 libopengl0 libgl1 libglx0 \
+    libgles2) || exit 1
   pwd >"$CARRY/origin"  # the tests name source files by this path
+  # One compressed file: the device tool carries 64 MiB with the tree.
+  (cd "$CARRY" && tar -cf - bin rel lib deb origin | xz -T0 -6 >bundle.tar.xz &&
+    rm -rf bin rel lib deb origin) || exit 1
   du -sh "$CARRY"
 }
 
@@ -51,10 +65,19 @@ sharded() {
 }
 
 run() {
-  OUT=$1
+  OUT=$1 part=$2
   mkdir -p "$OUT" /tmp/vulkan
+  if [ -e "$CARRY/bundle.tar.xz" ]; then xz -dc "$CARRY/bundle.tar.xz" | tar -xf - -C "$CARRY"; fi
   for f in "$CARRY"/deb/*.deb; do dpkg -x "$f" /tmp/vulkan; done
-  export LD_LIBRARY_PATH=$PWD/$CARRY/lib:/tmp/vulkan/usr/lib/x86_64-linux-gnu
+  # glvnd where the driver looks for it (the system's paths; a bare machine
+  # is lent, and given back after).
+  for f in "$CARRY"/deb/glvnd/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+  local egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+  if [ -e $egl ]; then export __EGL_VENDOR_LIBRARY_FILENAMES=$egl; fi
+  # NVIDIA's driver libraries (its Vulkan ICD names libGLX_nvidia.so.0 bare)
+  # where the loader's cache does not list them.
+  export LD_LIBRARY_PATH=$PWD/$CARRY/lib:/tmp/vulkan/usr/lib/x86_64-linux-gnu:/usr/local/nvidia/lib64
   export VK_LAYER_PATH=/tmp/vulkan/usr/share/vulkan/explicit_layer.d
   local icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
   if [ -e $icd ] && ! ls /usr/share/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
@@ -70,15 +93,43 @@ run() {
   ln -sf "$PWD/$CARRY/bin/kvcache_prefix_worker" build/tests/service/kvcache_prefix_worker
   local bin=$CARRY/bin rel=$CARRY/rel cores
   cores=$(nproc)
-  "$bin/kvcached" --list_devices | tee "$OUT/devices.txt"
+  export PATH=$PWD/$rel:$PATH  # the carried openssl and Redis
+  if ! "$bin/kvcached" --list_devices >"$OUT/devices.txt" 2>&1; then
+    cat "$OUT/devices.txt"
+    VK_LOADER_DEBUG=error,warn,driver "$bin/kvcached" --list_devices 2>&1 | tail -30
+    return 1
+  fi
+  cat "$OUT/devices.txt"
+  echo "TCP ULPs: $(cat /proc/sys/net/ipv4/tcp_available_ulp) (kernel $(uname -r))"
+  [[ $part != tests ]] && benchmarks
+  [[ $part != benchmarks ]] && tests
+}
+
+# Each bounded, on an otherwise idle machine.
+benchmarks() {
+  BINARIES=$rel RAW=$OUT/tls_bench_raw.txt REPEATS=${TLS_REPEATS:-2} ROW_SECONDS=1 \
+    CHUNKS=1048576 timeout 200 bash bench/run_tls_bench.sh >"$OUT/tls_bench.txt" 2>"$OUT/tls_bench.log"
+  cat "$OUT/tls_bench.txt"
+  service_rows
+  timeout 120 "$rel/tiers_bench" --benchmark_filter='Evict|Promote|Memcpy|RestoreFrom' \
+    >"$OUT/tiers_bench.txt" 2>&1
+  KVCACHED_BENCH_DIR=/tmp timeout 120 "$rel/saved_files_bench" >"$OUT/saved_files_bench.txt" 2>&1
+  timeout 60 "$bin/gpu_copy_bench" --benchmark_min_time=0.1 >"$OUT/copy_bench.txt" 2>&1
+  grep -h -E '^BM_' "$OUT/tiers_bench.txt" "$OUT/saved_files_bench.txt"
+}
+
+tests() {
   sharded gpu_tests "$cores" 120 "$bin/gpu_tests"
-  sharded engine_tests "$cores" 300 "$bin/engine_tests"
+  sharded engine_tests "$cores" 150 "$bin/engine_tests"
   # One Vulkan instance per test server: NVIDIA's driver is loaded again for
   # each, and its static TLS outgrows glibc's default surplus in one process.
   GLIBC_TUNABLES=glibc.rtld.optional_static_tls=262144 \
-    sharded e2e_tests "$((cores * 2))" 300 "$bin/e2e_tests"
-  timeout 120 "$bin/gpu_copy_bench" --benchmark_min_time=0.1 >"$OUT/copy_bench.txt" 2>&1
-  timeout 120 "$bin/gpu_quant_bench" --benchmark_min_time=0.1 >"$OUT/quant_bench.txt" 2>&1
+    sharded e2e_tests "$((cores * 2))" 150 "$bin/e2e_tests"
+  grep -h '^\[  FAILED  \] [A-Z].*(' "$OUT"/*_tests.txt
+}
+
+# The service over loopback, both transports, on the path the device picks.
+service_rows() {
   "$rel/kvcached" --listen=127.0.0.1:50051 --data_lane_listen=127.0.0.1:50052 \
     --pool_bytes=$((8 << 30)) --max_message_bytes=$((256 << 20)) >"$OUT/kvcached.log" 2>&1 &
   local server=$!
@@ -86,7 +137,7 @@ run() {
   grep "device:" "$OUT/kvcached.log"
   for lane in auto ""; do
     timeout 60 "$rel/service_bench" --ops=update,fetch --streams=1,4 \
-      --chunks=262144,1048576 --seconds=2 --data_lane="$lane" >>"$OUT/service_bench.txt" 2>&1
+      --chunks=262144,1048576 --seconds=1.5 --data_lane="$lane" >>"$OUT/service_bench.txt" 2>&1
   done
   timeout 60 "$rel/service_bench" --ops=latency --latency_iterations=50 >>"$OUT/service_bench.txt" 2>&1
   kill $server && wait $server
@@ -95,6 +146,6 @@ run() {
 
 case "${1:-}" in
   pack) pack ;;
-  run) run "${2:?run OUT}" ;;
-  *) echo "usage: $0 pack | run OUT" >&2; exit 2 ;;
+  run) run "${2:?run OUT}" "${3:-all}" ;;
+  *) echo "usage: $0 pack | run OUT [all | benchmarks | tests]" >&2; exit 2 ;;
 esac
