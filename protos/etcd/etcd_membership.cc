@@ -81,7 +81,7 @@ absl::Status EtcdMembership::Read(absl::Duration timeout) {
   return absl::OkStatus();
 }
 
-absl::Status EtcdMembership::Watch(bool& answered) {
+absl::Status EtcdMembership::Watch(WatchEnd& end) {
   // A watch has no deadline: it lasts until it breaks or the destructor cancels it.
   StoppableCalls::Call call(calls_, absl::InfiniteDuration());
   // A member cut off from its cluster's leader cancels the watch rather
@@ -97,9 +97,9 @@ absl::Status EtcdMembership::Watch(bool& answered) {
   etcdserverpb::WatchResponse answer;
   if (stream->Write(request)) {
     while (stream->Read(&answer)) {
-      answered = true;
       if (answer.compact_revision() > 0) {
         // History after our revision is gone: read the list anew, at once.
+        end.compacted = true;
         ended = absl::AbortedError("compacted");
         call.get()->TryCancel();
         continue;  // until the stream ends
@@ -110,6 +110,8 @@ absl::Status EtcdMembership::Watch(bool& answered) {
         call.get()->TryCancel();
         continue;
       }
+      // Neither refused nor compacted away: etcd serves this watch.
+      end.answered = true;
       bool changed = false;
       for (const mvccpb::Event& event : answer.events()) {
         absl::StatusOr<std::string> name = ReplicaOfKey(prefix_, event.kv().key());
@@ -145,15 +147,15 @@ void EtcdMembership::Run(bool read) {
       read = true;
       Publish();
     }
-    bool answered = false;
-    absl::Status watched = Watch(answered);
-    // Only a watch that etcd answered ends a run of failures: one refused
-    // at once (no permission, a proxy that closes it) keeps backing off
-    // rather than reading the list again ten times a second.
-    if (answered) failures = 0;
+    WatchEnd end;
+    absl::Status watched = Watch(end);
+    // Only a watch that etcd served ends a run of failures: one refused at
+    // once (no permission, canceled, a proxy that closes it) keeps backing
+    // off rather than reading the list again ten times a second.
+    if (end.answered) failures = 0;
     if (watched.ok()) continue;  // stopping
     read = false;                // the list may have changed meanwhile
-    if (!absl::IsAborted(watched)) Failed(watched, failures);
+    if (!end.compacted) Failed(watched, failures);
   }
 }
 

@@ -45,10 +45,14 @@ class EtcdMembership {
   absl::Status Read(absl::Duration timeout);
   // Read, retried on the endpoints in turn until `timeout`.
   absl::Status ReadWithin(absl::Duration timeout);
+  // How a watch ended, beside its status.
+  struct WatchEnd {
+    bool answered = false;   // etcd sent at least one list of changes
+    bool compacted = false;  // our revision's history is gone: read anew, no failure
+  };
   // Applies the changes after revision_ until the stream ends (an error) or
   // the destructor cancels it (OK).
-  // `answered`: etcd answered it at least once.
-  absl::Status Watch(bool& answered);
+  absl::Status Watch(WatchEnd& end);
   // `read`: the list was read (by Start).
   void Run(bool read);
   void Publish() const;

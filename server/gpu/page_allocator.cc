@@ -386,6 +386,7 @@ std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote
     if (oldest == nullptr) return std::nullopt;
     const PageId page = oldest->page;
     const uint32_t host_slot = oldest->slot;
+    const uint64_t oldest_order = oldest->order;
     // None when the disk tier itself is full: no other page could go either.
     const std::optional<uint32_t> disk_slot = TakeSlotLocked(Tier::kDisk, oldest_account);
     if (!disk_slot.has_value()) return std::nullopt;
@@ -397,8 +398,19 @@ std::optional<PageAllocator::Demotion> PageAllocator::TakeOldestHostPageToDemote
       --accounts_[oldest_account].used[static_cast<int>(Tier::kDisk)];
       continue;
     }
-    return Demotion{.page = page, .host_slot = host_slot, .disk_slot = *disk_slot};
+    return Demotion{
+        .page = page, .host_slot = host_slot, .disk_slot = *disk_slot, .arrival = oldest_order};
   }
+}
+
+void PageAllocator::UndoDemotion(const Demotion& demotion) {
+  absl::MutexLock lock(&mutex_);
+  const AccountId account = account_of_[demotion.page];
+  FreeSlotLocked(Tier::kDisk, demotion.disk_slot, account);
+  // Every arrival still in line came later than this one, the oldest, so
+  // the front keeps the line in order.
+  accounts_[account].host_arrivals.push_front(
+      {.order = demotion.arrival, .page = demotion.page, .slot = demotion.host_slot});
 }
 
 void PageAllocator::CountMoves(Tier from, Tier to, uint32_t pages) {

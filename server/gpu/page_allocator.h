@@ -129,8 +129,13 @@ class PageAllocator {
     PageId page;
     uint32_t host_slot;
     uint32_t disk_slot;
+    uint64_t arrival;  // its place in line
   };
   std::optional<Demotion> TakeOldestHostPageToDemote(std::optional<AccountId> only = std::nullopt);
+  // A demotion that could not be written: its disk slot is freed and the
+  // page, still in host memory, goes back to the front of its account's
+  // line, so that it stays the next to move down.
+  void UndoDemotion(const Demotion& demotion);
   void CountMoves(Tier from, Tier to, uint32_t pages);
   // How a freed disk slot's space goes back to the file system (true: it
   // did); until it does, the slot stays charged to the disk budget.

@@ -62,7 +62,7 @@ absl::StatusOr<bool> PagePool::Impl::DemoteOldestHostPage(std::optional<AccountI
     pages.Relocate(oldest->page, Tier::kDisk, oldest->disk_slot);
     pages.CountMoves(Tier::kHost, Tier::kDisk, 1);
   } else {
-    pages.ReturnSlot(Tier::kDisk, oldest->disk_slot, pages.AccountOf(oldest->page));
+    pages.UndoDemotion(*oldest);
   }
   pages.Release(oldest->page);
   if (!written.ok()) return written;

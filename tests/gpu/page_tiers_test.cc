@@ -1,7 +1,9 @@
 // Lower tiers: pages evicted to host memory and on to disk, and promoted back,
 // keep their ids, counts and bytes; every slot comes back when pages are freed.
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -417,6 +419,51 @@ TEST_P(PageTiersTest, AReusedIdAndSlotAreNotTheOldArrival) {
   pool->Release(other[0]);
   for (PageId page : more) pool->Release(page);
   EXPECT_EQ(limited->account_usage().disk_pages, 0u);
+  ExpectAllFree(*pool);
+}
+
+// Files this process writes may not grow past `bytes` while it lives (pwrite
+// then fails with EFBIG instead of raising SIGXFSZ): a disk that refuses.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    old_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    ::getrlimit(RLIMIT_FSIZE, &old_);
+    const rlimit limited{.rlim_cur = bytes, .rlim_max = old_.rlim_max};
+    ::setrlimit(RLIMIT_FSIZE, &limited);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    std::signal(SIGXFSZ, old_handler_);
+  }
+
+ private:
+  rlimit old_{};
+  void (*old_handler_)(int) = nullptr;
+};
+
+// A page whose move down to disk fails stays in host memory and first in line:
+// once the disk takes writes again, it is the one that moves down.
+TEST_P(PageTiersTest, APageThatCouldNotMoveDownStaysFirstInLine) {
+  auto pool = MakeTieredPool(4, 1, 4);
+  ASSERT_NE(pool, nullptr);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(3, pages).ok());
+  const auto contents = Fill(*pool, pages);
+  ASSERT_EQ(pool->Evict({pages[0]}).value_or(0), 1u);
+  {
+    FileSizeLimit no_disk_writes(0);
+    EXPECT_FALSE(pool->Evict({pages[1]}).ok());
+  }
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kHost);
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kDevice);
+  EXPECT_EQ(pool->stats().disk_pages, 0u) << "the failed write's disk slot is still taken";
+  ASSERT_EQ(pool->Evict({pages[1]}).value_or(0), 1u);
+  EXPECT_EQ(pool->Where(pages[0]), Tier::kDisk) << "the oldest host page lost its place";
+  EXPECT_EQ(pool->Where(pages[1]), Tier::kHost);
+  ASSERT_TRUE(pool->Promote({pages[0], pages[1]}).ok());
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(ReadPage(*pool, pages[i]), contents[i]) << i;
+  for (PageId page : pages) pool->Release(page);
   ExpectAllFree(*pool);
 }
 
