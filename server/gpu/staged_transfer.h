@@ -5,25 +5,27 @@
 //   Read:   device buffer --copy engine--> staging ring --memcpy--> host
 //   Copy:   device buffer --copy engine--> device buffer
 //
-// A batch larger than the ring (or than CopyPipeline::kMaxCopies pieces) goes
-// out as several submissions, each waited for on its fence before the ring is
-// refilled. Thread-safe: concurrent callers take turns.
+// The work goes through one of a few lanes, each with its own ring, command
+// buffer and fence: a call takes a lane no other call holds where there is
+// one, so that concurrent calls (the service's Fetch streams) overlap their
+// waits on the device instead of queueing behind one ring. Only the queue
+// submission itself is serialised (the device's queue mutex). A batch larger
+// than its lane's ring (or than CopyPipeline::kMaxCopies pieces) goes out as
+// several submissions, each waited for on its fence before the ring is
+// refilled. Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "gpu/buffer.h"
-#include "gpu/command_runner.h"
 #include "gpu/copy_pipeline.h"
 #include "gpu/device.h"
-#include "gpu/staging.h"
 
 namespace kvcache::gpu {
 
@@ -39,47 +41,37 @@ struct DeviceToHost {
 
 class StagedTransfer {
  public:
-  // Large enough that a 16 MiB batch is one submission, small enough to keep
-  // per-pool host memory modest. Never larger than the pool it serves.
+  // All lanes' rings together: large enough that an 8 MiB batch is one
+  // submission, small enough to keep per-pool host memory modest. Never
+  // larger than the pool it serves.
   static constexpr uint64_t kStagingRingBytes = 32 << 20;
+  // As many lanes as the ring bytes give at least kMinLaneBytes each, up to
+  // kMaxLanes (a small pool has one).
+  static constexpr size_t kMaxLanes = 4;
+  static constexpr uint64_t kMinLaneBytes = 8 << 20;
 
   static absl::StatusOr<std::unique_ptr<StagedTransfer>> Create(const Device& device,
                                                                 CopyEngine engine,
                                                                 uint64_t ring_bytes);
+  ~StagedTransfer();
 
   // Each call has completed on the device when it returns. Ranges within one
-  // call must not overlap (the copies of one submission run in any order).
+  // call must not overlap (the copies of one submission run in any order);
+  // calls that run at once must not touch the same bytes.
   absl::Status Write(absl::Span<const HostToDevice> writes);
   absl::Status Read(absl::Span<const DeviceToHost> reads);
   absl::Status Copy(absl::Span<const BufferCopy> copies);
 
+  size_t lanes() const { return lanes_.size(); }
+
  private:
-  // Bytes waiting in the ring for a Read's submission to finish.
-  struct PendingRead {
-    uint64_t ring_offset;
-    std::byte* dst;
-    uint64_t bytes;
-  };
+  class Lane;
+  class Claim;
 
-  StagedTransfer(CopyEngine engine, std::unique_ptr<StagingRing> ring,
-                 std::unique_ptr<CommandRunner> runner, std::unique_ptr<CopyPipeline> pipeline);
-  // Ring space for up to `bytes` bytes of a device range starting at
-  // `device_offset`, submitting what is pending first when full.
-  absl::StatusOr<StagingRing::Slice> Reserve(uint64_t device_offset, uint64_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  // Submits the pending copies, waits, delivers pending reads, empties the ring.
-  absl::Status Flush() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
-  // Records `copies` through `pipeline` (kComputeShader) or as copy regions.
-  absl::Status RecordPending(const vk::raii::CommandBuffer& commands, CopyPipeline* pipeline,
-                             absl::Span<const BufferCopy> copies) const;
+  explicit StagedTransfer(std::vector<std::unique_ptr<Lane>> lanes);
 
-  const CopyEngine engine_;
-  absl::Mutex mutex_;
-  std::unique_ptr<StagingRing> ring_ ABSL_GUARDED_BY(mutex_);
-  std::unique_ptr<CommandRunner> runner_ ABSL_GUARDED_BY(mutex_);
-  std::unique_ptr<CopyPipeline> pipeline_ ABSL_GUARDED_BY(mutex_);  // kComputeShader only
-  std::vector<BufferCopy> pending_copies_ ABSL_GUARDED_BY(mutex_);
-  std::vector<PendingRead> pending_reads_ ABSL_GUARDED_BY(mutex_);
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::atomic<size_t> turn_{0};  // the lane a call waits for when all are held
 };
 
 }  // namespace kvcache::gpu

@@ -175,7 +175,8 @@ TEST_P(TransferTest, CopiesTakeEffectInOrder) {
   ReleaseAll(*pool, pages);
 }
 
-// 48 MiB in one call: more than the 32 MiB staging ring, so several submissions.
+// 48 MiB in one call: more than a lane's staging ring (8 MiB, a quarter of
+// 32 MiB), so several submissions.
 TEST_P(TransferTest, BatchesLargerThanTheStagingRing) {
   constexpr uint64_t kPageBytes = 256 << 10;
   auto pool = MakePool(kPageBytes, 48 << 20);
@@ -236,6 +237,51 @@ TEST_P(TransferTest, ConcurrentWritersOnDistinctPages) {
           reads.push_back({pages[i], 0, back.data() + at, pool->page_bytes()});
         }
         if (!pool->Write(writes).ok() || !pool->Read(reads).ok() || back != data) ++mismatches[t];
+        for (PageId page : pages) pool->Release(page);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches, std::vector<int>(kThreads, 0));
+  EXPECT_EQ(pool->stats().used_pages, 0u);
+}
+
+// A pool large enough for every staging lane: eight threads write, copy
+// between and read back pages of their own at once, each byte checked.
+TEST_P(TransferTest, ConcurrentCallsOnEveryLane) {
+  constexpr uint64_t kPageBytes = 64 << 10;
+  auto pool = MakePool(kPageBytes, 64 << 20);
+  ASSERT_NE(pool, nullptr);
+  constexpr int kThreads = 8;
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(kThreads, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      for (int round = 0; round < 20; ++round) {
+        std::vector<PageId> pages;
+        if (!pool->Allocate(16, pages).ok()) {
+          ++mismatches[t];
+          return;
+        }
+        const Bytes data = RandomBytes(8 * kPageBytes, rng);
+        Bytes back(2 * data.size());
+        std::vector<WriteRun> writes;
+        std::vector<PageCopy> copies;
+        std::vector<ReadRun> reads;
+        for (size_t i = 0; i < 8; ++i) {
+          writes.push_back({pages[i], 0, data.data() + i * kPageBytes, kPageBytes});
+          copies.push_back({pages[i], pages[8 + i], 0, kPageBytes});
+        }
+        for (size_t i = 0; i < 16; ++i) {
+          reads.push_back({pages[i], 0, back.data() + i * kPageBytes, kPageBytes});
+        }
+        const bool done =
+            pool->Write(writes).ok() && pool->Copy(copies).ok() && pool->Read(reads).ok();
+        if (!done || !std::equal(data.begin(), data.end(), back.begin()) ||
+            !std::equal(data.begin(), data.end(), back.begin() + data.size())) {
+          ++mismatches[t];
+        }
         for (PageId page : pages) pool->Release(page);
       }
     });
