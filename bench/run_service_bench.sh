@@ -17,6 +17,9 @@
 #       # see the same load; adds a before / after table
 #   SERVER_FLAGS=--default_ttl=10m BEFORE=... bash bench/run_service_bench.sh
 #       # this build's kvcached with more flags (BEFORE's gets none)
+#   BOTH_FLAGS=--force_staging BEFORE=... bash bench/run_service_bench.sh
+#       # flags for both builds' servers (every transfer through the staging
+#       # rings, as on a discrete GPU)
 #
 # Installs the peers (.ci/setup --bench), builds Release into build-bench/,
 # starts kvcached, redis-server and iperf3 on free loopback ports, and stops
@@ -37,6 +40,7 @@ BEFORE=${BEFORE:-}
 # More flags for this tree's kvcached only (e.g. --default_ttl=10m, so that
 # every call renews a lease), not for BEFORE's.
 SERVER_FLAGS=${SERVER_FLAGS:-}
+BOTH_FLAGS=${BOTH_FLAGS:-}
 work=$(mktemp -d)
 raw="$BUILD_DIR/service_bench_raw.txt"
 pids=()
@@ -75,7 +79,7 @@ start_peers() {
   lane_port=$(free_port $((kv_port + 1)))
   "$KVCACHED" --listen="127.0.0.1:$kv_port" --data_lane_listen="127.0.0.1:$lane_port" \
     --pool_bytes=$((6 << 30)) \
-    --max_message_bytes=$((256 << 20)) $SERVER_FLAGS >"$work/kvcached.log" 2>&1 &
+    --max_message_bytes=$((256 << 20)) $SERVER_FLAGS $BOTH_FLAGS >"$work/kvcached.log" 2>&1 &
   pids+=($!)
   if [[ -n $BEFORE ]]; then
     for binary in server/kvcached bench/service/service_bench; do
@@ -88,7 +92,7 @@ start_peers() {
     before_lane_port=$(free_port $((before_port + 1)))
     "$BEFORE/server/kvcached" --listen="127.0.0.1:$before_port" \
       --data_lane_listen="127.0.0.1:$before_lane_port" --pool_bytes=$((6 << 30)) \
-      --max_message_bytes=$((256 << 20)) >"$work/before.log" 2>&1 &
+      --max_message_bytes=$((256 << 20)) $BOTH_FLAGS >"$work/before.log" 2>&1 &
     pids+=($!)
     wait_for grep -q "listening on" "$work/before.log"
     log "before: kvcached of $BEFORE on $before_port"
@@ -159,7 +163,8 @@ run_rows() {
 print_machine() {
   echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
   echo "- kernel $(uname -r), $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "- device: $(sed -n 's/.*device: \(.*\), transfers.*/\1/p' "$work/kvcached.log" | head -1)"
+  echo "- device: $(sed -n 's/.*device: \(.*\)/\1/p' "$work/kvcached.log" | head -1)"
+  echo "- flags of both servers: ${BOTH_FLAGS:-none}; of this build's: ${SERVER_FLAGS:-none}"
   echo "- load average before / after: $load_before / $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "- $REPEATS rounds of ${ROW_SECONDS} s per row (after 0.5 s warm-up); medians"
   echo "- server $KVCACHED; lane rows: ClientOptions::data_lane = auto; gRPC rows: Update sent with --update_path=$UPDATE_PATH"

@@ -148,11 +148,13 @@ void EtcdMembership::Run(bool read) {
       Publish();
     }
     WatchEnd end;
+    const absl::Time started = absl::Now();
     absl::Status watched = Watch(end);
-    // Only a watch that etcd served ends a run of failures: one refused at
-    // once (no permission, canceled, a proxy that closes it) keeps backing
-    // off rather than reading the list again ten times a second.
-    if (end.answered) failures = 0;
+    // Only a watch that etcd served for a while ends a run of failures: one
+    // refused at once (no permission, canceled, a proxy that closes it just
+    // after etcd created it) keeps backing off rather than reading the list
+    // again ten times a second.
+    if (end.answered && absl::Now() - started >= kMostBackoff) failures = 0;
     if (watched.ok()) continue;  // stopping
     read = false;                // the list may have changed meanwhile
     if (!end.compacted) Failed(watched, failures);

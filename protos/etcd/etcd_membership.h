@@ -47,7 +47,7 @@ class EtcdMembership {
   absl::Status ReadWithin(absl::Duration timeout);
   // How a watch ended, beside its status.
   struct WatchEnd {
-    bool answered = false;   // etcd sent at least one list of changes
+    bool answered = false;   // etcd created it (and maybe sent changes)
     bool compacted = false;  // our revision's history is gone: read anew, no failure
   };
   // Applies the changes after revision_ until the stream ends (an error) or
