@@ -21,8 +21,12 @@ constexpr uint64_t kPageBytes = 64 << 10;
 
 enum class Path { kDirect, kStagingRegions, kStagingShader };
 
+// One device per path, made on first use and destroyed by main() before it
+// returns: destroyed during static destruction instead, a Vulkan instance can
+// outlive the driver's own teardown (NVIDIA's crashed there).
+std::unique_ptr<Device> devices[3];
+
 Device& BenchDevice(Path path) {
-  static std::unique_ptr<Device> devices[3];
   std::unique_ptr<Device>& device = devices[static_cast<int>(path)];
   if (device == nullptr) {
     DeviceOptions options;
@@ -111,4 +115,11 @@ BENCHMARK_CAPTURE(BM_Read, StagingShader, Path::kStagingShader)->Apply(BatchSize
 }  // namespace
 }  // namespace kvcache::gpu
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  for (std::unique_ptr<kvcache::gpu::Device>& device : kvcache::gpu::devices) device.reset();
+  return 0;
+}
