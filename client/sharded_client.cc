@@ -231,7 +231,8 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::ConnectEtcd(
           replicas.push_back({.name = name, .address = address});
         }
         raw->SetMembers(replicas);
-      });
+      },
+      options.on_etcd_failure);
   if (!membership.ok()) return membership.status();
   fleet->membership_ = *std::move(membership);
   return fleet;

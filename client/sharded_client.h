@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,9 @@ struct ShardedClientOptions {
   // Where replicas list themselves (their --etcd_endpoints and
   // --etcd_prefix); with endpoints, `replicas` stays empty.
   etcd::EtcdOptions etcd;
+  // Told why etcd's list could not be read or watched, once per run of
+  // failures, while the client goes on with the list it had (null: no one).
+  std::function<void(const absl::Status&)> on_etcd_failure;
   // Everything but `address` for each replica's Client. data_lane is "" or
   // "auto" (each replica's lane is the one its GetStats names).
   // max_reconnect_backoff defaults to 2 s here.

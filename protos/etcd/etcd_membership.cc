@@ -3,7 +3,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,11 +18,12 @@ constexpr absl::Duration kMostBackoff = absl::Seconds(2);
 
 absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(const EtcdOptions& options,
                                                                       absl::Duration timeout,
-                                                                      OnChange on_change) {
+                                                                      OnChange on_change,
+                                                                      OnFailure on_failure) {
   absl::StatusOr<EtcdChannels> channels = EtcdChannels::Make(options);
   if (!channels.ok()) return channels.status();
-  std::unique_ptr<EtcdMembership> membership(
-      new EtcdMembership(options, *std::move(channels), std::move(on_change)));
+  std::unique_ptr<EtcdMembership> membership(new EtcdMembership(
+      options, *std::move(channels), std::move(on_change), std::move(on_failure)));
   const bool read = timeout > absl::ZeroDuration();
   if (read) {
     if (absl::Status status = membership->ReadWithin(timeout); !status.ok()) return status;
@@ -50,8 +50,11 @@ absl::Status EtcdMembership::ReadWithin(absl::Duration timeout) {
 }
 
 EtcdMembership::EtcdMembership(const EtcdOptions& options, EtcdChannels channels,
-                               OnChange on_change)
-    : prefix_(options.prefix), on_change_(std::move(on_change)), channels_(std::move(channels)) {}
+                               OnChange on_change, OnFailure on_failure)
+    : prefix_(options.prefix),
+      on_change_(std::move(on_change)),
+      on_failure_(std::move(on_failure)),
+      channels_(std::move(channels)) {}
 
 EtcdMembership::~EtcdMembership() {
   calls_.Stop();
@@ -167,7 +170,7 @@ void EtcdMembership::Failed(const absl::Status& status, int& failures) {
     absl::MutexLock lock(&failure_mu_);
     last_failure_ = status;
   }
-  if (failures++ == 0) std::fprintf(stderr, "kvcache: %s\n", status.ToString().c_str());
+  if (failures++ == 0 && on_failure_ != nullptr) on_failure_(status);
   channels_.Next();
   calls_.WaitStopping(EtcdBackoff(failures, kMostBackoff));
 }

@@ -25,22 +25,27 @@ class EtcdMembership {
  public:
   // Every replica listed: name -> the address it listed.
   using OnChange = std::function<void(const std::map<std::string, std::string>& listed)>;
+  // Why the list could not be read or watched, once per run of failures (the
+  // owner logs it its own way; a library prints nothing itself).
+  using OnFailure = std::function<void(const absl::Status& failure)>;
 
   // Reads the list (UNAVAILABLE where no endpoint answers within `timeout`,
   // each tried in turn), calls `on_change` with it before returning, and then
   // from a thread of its own after each change until destroyed. A zero
   // `timeout` returns at once and leaves the first read to that thread, which
-  // retries it until etcd answers.
+  // retries it until etcd answers. `on_failure` may be null.
   static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(const EtcdOptions& options,
                                                                absl::Duration timeout,
-                                                               OnChange on_change);
+                                                               OnChange on_change,
+                                                               OnFailure on_failure = nullptr);
   ~EtcdMembership();
   // Why the list could not be read or watched the last time it could not
   // (OK once it was read again): for callers asking before the first read.
   absl::Status last_failure() const;
 
  private:
-  EtcdMembership(const EtcdOptions& options, EtcdChannels channels, OnChange on_change);
+  EtcdMembership(const EtcdOptions& options, EtcdChannels channels, OnChange on_change,
+                 OnFailure on_failure);
   // Range over the prefix: the whole list and its revision.
   absl::Status Read(absl::Duration timeout);
   // Read, retried on the endpoints in turn until `timeout`.
@@ -56,11 +61,12 @@ class EtcdMembership {
   // `read`: the list was read (by Start).
   void Run(bool read);
   void Publish() const;
-  // Notes a failure, logs the first of a run of them and backs off.
+  // Notes a failure, tells on_failure_ of the first of a run and backs off.
   void Failed(const absl::Status& status, int& failures);
 
   const std::string prefix_;
   const OnChange on_change_;
+  const OnFailure on_failure_;
   EtcdChannels channels_;                      // Run's (Start's before it)
   std::map<std::string, std::string> listed_;  // name -> address; likewise
   int64_t revision_ = 0;                       // of listed_; likewise

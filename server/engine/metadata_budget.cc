@@ -116,11 +116,13 @@ uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_byte
 
 uint64_t HandleMetadataBytes() { return kHandleBytes; }
 
-uint64_t PrefixEntryMetadataBytes(uint64_t tokens) {
+uint64_t PrefixEntryMetadataBytes(uint64_t tokens, const PrefixBlocks* ledger) {
   // A tree edge may split a node in two: at most two nodes (with their child
   // maps) per entry, plus the entry itself and its id in the index.
   constexpr uint64_t kNodesBytes = 2 * HeapBlockBytes(160);
-  return 2 * HeapBlockBytes(tokens * sizeof(uint32_t)) + kNodesBytes + kHandleBytes;
+  const uint64_t ledger_bytes =
+      ledger == nullptr ? 0 : tokens / ledger->block_tokens() * ledger->MaxBytesPerBlock();
+  return 2 * HeapBlockBytes(tokens * sizeof(uint32_t)) + kNodesBytes + kHandleBytes + ledger_bytes;
 }
 
 uint64_t PoolTablesBytes(uint64_t pool_pages) { return TableBytes(pool_pages, pool_pages); }

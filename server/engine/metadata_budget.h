@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "engine/cache.h"
 #include "engine/cache_spec.h"
+#include "engine/prefix_blocks.h"
 
 namespace kvcache::engine {
 
@@ -77,8 +78,10 @@ uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_byte
 // prefix lookup's handle): the registry entry and its lease, nothing shared.
 uint64_t HandleMetadataBytes();
 // What a published prefix of `tokens` adds to its snapshot's charge: the
-// tokens, once on the index's tree and once in its entry, and their nodes.
-uint64_t PrefixEntryMetadataBytes(uint64_t tokens);
+// tokens, once on the index's tree and once in its entry, and their nodes;
+// where a KV-event ledger counts the entry's blocks (null: none), the blocks
+// it may add there.
+uint64_t PrefixEntryMetadataBytes(uint64_t tokens, const PrefixBlocks* ledger);
 // The chunks live caches' page tables hold beyond their first per layer: one
 // per kChunkPages pages of the pool, reserved once.
 uint64_t PoolTablesBytes(uint64_t pool_pages);

@@ -3,6 +3,9 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <utility>
+
+#include "engine/host_bytes.h"
 
 namespace kvcache::engine {
 
@@ -17,6 +20,11 @@ std::vector<uint64_t> PrefixBlocks::Hashes(absl::Span<const uint32_t> tokens) co
     hashes.push_back(chain);
   }
   return hashes;
+}
+
+uint64_t PrefixBlocks::MaxBytesPerBlock() const {
+  return HeapBlockBytes(uint64_t{block_tokens_} * sizeof(uint32_t)) +
+         3 * sizeof(std::pair<const uint64_t, Block>);
 }
 
 void PrefixBlocks::Add(absl::Span<const uint32_t> tokens) {

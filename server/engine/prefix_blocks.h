@@ -67,6 +67,11 @@ class PrefixBlocks {
   // while none can come or go: where a sink that lost events starts again.
   void Held(const std::function<void(std::vector<BlockEvent>)>& under_lock) const;
   size_t blocks() const;
+  // The most host memory one held block takes: its token ids on the heap and
+  // its map slot (flat_hash_map keeps up to 8/7 slots per entry and doubles:
+  // under 2.3 slots at worst, three counted). Entries are charged this per
+  // block they hold (metadata_budget.h), shared blocks included.
+  uint64_t MaxBytesPerBlock() const;
 
   // Block i's hash for `tokens`, for i < tokens.size() / block_tokens.
   std::vector<uint64_t> Hashes(absl::Span<const uint32_t> tokens) const;

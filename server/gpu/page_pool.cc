@@ -23,6 +23,7 @@
 #include "core/status_macros.h"
 #include "gpu/page_pool_impl.h"
 #include "gpu/quantizer.h"
+#include "gpu/shared_copies.h"
 
 namespace kvcache::gpu {
 namespace {
@@ -107,21 +108,25 @@ absl::Status PagePool::Impl::Write(absl::Span<const WriteRun> runs) {
     RETURN_IF_ERROR(CheckRange("Write", i, runs[i].page, runs[i].offset, runs[i].bytes));
   }
   if (pages.host_mapped()) {
-    bool streamed = false;
-    for (const WriteRun& run : runs) {
-      std::byte* dst = pages.Locate(run.page).host + run.offset;
-      const auto* src = static_cast<const std::byte*>(run.src);
-      if (run.bytes >= kStreamingRunBytes) {
-        StreamingCopy(dst, src, run.bytes);
-        streamed = true;
-      } else if (run.bytes > 0) {
-        std::memcpy(dst, src, run.bytes);
-      }
-    }
-    // Uncached mappings (mapped writes) are write-combined: even plain stores
-    // wait in the CPU's buffers until a fence, and the GPU may read the pages
-    // as soon as the caller's lock is released.
-    if (streamed || staged_ != nullptr) StreamingStoresDone();
+    CopyRunsInBatches(
+        runs.size(), [&](size_t i) { return runs[i].bytes; },
+        [&](size_t begin, size_t end) {
+          bool streamed = false;
+          for (const WriteRun& run : runs.subspan(begin, end - begin)) {
+            std::byte* dst = pages.Locate(run.page).host + run.offset;
+            const auto* src = static_cast<const std::byte*>(run.src);
+            if (run.bytes >= kStreamingRunBytes) {
+              StreamingCopy(dst, src, run.bytes);
+              streamed = true;
+            } else if (run.bytes > 0) {
+              std::memcpy(dst, src, run.bytes);
+            }
+          }
+          // Uncached mappings (mapped writes) are write-combined: even plain
+          // stores wait in the CPU's buffers until a fence, and the GPU may
+          // read the pages as soon as the caller's lock is released.
+          if (streamed || staged_ != nullptr) StreamingStoresDone();
+        });
     return absl::OkStatus();
   }
   std::vector<HostToDevice> writes;
@@ -138,9 +143,14 @@ absl::Status PagePool::Impl::Read(absl::Span<const ReadRun> runs) {
     RETURN_IF_ERROR(CheckRange("Read", i, runs[i].page, runs[i].offset, runs[i].bytes));
   }
   if (staged_ == nullptr) {
-    for (const ReadRun& run : runs) {
-      if (run.bytes > 0) std::memcpy(run.dst, pages.Locate(run.page).host + run.offset, run.bytes);
-    }
+    CopyRunsInBatches(
+        runs.size(), [&](size_t i) { return runs[i].bytes; },
+        [&](size_t begin, size_t end) {
+          for (const ReadRun& run : runs.subspan(begin, end - begin)) {
+            if (run.bytes == 0) continue;
+            std::memcpy(run.dst, pages.Locate(run.page).host + run.offset, run.bytes);
+          }
+        });
     return absl::OkStatus();
   }
   std::vector<DeviceToHost> reads;

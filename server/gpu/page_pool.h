@@ -22,11 +22,9 @@
 #include "absl/types/span.h"
 #include "core/disk_budget.h"
 #include "gpu/device_options.h"
+#include "gpu/page_id.h"
 
 namespace kvcache::gpu {
-
-using PageId = uint32_t;
-inline constexpr PageId kNoPage = UINT32_MAX;
 
 // How the pool's refusals for want of pages begin (Allocate and Promote).
 inline constexpr char kPoolExhausted[] = "page pool budget exhausted (pool_bytes)";

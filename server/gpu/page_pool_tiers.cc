@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu/page_pool_impl.h"
+#include "gpu/shared_copies.h"
 
 namespace kvcache::gpu {
 namespace {
@@ -23,7 +24,13 @@ constexpr uint32_t kDiskBatchPages = 64;
 absl::Status PagePool::Impl::ReadSlots(absl::Span<const std::pair<uint32_t, std::byte*>> reads) {
   const uint64_t page_bytes = pages.plan().page_bytes;
   if (staged_ == nullptr) {
-    for (const auto& [slot, dst] : reads) std::memcpy(dst, pages.LocateSlot(slot).host, page_bytes);
+    CopyRunsInBatches(
+        reads.size(), [&](size_t) { return page_bytes; },
+        [&](size_t begin, size_t end) {
+          for (const auto& [slot, dst] : reads.subspan(begin, end - begin)) {
+            std::memcpy(dst, pages.LocateSlot(slot).host, page_bytes);
+          }
+        });
     return absl::OkStatus();
   }
   std::vector<DeviceToHost> copies;
@@ -39,9 +46,13 @@ absl::Status PagePool::Impl::WriteSlots(
     absl::Span<const std::pair<uint32_t, const std::byte*>> writes) {
   const uint64_t page_bytes = pages.plan().page_bytes;
   if (staged_ == nullptr) {
-    for (const auto& [slot, src] : writes) {
-      std::memcpy(pages.LocateSlot(slot).host, src, page_bytes);
-    }
+    CopyRunsInBatches(
+        writes.size(), [&](size_t) { return page_bytes; },
+        [&](size_t begin, size_t end) {
+          for (const auto& [slot, src] : writes.subspan(begin, end - begin)) {
+            std::memcpy(pages.LocateSlot(slot).host, src, page_bytes);
+          }
+        });
     return absl::OkStatus();
   }
   std::vector<HostToDevice> copies;

@@ -7,11 +7,10 @@
 #include <cstdint>
 
 #include "absl/types/span.h"
+#include "gpu/page_id.h"
 #include "gpu/quant_format.h"
 
 namespace kvcache::gpu {
-
-using PageId = uint32_t;
 
 struct QuantRun {
   PageId page;

@@ -62,8 +62,6 @@ class StagedTransfer {
   absl::Status Read(absl::Span<const DeviceToHost> reads);
   absl::Status Copy(absl::Span<const BufferCopy> copies);
 
-  size_t lanes() const { return lanes_.size(); }
-
  private:
   class Lane;
   class Claim;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/log.h"
 #include "core/status_macros.h"
 #include "ids/replica_id.h"
 
@@ -67,6 +68,10 @@ absl::StatusOr<std::unique_ptr<Peers>> Peers::Make(PeersConfig config) {
                          peers->config_.etcd, absl::ZeroDuration(),
                          [raw = peers.get()](const std::map<std::string, std::string>& listed) {
                            raw->SetEtcdList(listed);
+                         },
+                         [](const absl::Status& failure) {
+                           LogWarning("etcd: cannot watch the fleet's list (trying again): %s",
+                                      failure.ToString());
                          }));
   }
   return peers;

@@ -642,6 +642,34 @@ TEST_P(PrefixSharingTest, PublishingForEverStaysWithinTheMetadataBudget) {
   EXPECT_EQ(LookupAndRestore(Prompt(40000), /*alone=*/false), 16u) << "the newest stays";
 }
 
+// A KV-event ledger's blocks (prefix_blocks.h) live as long as the entries
+// that hold them: each entry's charge covers what it may add there.
+TEST_P(PrefixSharingTest, AnEntryIsChargedForItsBlocksInTheKvEventLedger) {
+  struct Discard final : engine::BlockEventSink {
+    void Emit(engine::BlockEvent) override {}
+  } sink;
+  engine::PrefixBlocks ledger(4, &sink);
+  const Tokens prompt = Prompt(10);
+  auto entry_bytes = [&](engine::PrefixBlocks* blocks) {
+    engine_.reset();
+    engine_ = std::make_unique<Engine>(
+        *pool_, engine::EngineOptions{.page_tokens = kPageTokens, .prefix_blocks = blocks});
+    const uint64_t base = engine_->Stats().metadata_bytes;
+    PrefillAndPublish(prompt, 16);
+    const uint64_t bytes = engine_->Stats().metadata_bytes - base;
+    ReleaseEverything(*engine_);
+    return bytes;
+  };
+  const uint64_t without = entry_bytes(nullptr);
+  const uint64_t with = entry_bytes(&ledger);
+  StartEngine(Spec());  // none that points at the ledger outlives it
+  EXPECT_EQ(ledger.blocks(), 0u) << "released entries leave no block";
+  // Four blocks of four token ids (16 bytes each on the heap) and their
+  // 8-byte hashes as map keys, at the least.
+  EXPECT_GE(with - without, 4 * (16 + 8));
+  EXPECT_EQ(with - without, 4 * ledger.MaxBytesPerBlock());
+}
+
 // Workers publishing and looking up the same prefixes at once: every restore
 // is byte-exact (the checks run in each thread).
 TEST_P(PrefixSharingTest, ConcurrentWorkersAgree) {

@@ -193,6 +193,17 @@ TEST_P(TransferTest, BatchesLargerThanTheStagingRing) {
   ReleaseAll(*pool, pages);
 }
 
+// Calls of megabytes are shared out among the host workers on the direct path
+// (gpu/shared_copies.h): whole pages (streamed) and short pieces, in one call.
+TEST_P(TransferTest, LargeCallsOfMixedRunsRoundTrip) {
+  auto pool = MakePool(64 << 10, 8 << 20);
+  ASSERT_NE(pool, nullptr);
+  const std::vector<PageId> pages = AllocateFilled(*pool, 96);
+  WriteRandomPieces(*pool, pages, 1);
+  ExpectPagesMatchMirror(*pool, pages, 1);
+  ReleaseAll(*pool, pages);
+}
+
 // More runs in one call than one submission's run table holds (16384).
 TEST_P(TransferTest, ManySmallRunsInOneCall) {
   auto pool = MakePool(4096, 64 * 4096);
