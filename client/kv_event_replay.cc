@@ -50,7 +50,8 @@ std::string Summary(uint64_t sequence, const nlohmann::json& event) {
 }  // namespace
 
 absl::StatusOr<std::vector<KvEventBatch>> ReplayKvEvents(const std::string& endpoint, uint64_t from,
-                                                         absl::Duration timeout) {
+                                                         absl::Duration timeout,
+                                                         const KvEventCurve& curve) {
   std::vector<KvEventBatch> batches;
   try {
     zmq::context_t context;
@@ -58,6 +59,11 @@ absl::StatusOr<std::vector<KvEventBatch>> ReplayKvEvents(const std::string& endp
     zmq::socket_t request(context, zmq::socket_type::dealer);
     request.set(zmq::sockopt::linger, 0);
     request.set(zmq::sockopt::rcvtimeo, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+    if (!curve.server_key.empty()) {
+      request.set(zmq::sockopt::curve_serverkey, curve.server_key);
+      request.set(zmq::sockopt::curve_publickey, curve.public_key);
+      request.set(zmq::sockopt::curve_secretkey, curve.secret_key);
+    }
     request.connect(endpoint);
     std::string start(8, '\0');
     for (int i = 7; i >= 0; --i, from >>= 8) start[i] = static_cast<char>(from & 0xff);

@@ -21,9 +21,20 @@ struct KvEventBatch {
   std::vector<std::string> summary;
 };
 
-// UNAVAILABLE when no answer comes within `timeout`; INVALID_ARGUMENT for a
-// malformed answer.
+// A replica whose KV event sockets speak CURVE (kvcached
+// --kv_events_curve_key_file): its public key, and this subscriber's pair,
+// whose public key the replica lists. All Z85; empty server_key: plaintext.
+struct KvEventCurve {
+  std::string server_key;
+  std::string public_key;
+  std::string secret_key;
+};
+
+// UNAVAILABLE when no answer comes within `timeout` (also what a replica
+// that does not admit this subscriber's key looks like); INVALID_ARGUMENT
+// for a malformed answer.
 absl::StatusOr<std::vector<KvEventBatch>> ReplayKvEvents(const std::string& endpoint, uint64_t from,
-                                                         absl::Duration timeout);
+                                                         absl::Duration timeout,
+                                                         const KvEventCurve& curve = {});
 
 }  // namespace kvcache

@@ -14,8 +14,12 @@
 //   kvcachectl health [SERVICE]        (grpc.health.v1; exit 0 only when SERVING)
 //   kvcachectl metrics [FILTER...] --metrics=HOST:PORT         (kvcached --metrics_listen)
 //   kvcachectl kv-events [FROM] [--json] --kv_events_replay=tcp://HOST:PORT
+//       [--kv_events_server_key=Z85 --kv_events_curve_key_file=FILE]
 //       (the KV events a replica still buffers, from batch FROM: what a
-//       vLLM-style router has been told)
+//       vLLM-style router has been told; with CURVE where the replica uses it)
+//   kvcachectl curve-keypair SECRET_FILE
+//       (a new CURVE pair: the secret key into SECRET_FILE, mode 600; the
+//       public key printed, for the replica's or subscriber's list)
 // Prompt-cache files (mlx-lm save_prompt_cache layout):
 //   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
 //   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
@@ -48,6 +52,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "curve/curve_keys.h"
 #include "http_get.h"
 #include "kv_event_replay.h"
 #include "kvcache_client.h"
@@ -85,6 +90,12 @@ ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
 ABSL_FLAG(std::string, kv_events_replay, "tcp://127.0.0.1:5558",
           "kv-events: the replica's --kv_events_replay_endpoint");
 ABSL_FLAG(bool, json, false, "kv-events: each batch whole, as JSON");
+ABSL_FLAG(std::string, kv_events_server_key, "",
+          "kv-events: the replica's CURVE public key (Z85; kvcached logs it at start), where it "
+          "runs with --kv_events_curve_key_file");
+ABSL_FLAG(std::string, kv_events_curve_key_file, "",
+          "kv-events: this subscriber's CURVE secret key file (mode 600), whose public key the "
+          "replica's --kv_events_curve_subscribers_file lists");
 ABSL_FLAG(std::string, tenant, "",
           "caches, snapshots, evict: another tenant's (an admin token only; as the tokens file "
           "names it)");
@@ -483,6 +494,20 @@ int Metrics(const Args& args) {
   return 0;
 }
 
+// A new CURVE pair: the secret key into args[1] (never printed), the public
+// key on stdout.
+int CurveKeypair(const Args& args) {
+  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: curve-keypair SECRET_FILE"));
+  absl::StatusOr<kvcache::curve::KeyPair> pair = kvcache::curve::NewKeyPair();
+  if (!pair.ok()) return Fail(pair.status());
+  if (absl::Status written = kvcache::curve::WriteSecretKeyFile(args[1], pair->secret_key);
+      !written.ok()) {
+    return Fail(written);
+  }
+  std::printf("%s\n", pair->public_key.c_str());
+  return 0;
+}
+
 // A line per buffered event (--json: per batch,
 // {"sequence":N,"batch":[ts,[event...],rank]}).
 int KvEvents(const Args& args) {
@@ -490,8 +515,25 @@ int KvEvents(const Args& args) {
   if (args.size() > 2 || (args.size() == 2 && !absl::SimpleAtoi(args[1], &from))) {
     return Fail(absl::InvalidArgumentError("usage: kv-events [FROM_SEQUENCE]"));
   }
+  kvcache::KvEventCurve curve{.server_key = absl::GetFlag(FLAGS_kv_events_server_key)};
+  const std::string key_file = absl::GetFlag(FLAGS_kv_events_curve_key_file);
+  if (curve.server_key.empty() != key_file.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--kv_events_server_key and --kv_events_curve_key_file: CURVE needs both"));
+  }
+  if (!curve.server_key.empty()) {
+    if (absl::Status valid = kvcache::curve::CheckKey(curve.server_key, "--kv_events_server_key");
+        !valid.ok()) {
+      return Fail(valid);
+    }
+    absl::StatusOr<kvcache::curve::KeyPair> pair =
+        kvcache::curve::ReadSecretKeyFile(key_file, "--kv_events_curve_key_file");
+    if (!pair.ok()) return Fail(pair.status());
+    curve.public_key = pair->public_key;
+    curve.secret_key = pair->secret_key;
+  }
   absl::StatusOr<std::vector<kvcache::KvEventBatch>> batches =
-      kvcache::ReplayKvEvents(absl::GetFlag(FLAGS_kv_events_replay), from, absl::Seconds(5));
+      kvcache::ReplayKvEvents(absl::GetFlag(FLAGS_kv_events_replay), from, absl::Seconds(5), curve);
   if (!batches.ok()) return Fail(batches.status());
   for (const kvcache::KvEventBatch& batch : *batches) {
     if (absl::GetFlag(FLAGS_json)) {
@@ -605,9 +647,10 @@ int main(int argc, char** argv) {
       "SNAPSHOT "
       "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
       "FILE "
-      "[--name=NAME] | pull SNAPSHOT [--pinned] [--ttl=S] | saved | store SNAPSHOT NAME | load-saved NAME | download NAME FILE | "
+      "[--name=NAME] | pull SNAPSHOT [--pinned] [--ttl=S] | saved | store SNAPSHOT NAME | "
+      "load-saved NAME | download NAME FILE | "
       "delete-saved NAME | describe ID | health [SERVICE] | metrics [FILTER] "
-      "[--metrics=HOST:PORT]");
+      "[--metrics=HOST:PORT] | kv-events [FROM] | curve-keypair SECRET_FILE");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());
   if (args.empty()) {
@@ -625,6 +668,7 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   if (command == "metrics") return Metrics(args);
   if (command == "kv-events") return KvEvents(args);
+  if (command == "curve-keypair") return CurveKeypair(args);
   if (!absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_etcd_endpoints).empty()) {
     return OnFleet(*options, args);
   }

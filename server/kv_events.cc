@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "curve/curve_keys.h"
 #include "transport_security.h"
 
 namespace kvcache {
@@ -43,9 +44,14 @@ size_t QueuedBytes(const BlockEvent& event) {
          event.token_ids.size() * sizeof(uint32_t);
 }
 
+// Where libzmq asks who may connect (ZAP, RFC 27), in each context.
+constexpr char kZapEndpoint[] = "inproc://zeromq.zap.01";
+constexpr char kZapDomain[] = "kvcached-kv-events";
+
 // tcp on loopback, or beyond it where allowed; ipc (a socket file; an
 // abstract name, which any local user reaches, where allowed).
-absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote) {
+absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote,
+                           bool encrypted) {
   if (absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6) {
     if (endpoint[6] != '@' || allow_remote) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
@@ -67,8 +73,8 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool a
         "\" is not a loopback address, and KV events carry prompts' token ids: bind it where only "
         "the router reaches it and pass --kv_events_allow_remote"));
   }
-  LogWarning("%s: KV events (prompts' token ids, unencrypted) on %s, beyond loopback", flag,
-             endpoint);
+  LogWarning("%s: KV events (prompts' token ids, %s) on %s, beyond loopback", flag,
+             encrypted ? "CURVE-encrypted, listed subscribers only" : "unencrypted", endpoint);
   return absl::OkStatus();
 }
 
@@ -83,10 +89,38 @@ absl::StatusOr<std::string> Bind(zmq::socket_t& socket, const std::string& endpo
   }
 }
 
+// The CURVE key and its subscribers, each named by its flag when refused.
+absl::Status CheckCurve(const KvEventsConfig& config) {
+  if (config.curve_secret_key.empty()) {
+    if (config.curve_subscribers.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "kv_events_curve_subscribers_file: needs --kv_events_curve_key_file (the publisher's key)");
+  }
+  RETURN_IF_ERROR(curve::CheckKey(config.curve_secret_key, "kv_events_curve_key_file"));
+  if (config.curve_subscribers.empty()) {
+    return absl::InvalidArgumentError(
+        "kv_events_curve_subscribers_file: CURVE admits listed subscribers only; none is listed");
+  }
+  for (const std::string& key : config.curve_subscribers) {
+    RETURN_IF_ERROR(curve::CheckKey(key, "kv_events_curve_subscribers_file"));
+  }
+  return absl::OkStatus();
+}
+
+// A server socket of CurveZMQ whose peers libzmq checks through ZAP.
+void MakeCurveServer(zmq::socket_t& socket, const std::string& secret_key) {
+  socket.set(zmq::sockopt::curve_server, true);
+  socket.set(zmq::sockopt::curve_secretkey, secret_key);
+  socket.set(zmq::sockopt::zap_domain, kZapDomain);
+}
+
 }  // namespace
 
 struct KvEventPublisher::Sockets {
   zmq::context_t context{1};
+  // Declared first, bound before the endpoints: libzmq admits every peer
+  // while no ZAP handler is bound.
+  std::optional<zmq::socket_t> zap;
   zmq::socket_t pub{context, zmq::socket_type::pub};
   std::optional<zmq::socket_t> replay;
 };
@@ -110,6 +144,13 @@ KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, prometheus::Reg
                           "AllBlocksCleared and every held block again")
                     .Register(metrics)
                     .Add({})),
+      refused_subscribers_(prometheus::BuildCounter()
+                               .Name("kvcached_kv_event_refused_connections_total")
+                               .Help("Connections to the KV event sockets refused: a CURVE "
+                                     "key that --kv_events_curve_subscribers_file does not list")
+                               .Register(metrics)
+                               .Add({})),
+      subscribers_(config.curve_subscribers.begin(), config.curve_subscribers.end()),
       blocks_(config.block_tokens, this) {}
 
 absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
@@ -117,21 +158,32 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
   if (config.block_tokens == 0) {
     return absl::InvalidArgumentError("kv_events_block_size: must be at least 1");
   }
-  RETURN_IF_ERROR(CheckEndpoint(config.endpoint, "kv_events_endpoint", config.allow_remote));
+  RETURN_IF_ERROR(CheckCurve(config));
+  const bool curve = !config.curve_secret_key.empty();
+  RETURN_IF_ERROR(CheckEndpoint(config.endpoint, "kv_events_endpoint", config.allow_remote, curve));
   if (!config.replay_endpoint.empty()) {
-    RETURN_IF_ERROR(
-        CheckEndpoint(config.replay_endpoint, "kv_events_replay_endpoint", config.allow_remote));
+    RETURN_IF_ERROR(CheckEndpoint(config.replay_endpoint, "kv_events_replay_endpoint",
+                                  config.allow_remote, curve));
   }
   std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(config, metrics));
   Sockets& sockets = *publisher->sockets_;
+  if (curve) {
+    zmq::socket_t& zap = sockets.zap.emplace(sockets.context, zmq::socket_type::rep);
+    zap.set(zmq::sockopt::linger, 0);
+    RETURN_IF_ERROR(Bind(zap, kZapEndpoint, "kv_events_curve_key_file").status());
+    MakeCurveServer(sockets.pub, config.curve_secret_key);
+  }
   // Long enough for the last AllBlocksCleared to leave as the replica stops.
   sockets.pub.set(zmq::sockopt::linger, 200);
   ASSIGN_OR_RETURN(publisher->endpoint_, Bind(sockets.pub, config.endpoint, "kv_events_endpoint"));
   if (!config.replay_endpoint.empty()) {
     zmq::socket_t& replay = sockets.replay.emplace(sockets.context, zmq::socket_type::router);
     replay.set(zmq::sockopt::linger, 0);
-    // A request is 8 bytes; nothing longer is read into memory.
-    replay.set(zmq::sockopt::maxmsgsize, int64_t{64});
+    if (curve) MakeCurveServer(replay, config.curve_secret_key);
+    // A request is 8 bytes; nothing much longer is read into memory. CURVE's
+    // handshake commands (HELLO 200 bytes, INITIATE with the peer's metadata)
+    // are frames too, so they need room.
+    replay.set(zmq::sockopt::maxmsgsize, curve ? int64_t{1024} : int64_t{64});
     // A ROUTER drops what passes its high-water mark: room for a whole answer.
     replay.set(zmq::sockopt::sndhwm, static_cast<int>(config.replay_batches + 2));
     ASSIGN_OR_RETURN(publisher->replay_endpoint_,
@@ -162,14 +214,17 @@ void KvEventPublisher::Emit(BlockEvent event) {
 
 void KvEventPublisher::Run() {
   Send({BlockEvent{.kind = BlockEvent::Kind::kAllCleared}});
+  // Replay requests and connections wait at most one short poll.
+  const absl::Duration poll =
+      sockets_->replay.has_value() || sockets_->zap.has_value() ? kReplayPoll : kIdlePoll;
   while (true) {
+    if (sockets_->zap.has_value()) AnswerAuthentication();
     if (sockets_->replay.has_value()) AnswerReplay();
     bool start_again = false;
     std::vector<BlockEvent> batch;
     {
       absl::MutexLock lock(&queue_mutex_);
-      queue_mutex_.AwaitWithTimeout(absl::Condition(this, &KvEventPublisher::HasWork),
-                                    sockets_->replay.has_value() ? kReplayPoll : kIdlePoll);
+      queue_mutex_.AwaitWithTimeout(absl::Condition(this, &KvEventPublisher::HasWork), poll);
       if (lost_) {
         start_again = true;
       } else if (queue_.empty()) {
@@ -260,6 +315,52 @@ void KvEventPublisher::AnswerReplay() {
     (void)zmq::send_multipart(router, end, zmq::send_flags::dontwait);
   } catch (const zmq::error_t& error) {
     LogWarning("kv events: replay: %s", error.what());
+  }
+}
+
+// A ZAP request is [version, request id, domain, address, identity,
+// mechanism, credentials...]; for CURVE one credential, the client's 32-byte
+// public key. The answer: [version, request id, status, text, user, metadata].
+void KvEventPublisher::AnswerAuthentication() {
+  zmq::socket_t& zap = *sockets_->zap;
+  try {
+    while (true) {
+      std::vector<zmq::message_t> request;
+      if (!zmq::recv_multipart(zap, std::back_inserter(request), zmq::recv_flags::dontwait)) {
+        return;
+      }
+      // A REP socket answers every request, even one libzmq would never send.
+      const zmq::const_buffer request_id = request.size() > 1
+                                               ? zmq::buffer(request[1].data(), request[1].size())
+                                               : zmq::const_buffer();
+      std::string key;
+      if (request.size() == 7 && request[5].to_string_view() == "CURVE" &&
+          request[6].size() == 32) {
+        char text[41];
+        if (zmq_z85_encode(text, request[6].data<uint8_t>(), 32) != nullptr) key = text;
+      }
+      const bool admitted = !key.empty() && subscribers_.contains(key);
+      if (!admitted) {
+        refused_subscribers_.Increment();
+        if (!refused_logged_) {
+          refused_logged_ = true;
+          LogWarning(
+              "kv events: refused a connection from %s (CURVE key %s not listed in "
+              "--kv_events_curve_subscribers_file); later ones are only counted",
+              request.size() > 3 ? request[3].to_string() : "?", key.empty() ? "none" : key);
+        }
+      }
+      const std::array<zmq::const_buffer, 6> answer = {
+          zmq::str_buffer("1.0"),
+          request_id,
+          admitted ? zmq::str_buffer("200") : zmq::str_buffer("400"),
+          admitted ? zmq::str_buffer("OK") : zmq::str_buffer("subscriber key not listed"),
+          zmq::buffer(key),
+          zmq::const_buffer()};
+      (void)zmq::send_multipart(zap, answer);
+    }
+  } catch (const zmq::error_t& error) {
+    LogWarning("kv events: authentication: %s", error.what());
   }
 }
 

@@ -21,6 +21,9 @@
 // The events carry prompts' token ids: the endpoint is for the router, which
 // sees the prompts anyway. A non-loopback tcp endpoint (or an abstract ipc
 // one, which any local user reaches) needs allow_remote, and is logged.
+// With a CURVE key, both sockets speak CurveZMQ (encrypted, authenticated)
+// and admit only the listed subscribers' keys: the thread answers libzmq's
+// ZAP requests (RFC 27) from an inproc socket bound before the endpoints.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -58,6 +62,11 @@ struct KvEventsConfig {
   // Bytes of block hashes and token ids that may wait to be sent.
   size_t max_queued_bytes = 64 << 20;
   bool allow_remote = false;
+  // CURVE (curve/curve_keys.h): the publisher's secret key (Z85), and the
+  // public keys of the only subscribers both sockets admit. Empty key:
+  // plaintext, open to whoever reaches the endpoints.
+  std::string curve_secret_key;
+  std::vector<std::string> curve_subscribers;
 };
 
 class KvEventPublisher final : public engine::BlockEventSink {
@@ -92,6 +101,8 @@ class KvEventPublisher final : public engine::BlockEventSink {
   void SendBatch(absl::Span<const engine::BlockEvent> events);
   // One request at most, so a flood of them never starves the queue.
   void AnswerReplay();
+  // Every pending ZAP request: admitted where its CURVE key is listed.
+  void AnswerAuthentication();
 
   const KvEventsConfig config_;
   std::string endpoint_;
@@ -103,6 +114,9 @@ class KvEventPublisher final : public engine::BlockEventSink {
   prometheus::Counter& events_sent_;
   prometheus::Counter& batches_sent_;
   prometheus::Counter& restarts_;
+  prometheus::Counter& refused_subscribers_;
+  const absl::flat_hash_set<std::string> subscribers_;  // CURVE keys (Z85) admitted
+  bool refused_logged_ = false;                         // the thread's
 
   // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;

@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "curve/curve_keys.h"
 #include "gpu/device.h"
 #include "kv_server.h"
 
@@ -97,6 +98,14 @@ ABSL_FLAG(std::string, kv_events_format, "map",
           "older vLLM)");
 ABSL_FLAG(bool, kv_events_allow_remote, false,
           "let the KV event endpoints bind a non-loopback address");
+ABSL_FLAG(std::string, kv_events_curve_key_file, "",
+          "a file holding the KV event publisher's CURVE secret key (Z85, as `kvcachectl "
+          "curve-keypair` or libzmq's curve_keygen make it; mode 600): both KV event sockets "
+          "then speak CurveZMQ, encrypted, and admit only the subscribers that "
+          "--kv_events_curve_subscribers_file lists. Its public key is logged at start");
+ABSL_FLAG(std::string, kv_events_curve_subscribers_file, "",
+          "the CURVE public keys (Z85, one per line, # comments) of the routers admitted to "
+          "the KV event sockets");
 ABSL_FLAG(std::string, etcd_endpoints, "",
           "list this replica in etcd for fleet clients (kvcachectl --etcd_endpoints): "
           "comma-separated host:port, http:// or https:// endpoints; empty: not listed. "
@@ -136,6 +145,27 @@ absl::StatusOr<kvcache::gpu::QuantKernel> QuantKernelFromFlag(const std::string&
   if (name == "host") return kvcache::gpu::QuantKernel::kHost;
   return absl::InvalidArgumentError(
       absl::StrCat("--quantize_kernel: \"", name, "\" is not auto, shader or host"));
+}
+
+// The KV event sockets' CURVE key and subscribers, from their files.
+absl::Status ReadKvEventKeys(kvcache::KvEventsConfig& config) {
+  const std::string key_file = absl::GetFlag(FLAGS_kv_events_curve_key_file);
+  const std::string subscribers_file = absl::GetFlag(FLAGS_kv_events_curve_subscribers_file);
+  if (key_file.empty() != subscribers_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--kv_events_curve_key_file and --kv_events_curve_subscribers_file: one needs the other "
+        "(CURVE admits listed subscribers only)");
+  }
+  if (key_file.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const kvcache::curve::KeyPair pair,
+                   kvcache::curve::ReadSecretKeyFile(key_file, "--kv_events_curve_key_file"));
+  ASSIGN_OR_RETURN(
+      config.curve_subscribers,
+      kvcache::curve::ReadPublicKeysFile(subscribers_file, "--kv_events_curve_subscribers_file"));
+  config.curve_secret_key = pair.secret_key;
+  kvcache::LogInfo("kv events: CURVE on, publisher key %s, %d subscriber keys admitted",
+                   pair.public_key, config.curve_subscribers.size());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
@@ -182,6 +212,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.peer_ca_file = absl::GetFlag(FLAGS_peer_ca);
   config.peer_cert_file = absl::GetFlag(FLAGS_peer_cert);
   config.peer_key_file = absl::GetFlag(FLAGS_peer_key);
+  RETURN_IF_ERROR(ReadKvEventKeys(config.kv_events));
   const std::string kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
   if (kv_events_format != "map" && kv_events_format != "array") {
     return absl::InvalidArgumentError(absl::StrCat(

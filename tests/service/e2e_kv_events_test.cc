@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "curve/curve_keys.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -49,15 +51,39 @@ int64_t SequenceOf(const zmq::message_t& frame) {
   return static_cast<int64_t>(value);
 }
 
+// A subscriber's CURVE keys: the publisher's public key and its own pair.
+struct SubscriberKeys {
+  std::string server_key;
+  curve::KeyPair own;
+};
+
+void UseCurve(zmq::socket_t& socket, const SubscriberKeys& keys) {
+  socket.set(zmq::sockopt::curve_serverkey, keys.server_key);
+  socket.set(zmq::sockopt::curve_publickey, keys.own.public_key);
+  socket.set(zmq::sockopt::curve_secretkey, keys.own.secret_key);
+}
+
 // A router's side of the replay socket: a DEALER, which may read every batch
 // of an answer (a REQ socket reads only the first).
 class Router {
  public:
-  explicit Router(const std::string& replay_endpoint)
+  explicit Router(const std::string& replay_endpoint,
+                  const std::optional<SubscriberKeys>& keys = std::nullopt, int timeout_ms = 5000)
       : request_(context_, zmq::socket_type::dealer) {
-    request_.set(zmq::sockopt::rcvtimeo, 5000);
+    request_.set(zmq::sockopt::rcvtimeo, timeout_ms);
     request_.set(zmq::sockopt::linger, 0);
+    if (keys.has_value()) UseCurve(request_, *keys);
     request_.connect(replay_endpoint);
+  }
+
+  // Whether a replay request is answered at all (within the timeout).
+  bool Answers() {
+    const std::string start_bytes = SequenceBytes(0);
+    const std::array<zmq::const_buffer, 2> request = {zmq::const_buffer(),
+                                                      zmq::buffer(start_bytes)};
+    (void)zmq::send_multipart(request_, request, zmq::send_flags::dontwait);
+    std::vector<zmq::message_t> frames;
+    return zmq::recv_multipart(request_, std::back_inserter(frames)).has_value();
   }
 
   // Every buffered batch from `start`, by sequence.
@@ -405,6 +431,82 @@ TEST(KvEventPublisherTest, UnderConcurrentOverflowsASubscriberEndsWithWhatIsHeld
                                                   zmq::str_buffer("x")};
   (void)zmq::send_multipart(odd, extra);
   EXPECT_FALSE(loopback.router.Replay(0).empty());
+}
+
+// With a CURVE key, both sockets admit only the listed subscribers: a listed
+// router replays and subscribes; an unlisted key and plaintext get nothing,
+// and are counted.
+TEST(KvEventPublisherTest, CurveAdmitsOnlyListedSubscribers) {
+  const curve::KeyPair server = curve::NewKeyPair().value();
+  const SubscriberKeys listed{.server_key = server.public_key, .own = curve::NewKeyPair().value()};
+  const SubscriberKeys unlisted{.server_key = server.public_key,
+                                .own = curve::NewKeyPair().value()};
+  prometheus::Registry metrics;
+  auto publisher = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
+                                            .replay_endpoint = "tcp://127.0.0.1:*",
+                                            .curve_secret_key = server.secret_key,
+                                            .curve_subscribers = {listed.own.public_key}},
+                                           metrics);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  const std::string replay = (*publisher)->replay_endpoint();
+
+  Router router(replay, listed);
+  EXPECT_FALSE(router.EventsUntil([](const auto& e) { return !e.empty(); }).empty());
+
+  zmq::context_t context;
+  zmq::socket_t live(context, zmq::socket_type::sub);
+  UseCurve(live, listed);
+  live.set(zmq::sockopt::subscribe, "");
+  live.set(zmq::sockopt::rcvtimeo, 100);
+  live.connect((*publisher)->endpoint());
+  bool received = false;
+  // A PUB socket sends to subscribers it has met: publish until one arrives.
+  for (uint32_t seed = 1; seed <= 50 && !received; ++seed) {
+    (*publisher)->blocks().Add(Prompt(kBlock, seed));
+    std::vector<zmq::message_t> frames;
+    received = zmq::recv_multipart(live, std::back_inserter(frames)).has_value();
+  }
+  EXPECT_TRUE(received) << "a listed subscriber receives live batches";
+
+  EXPECT_FALSE(Router(replay, unlisted, 1000).Answers()) << "a key not listed";
+  EXPECT_FALSE(Router(replay, std::nullopt, 1000).Answers()) << "plaintext";
+  zmq::socket_t eavesdropper(context, zmq::socket_type::sub);
+  UseCurve(eavesdropper, unlisted);
+  eavesdropper.set(zmq::sockopt::subscribe, "");
+  eavesdropper.set(zmq::sockopt::rcvtimeo, 1000);
+  eavesdropper.connect((*publisher)->endpoint());
+  absl::SleepFor(absl::Milliseconds(200));
+  (*publisher)->blocks().Add(Prompt(kBlock, 99));
+  std::vector<zmq::message_t> frames;
+  EXPECT_FALSE(zmq::recv_multipart(eavesdropper, std::back_inserter(frames)).has_value())
+      << "an unlisted subscriber receives nothing";
+
+  double refused = 0;
+  for (const prometheus::MetricFamily& family : metrics.Collect()) {
+    if (family.name == "kvcached_kv_event_refused_connections_total") {
+      refused = family.metric.at(0).counter.value;
+    }
+  }
+  EXPECT_GE(refused, 2) << "the unlisted router and subscriber at least";
+}
+
+TEST(KvEventPublisherTest, CurveKeysAreCheckedAndNamed) {
+  const curve::KeyPair server = curve::NewKeyPair().value();
+  const std::string subscriber = curve::NewKeyPair()->public_key;
+  const auto refused = [](KvEventsConfig config, const std::string& field) {
+    prometheus::Registry metrics;
+    config.endpoint = "tcp://127.0.0.1:*";
+    auto publisher = KvEventPublisher::Start(config, metrics);
+    ASSERT_FALSE(publisher.ok());
+    EXPECT_EQ(publisher.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(publisher.status().message(), HasSubstr(field));
+  };
+  refused({.curve_secret_key = server.secret_key.substr(1), .curve_subscribers = {subscriber}},
+          "kv_events_curve_key_file");
+  refused({.curve_secret_key = server.secret_key}, "kv_events_curve_subscribers_file");
+  refused({.curve_subscribers = {subscriber}}, "kv_events_curve_subscribers_file");
+  refused({.curve_secret_key = server.secret_key, .curve_subscribers = {subscriber, "short"}},
+          "kv_events_curve_subscribers_file");
 }
 
 }  // namespace

@@ -530,6 +530,58 @@ class KvEventsTest(unittest.TestCase):
         context.destroy(linger=0)
 
 
+class KvEventsCurveTest(unittest.TestCase):
+    """KV events under CURVE, as a pyzmq subscriber (vLLM's) sets it up: the
+    replica admits the router whose key it lists, and no one else."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.keys = tempfile.mkdtemp(prefix="kvcache_curve_")
+        cls.server_public, server_secret = zmq.curve_keypair()
+        cls.router_public, cls.router_secret = zmq.curve_keypair()
+        secret_file = os.path.join(cls.keys, "publisher.key")
+        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
+            out.write(server_secret + b"\n")
+        subscribers_file = os.path.join(cls.keys, "subscribers")
+        with open(subscribers_file, "wb") as out:
+            out.write(b"# the router\n" + cls.router_public + b"\n")
+        cls.server = Kvcached(["--kv_events_endpoint=tcp://127.0.0.1:*",
+                               "--kv_events_replay_endpoint=tcp://127.0.0.1:*",
+                               "--kv_events_curve_key_file=" + secret_file,
+                               "--kv_events_curve_subscribers_file=" + subscribers_file])
+        line = next(line for line in cls.server.log if "KV events" in line)
+        cls.replay_endpoint = re.findall(r"tcp://127\.0\.0\.1:\d+", line)[1]
+        cls.announced = next(line for line in cls.server.log if "CURVE on" in line)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.keys, ignore_errors=True)
+        if cls.server.stop() != 0:
+            raise AssertionError("kvcached failed:\n" + "".join(cls.server.log))
+
+    def ask(self, curve_keys):
+        """The first answer to a replay from 0, or None within 2 s."""
+        context = zmq.Context()
+        replay = context.socket(zmq.DEALER)
+        if curve_keys:
+            replay.curve_serverkey, replay.curve_publickey, replay.curve_secretkey = curve_keys
+        replay.connect(self.replay_endpoint)
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        answer = replay.recv_multipart() if replay.poll(2000) else None
+        context.destroy(linger=0)
+        return answer
+
+    def test_the_listed_router_alone_is_answered(self):
+        self.assertIn(self.server_public.decode(), self.announced, "the public key is logged")
+        answer = self.ask((self.server_public, self.router_public, self.router_secret))
+        self.assertIsNotNone(answer, "the listed router")
+        self.assertEqual(int.from_bytes(answer[1], "big"), 0)
+        self.assertEqual(msgpack.unpackb(answer[2])[1], [{"type": "AllBlocksCleared"}])
+        stranger_public, stranger_secret = zmq.curve_keypair()
+        self.assertIsNone(self.ask((self.server_public, stranger_public, stranger_secret)))
+        self.assertIsNone(self.ask(None), "plaintext")
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
