@@ -577,6 +577,11 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
                .ca_file = absl::GetFlag(FLAGS_etcd_ca),
                .cert_file = absl::GetFlag(FLAGS_etcd_cert),
                .key_file = absl::GetFlag(FLAGS_etcd_key)},
+      .on_etcd_failure =
+          [](const absl::Status& failure) {
+            std::fprintf(stderr, "kvcachectl: etcd: %s (trying again)\n",
+                         failure.ToString().c_str());
+          },
       .client = options};
   if (!absl::GetFlag(FLAGS_peers).empty()) {
     absl::StatusOr<std::vector<kvcache::Replica>> replicas =

@@ -68,6 +68,7 @@ struct ShardedClientOptions {
   etcd::EtcdOptions etcd;
   // Told why etcd's list could not be read or watched, once per run of
   // failures, while the client goes on with the list it had (null: no one).
+  // Called on the membership's own thread: it must not destroy the client.
   std::function<void(const absl::Status&)> on_etcd_failure;
   // Everything but `address` for each replica's Client. data_lane is "" or
   // "auto" (each replica's lane is the one its GetStats names).

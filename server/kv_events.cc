@@ -22,6 +22,8 @@ using engine::BlockEvent;
 // Events per batch: what the thread takes from the queue at once, and how a
 // restart's whole state is cut.
 constexpr size_t kMaxBatchEvents = 1024;
+// ZAP requests answered before the thread looks at events again.
+constexpr int kMaxAuthenticationsPerPass = 64;
 // How long the thread waits for events before it looks at replay requests.
 constexpr absl::Duration kReplayPoll = absl::Milliseconds(10);
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(100);
@@ -96,6 +98,10 @@ absl::Status CheckCurve(const KvEventsConfig& config) {
     return absl::InvalidArgumentError(
         "kv_events_curve_subscribers_file: needs --kv_events_curve_key_file (the publisher's key)");
   }
+  if (!zmq_has("curve")) {
+    return absl::FailedPreconditionError(
+        "kv_events_curve_key_file: this libzmq was built without CURVE");
+  }
   RETURN_IF_ERROR(curve::CheckKey(config.curve_secret_key, "kv_events_curve_key_file"));
   if (config.curve_subscribers.empty()) {
     return absl::InvalidArgumentError(
@@ -105,6 +111,14 @@ absl::Status CheckCurve(const KvEventsConfig& config) {
     RETURN_IF_ERROR(curve::CheckKey(key, "kv_events_curve_subscribers_file"));
   }
   return absl::OkStatus();
+}
+
+// Keys as the 32 bytes ZAP hands over (one key has one byte form; its Z85
+// text need not be unique). Checked already: none fails to decode.
+absl::flat_hash_set<std::string> DecodedKeys(const std::vector<std::string>& keys) {
+  absl::flat_hash_set<std::string> decoded;
+  for (const std::string& key : keys) decoded.insert(curve::DecodeKey(key).value_or(""));
+  return decoded;
 }
 
 // A server socket of CurveZMQ whose peers libzmq checks through ZAP.
@@ -150,7 +164,7 @@ KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, prometheus::Reg
                                      "key that --kv_events_curve_subscribers_file does not list")
                                .Register(metrics)
                                .Add({})),
-      subscribers_(config.curve_subscribers.begin(), config.curve_subscribers.end()),
+      subscribers_(DecodedKeys(config.curve_subscribers)),
       blocks_(config.block_tokens, this) {}
 
 absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
@@ -168,13 +182,16 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
   std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(config, metrics));
   Sockets& sockets = *publisher->sockets_;
   if (curve) {
-    zmq::socket_t& zap = sockets.zap.emplace(sockets.context, zmq::socket_type::rep);
+    zmq::socket_t& zap = sockets.zap.emplace(sockets.context, zmq::socket_type::router);
     zap.set(zmq::sockopt::linger, 0);
     RETURN_IF_ERROR(Bind(zap, kZapEndpoint, "kv_events_curve_key_file").status());
     MakeCurveServer(sockets.pub, config.curve_secret_key);
   }
   // Long enough for the last AllBlocksCleared to leave as the replica stops.
   sockets.pub.set(zmq::sockopt::linger, 200);
+  // What a subscriber sends is a subscription (a topic) and, with CURVE, its
+  // handshake: a few hundred bytes. Nothing larger is read into memory.
+  sockets.pub.set(zmq::sockopt::maxmsgsize, int64_t{4096});
   ASSIGN_OR_RETURN(publisher->endpoint_, Bind(sockets.pub, config.endpoint, "kv_events_endpoint"));
   if (!config.replay_endpoint.empty()) {
     zmq::socket_t& replay = sockets.replay.emplace(sockets.context, zmq::socket_type::router);
@@ -318,50 +335,56 @@ void KvEventPublisher::AnswerReplay() {
   }
 }
 
-// A ZAP request is [version, request id, domain, address, identity,
-// mechanism, credentials...]; for CURVE one credential, the client's 32-byte
-// public key. The answer: [version, request id, status, text, user, metadata].
+// A ZAP request (RFC 27) is [version, request id, domain, address,
+// identity, mechanism, credentials...], for CURVE one credential: the
+// client's 32-byte public key; the answer [version, request id, status,
+// text, user id, metadata]. The handler is a ROUTER, so each request comes
+// after [peer, ""] and one that fails half-way leaves nothing owed.
 void KvEventPublisher::AnswerAuthentication() {
   zmq::socket_t& zap = *sockets_->zap;
   try {
-    while (true) {
+    // A bounded number per pass, as replays: handshakes from strangers cost
+    // them nothing, so they must not starve the events.
+    for (int answered = 0; answered < kMaxAuthenticationsPerPass; ++answered) {
       std::vector<zmq::message_t> request;
       if (!zmq::recv_multipart(zap, std::back_inserter(request), zmq::recv_flags::dontwait)) {
         return;
       }
-      // A REP socket answers every request, even one libzmq would never send.
-      const zmq::const_buffer request_id = request.size() > 1
-                                               ? zmq::buffer(request[1].data(), request[1].size())
-                                               : zmq::const_buffer();
-      std::string key;
-      if (request.size() == 7 && request[5].to_string_view() == "CURVE" &&
-          request[6].size() == 32) {
-        char text[41];
-        if (zmq_z85_encode(text, request[6].data<uint8_t>(), 32) != nullptr) key = text;
-      }
-      const bool admitted = !key.empty() && subscribers_.contains(key);
-      if (!admitted) {
-        refused_subscribers_.Increment();
-        if (!refused_logged_) {
-          refused_logged_ = true;
-          LogWarning(
-              "kv events: refused a connection from %s (CURVE key %s not listed in "
-              "--kv_events_curve_subscribers_file); later ones are only counted",
-              request.size() > 3 ? request[3].to_string() : "?", key.empty() ? "none" : key);
-        }
-      }
-      const std::array<zmq::const_buffer, 6> answer = {
+      if (request.size() < 4) continue;  // not ZAP: no request id to answer
+      const bool curve =
+          request.size() == 9 && request[7].to_string_view() == "CURVE" && request[8].size() == 32;
+      const std::string key = curve ? request[8].to_string() : "";
+      const bool admitted = curve && subscribers_.contains(key);
+      if (!admitted) NoteRefusal(request[5].to_string(), key);
+      const std::string user = admitted ? curve::EncodeKey(key) : "";
+      const std::array<zmq::const_buffer, 8> answer = {
+          zmq::buffer(request[0].data(), request[0].size()),
+          zmq::const_buffer(),
           zmq::str_buffer("1.0"),
-          request_id,
+          zmq::buffer(request[3].data(), request[3].size()),
           admitted ? zmq::str_buffer("200") : zmq::str_buffer("400"),
           admitted ? zmq::str_buffer("OK") : zmq::str_buffer("subscriber key not listed"),
-          zmq::buffer(key),
+          zmq::buffer(user),
           zmq::const_buffer()};
-      (void)zmq::send_multipart(zap, answer);
+      (void)zmq::send_multipart(zap, answer, zmq::send_flags::dontwait);
     }
   } catch (const zmq::error_t& error) {
-    LogWarning("kv events: authentication: %s", error.what());
+    if (!authentication_error_logged_) {
+      authentication_error_logged_ = true;
+      LogWarning("kv events: authentication: %s (later errors are not logged)", error.what());
+    }
   }
+}
+
+void KvEventPublisher::NoteRefusal(const std::string& address, const std::string& key) {
+  refused_subscribers_.Increment();
+  if (refused_logged_) return;
+  refused_logged_ = true;
+  LogWarning(
+      "kv events: refused a connection from %s (CURVE key %s not listed in "
+      "--kv_events_curve_subscribers_file); later ones are only counted in "
+      "kvcached_kv_event_refused_connections_total",
+      address, key.empty() ? "none" : curve::EncodeKey(key));
 }
 
 }  // namespace kvcache

@@ -23,7 +23,9 @@
 // one, which any local user reaches) needs allow_remote, and is logged.
 // With a CURVE key, both sockets speak CurveZMQ (encrypted, authenticated)
 // and admit only the listed subscribers' keys: the thread answers libzmq's
-// ZAP requests (RFC 27) from an inproc socket bound before the endpoints.
+// ZAP requests (RFC 27) from an inproc socket bound before the endpoints
+// (libzmq admits every peer while no handler is bound, and its 4.3 stable
+// API has no switch to refuse instead: the order is the guard).
 #pragma once
 
 #include <cstdint>
@@ -103,6 +105,7 @@ class KvEventPublisher final : public engine::BlockEventSink {
   void AnswerReplay();
   // Every pending ZAP request: admitted where its CURVE key is listed.
   void AnswerAuthentication();
+  void NoteRefusal(const std::string& address, const std::string& key);
 
   const KvEventsConfig config_;
   std::string endpoint_;
@@ -115,8 +118,9 @@ class KvEventPublisher final : public engine::BlockEventSink {
   prometheus::Counter& batches_sent_;
   prometheus::Counter& restarts_;
   prometheus::Counter& refused_subscribers_;
-  const absl::flat_hash_set<std::string> subscribers_;  // CURVE keys (Z85) admitted
+  const absl::flat_hash_set<std::string> subscribers_;  // CURVE keys admitted, 32 bytes each
   bool refused_logged_ = false;                         // the thread's
+  bool authentication_error_logged_ = false;            // likewise
 
   // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;

@@ -157,6 +157,10 @@ absl::Status ReadKvEventKeys(kvcache::KvEventsConfig& config) {
         "(CURVE admits listed subscribers only)");
   }
   if (key_file.empty()) return absl::OkStatus();
+  if (config.endpoint.empty()) {
+    return absl::InvalidArgumentError(
+        "--kv_events_curve_key_file: KV events are off (no --kv_events_endpoint)");
+  }
   ASSIGN_OR_RETURN(const kvcache::curve::KeyPair pair,
                    kvcache::curve::ReadSecretKeyFile(key_file, "--kv_events_curve_key_file"));
   ASSIGN_OR_RETURN(

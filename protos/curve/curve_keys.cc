@@ -7,9 +7,8 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -18,28 +17,73 @@ namespace kvcache::curve {
 namespace {
 
 constexpr size_t kZ85KeyChars = 40;
+constexpr size_t kKeyBytes = 32;
+// A key file is a key and a newline; a list, keys: nothing near this long.
+constexpr off_t kMostFileBytes = 1 << 20;
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
-  std::ifstream file(path);
-  if (!file) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot read \"", path, "\": ", std::strerror(errno)));
+enum class Sharing { kOwnerOnly, kOthersMayRead };
+
+// The file at `path`, opened without following a symbolic link; checked on
+// the opened file: regular, this user's, within kMostFileBytes, and as
+// private as `sharing` says (others may never write it).
+absl::StatusOr<std::string> ReadCheckedFile(const std::string& path, absl::string_view flag,
+                                            Sharing sharing) {
+  const auto refused = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", path, "\" ", why));
+  };
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
+  absl::Cleanup close_fd = [fd] { close(fd); };
+  struct stat info;
+  if (fstat(fd, &info) != 0) return refused(absl::StrCat("cannot be read: ", std::strerror(errno)));
+  if (!S_ISREG(info.st_mode)) return refused("is not a regular file");
+  if (info.st_uid != geteuid()) return refused("belongs to another user");
+  const mode_t closed = sharing == Sharing::kOwnerOnly ? (S_IRWXG | S_IRWXO) : (S_IWGRP | S_IWOTH);
+  if ((info.st_mode & closed) != 0) {
+    return refused(sharing == Sharing::kOwnerOnly
+                       ? "is open to other users; a secret key must be readable by its owner "
+                         "only (chmod 600)"
+                       : "may be written by other users, who could list themselves (chmod 644)");
   }
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
+  if (info.st_size > kMostFileBytes) return refused("is too large for keys");
+  std::string text(static_cast<size_t>(info.st_size), '\0');
+  size_t read_bytes = 0;
+  while (read_bytes < text.size()) {
+    const ssize_t got = read(fd, text.data() + read_bytes, text.size() - read_bytes);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return refused(absl::StrCat("cannot be read: ", std::strerror(errno)));
+    read_bytes += static_cast<size_t>(got);
+  }
+  return text;
 }
 
 }  // namespace
 
 absl::Status CheckKey(absl::string_view key, absl::string_view what) {
-  uint8_t bytes[32];
-  const std::string text(key);
-  if (key.size() != kZ85KeyChars || zmq_z85_decode(bytes, text.c_str()) == nullptr) {
+  if (!DecodeKey(key).has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": not a CURVE key (40 Z85 characters, as curve_keygen prints)"));
   }
   return absl::OkStatus();
+}
+
+std::optional<std::string> DecodeKey(absl::string_view key) {
+  if (key.size() != kZ85KeyChars) return std::nullopt;
+  const std::string text(key);
+  std::string bytes(kKeyBytes, '\0');
+  if (zmq_z85_decode(reinterpret_cast<uint8_t*>(bytes.data()), text.c_str()) == nullptr) {
+    return std::nullopt;
+  }
+  return bytes;
+}
+
+std::string EncodeKey(absl::string_view bytes) {
+  if (bytes.size() != kKeyBytes) return "";
+  char text[kZ85KeyChars + 1];
+  if (zmq_z85_encode(text, reinterpret_cast<const uint8_t*>(bytes.data()), kKeyBytes) == nullptr) {
+    return "";
+  }
+  return text;
 }
 
 absl::StatusOr<KeyPair> NewKeyPair() {
@@ -53,14 +97,7 @@ absl::StatusOr<KeyPair> NewKeyPair() {
 }
 
 absl::StatusOr<KeyPair> ReadSecretKeyFile(const std::string& path, absl::string_view flag) {
-  struct stat info;
-  if (stat(path.c_str(), &info) == 0 && (info.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": \"", path,
-                     "\" is open to other users; a secret key must be readable by its owner "
-                     "only (chmod 600)"));
-  }
-  absl::StatusOr<std::string> text = ReadFile(path, flag);
+  absl::StatusOr<std::string> text = ReadCheckedFile(path, flag, Sharing::kOwnerOnly);
   if (!text.ok()) return text.status();
   KeyPair pair{.secret_key = std::string(absl::StripAsciiWhitespace(*text))};
   if (absl::Status valid = CheckKey(pair.secret_key, flag); !valid.ok()) return valid;
@@ -75,7 +112,7 @@ absl::StatusOr<KeyPair> ReadSecretKeyFile(const std::string& path, absl::string_
 
 absl::StatusOr<std::vector<std::string>> ReadPublicKeysFile(const std::string& path,
                                                             absl::string_view flag) {
-  absl::StatusOr<std::string> text = ReadFile(path, flag);
+  absl::StatusOr<std::string> text = ReadCheckedFile(path, flag, Sharing::kOthersMayRead);
   if (!text.ok()) return text.status();
   std::vector<std::string> keys;
   int number = 0;

@@ -141,7 +141,8 @@ absl::StatusOr<PublishedPrefix> Engine::PublishPrefix(const std::string& name_sp
     ASSIGN_OR_RETURN(
         MetadataCharge charge,
         metadata_.Charge(SnapshotMetadataBytes(*content, pool_.page_bytes(), options_.page_tokens) +
-                             PrefixEntryMetadataBytes(tokens.size(), options_.prefix_blocks),
+                             PrefixEntryMetadataBytes(
+                                 tokens.size(), any_length ? options_.prefix_blocks : nullptr),
                          "a prefix entry"));
     ASSIGN_OR_RETURN(SnapshotInfo entry, snapshots_.Add(OwnCopy(content), std::move(charge),
                                                         /*pinned=*/false, ttl));

@@ -79,8 +79,8 @@ uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_byte
 uint64_t HandleMetadataBytes();
 // What a published prefix of `tokens` adds to its snapshot's charge: the
 // tokens, once on the index's tree and once in its entry, and their nodes;
-// where a KV-event ledger counts the entry's blocks (null: none), the blocks
-// it may add there.
+// where a KV-event ledger counts the entry's blocks (null: none, or an entry
+// the ledger does not announce), the blocks it may add there.
 uint64_t PrefixEntryMetadataBytes(uint64_t tokens, const PrefixBlocks* ledger);
 // The chunks live caches' page tables hold beyond their first per layer: one
 // per kChunkPages pages of the pool, reserved once.

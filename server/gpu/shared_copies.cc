@@ -11,8 +11,8 @@ void CopyRunsInBatches(size_t count, absl::FunctionRef<uint64_t(size_t)> bytes_o
                        absl::FunctionRef<void(size_t begin, size_t end)> copy) {
   uint64_t total = 0;
   for (size_t i = 0; i < count && total < kSharedCopyBytes; ++i) total += bytes_of(i);
-  HostWorkers& workers = HostWorkers::Shared();
-  if (total < kSharedCopyBytes || workers.threads() == 0) {
+  // Small calls never start the workers.
+  if (total < kSharedCopyBytes || HostWorkers::Shared().threads() == 0) {
     copy(0, count);
     return;
   }
@@ -27,7 +27,8 @@ void CopyRunsInBatches(size_t count, absl::FunctionRef<uint64_t(size_t)> bytes_o
       batch_bytes = 0;
     }
   }
-  workers.ParallelFor(batches.size(), [&](size_t b) { copy(batches[b].first, batches[b].second); });
+  HostWorkers::Shared().ParallelFor(batches.size(),
+                                    [&](size_t b) { copy(batches[b].first, batches[b].second); });
 }
 
 }  // namespace kvcache::gpu

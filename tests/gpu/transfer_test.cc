@@ -87,8 +87,8 @@ class TransferTest : public GpuTestBase {
   // Random non-overlapping writes covering about half of each page.
   void WriteRandomPieces(PagePool& pool, const std::vector<PageId>& pages, uint64_t granule) {
     std::vector<WriteRun> runs;
+    // A moved Bytes keeps its buffer: the runs' pointers stay good as it grows.
     std::vector<Bytes> sources;
-    sources.reserve(pages.size() * pool.page_bytes());
     for (PageId page : pages) {
       for (auto [offset, size] : Pieces(pool.page_bytes(), granule, 600, rng_)) {
         if (rng_() % 2 == 0) continue;

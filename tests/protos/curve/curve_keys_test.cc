@@ -43,6 +43,11 @@ TEST_F(CurveKeysTest, AWrittenSecretKeyIsPrivateAndReadsBackWithItsPublicKey) {
   absl::StatusOr<KeyPair> pair = NewKeyPair();
   ASSERT_TRUE(pair.ok()) << pair.status();
   EXPECT_TRUE(CheckKey(pair->public_key, "public").ok());
+  const std::optional<std::string> bytes = DecodeKey(pair->public_key);
+  ASSERT_TRUE(bytes.has_value());
+  EXPECT_EQ(bytes->size(), 32u);
+  EXPECT_EQ(EncodeKey(*bytes), pair->public_key);
+  EXPECT_FALSE(DecodeKey(pair->public_key.substr(1)).has_value());
   EXPECT_NE(pair->public_key, pair->secret_key);
   const std::string path = dir_ / "secret";
   ASSERT_TRUE(WriteSecretKeyFile(path, pair->secret_key).ok());
@@ -70,7 +75,11 @@ TEST_F(CurveKeysTest, SecretKeysOpenToOthersOrMalformedAreRefused) {
   refused(Write("group", key, 0640), "chmod 600");
   refused(Write("short", key.substr(1), 0600), "not a CURVE key");
   refused(Write("not-z85", std::string(40, '"'), 0600), "not a CURVE key");
-  refused((dir_ / "missing").string(), "cannot read");
+  refused((dir_ / "missing").string(), "cannot be opened");
+  const std::string target = Write("target", key, 0600);
+  std::filesystem::create_symlink(target, dir_ / "link");
+  refused((dir_ / "link").string(), "cannot be opened");  // a link is not followed
+  refused(dir_.string(), "not a regular file");
   EXPECT_TRUE(ReadSecretKeyFile(Write("spaced", "\n  " + key + " \n", 0600), "--key").ok());
 }
 
@@ -86,6 +95,10 @@ TEST_F(CurveKeysTest, AllowListsSkipCommentsAndNameABadLine) {
       ReadPublicKeysFile(Write("bad", a + "\nnot-a-key\n", 0644), "--list");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("--list line 2"));
+  absl::StatusOr<std::vector<std::string>> writable =
+      ReadPublicKeysFile(Write("writable", a + "\n", 0666), "--list");
+  ASSERT_FALSE(writable.ok());
+  EXPECT_THAT(writable.status().message(), HasSubstr("written by other users"));
   absl::StatusOr<std::vector<std::string>> none =
       ReadPublicKeysFile(Write("none", "# nobody yet\n", 0644), "--list");
   ASSERT_FALSE(none.ok());
