@@ -24,8 +24,11 @@ constexpr off_t kMostFileBytes = 1 << 20;
 enum class Sharing { kOwnerOnly, kOthersMayRead };
 
 // The file at `path`, opened without following a symbolic link; checked on
-// the opened file: regular, this user's, within kMostFileBytes, and as
-// private as `sharing` says (others may never write it).
+// the opened file: regular, within kMostFileBytes, and as private as
+// `sharing` says (others may never write it). It is this user's, or root's
+// (as Kubernetes and systemd mount secrets: root's, group-readable by the
+// service's group), where a secret key may be read by its group too, as
+// PostgreSQL allows for its key files.
 absl::StatusOr<std::string> ReadCheckedFile(const std::string& path, absl::string_view flag,
                                             Sharing sharing) {
   const auto refused = [&](absl::string_view why) {
@@ -37,12 +40,14 @@ absl::StatusOr<std::string> ReadCheckedFile(const std::string& path, absl::strin
   struct stat info;
   if (fstat(fd, &info) != 0) return refused(absl::StrCat("cannot be read: ", std::strerror(errno)));
   if (!S_ISREG(info.st_mode)) return refused("is not a regular file");
-  if (info.st_uid != geteuid()) return refused("belongs to another user");
-  const mode_t closed = sharing == Sharing::kOwnerOnly ? (S_IRWXG | S_IRWXO) : (S_IWGRP | S_IWOTH);
+  const bool mine = info.st_uid == geteuid();
+  if (!mine && info.st_uid != 0) return refused("belongs to another user (not this one, not root)");
+  mode_t closed = S_IWGRP | S_IWOTH;
+  if (sharing == Sharing::kOwnerOnly) closed = mine ? (S_IRWXG | S_IRWXO) : (S_IWGRP | S_IRWXO);
   if ((info.st_mode & closed) != 0) {
     return refused(sharing == Sharing::kOwnerOnly
                        ? "is open to other users; a secret key must be readable by its owner "
-                         "only (chmod 600)"
+                         "only (chmod 600; a root-owned one may be read by its group: 640)"
                        : "may be written by other users, who could list themselves (chmod 644)");
   }
   if (info.st_size > kMostFileBytes) return refused("is too large for keys");

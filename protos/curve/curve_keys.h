@@ -32,9 +32,11 @@ absl::StatusOr<KeyPair> NewKeyPair();
 
 // The secret key in `path` (whitespace around it ignored) and the public key
 // it implies. INVALID_ARGUMENT naming `flag`: unreadable, not a regular file
-// (a symbolic link is not followed), not this process's user's, open to
-// other users (a secret shared with every local user authenticates no one),
-// or not a key. The checks are made on the file opened, not on its name.
+// (a symbolic link is not followed), neither this process's user's nor
+// root's, open to other users (a secret shared with every local user
+// authenticates no one; a root-owned file may be read by its group, as
+// mounted Kubernetes secrets are), or not a key. The checks are made on the
+// file opened, not on its name.
 absl::StatusOr<KeyPair> ReadSecretKeyFile(const std::string& path, absl::string_view flag);
 
 // Public keys, one per line; blank lines and lines starting with '#' are

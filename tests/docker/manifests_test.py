@@ -150,7 +150,7 @@ class KubernetesManifestsTest(unittest.TestCase):
         container = sts["spec"]["template"]["spec"]["containers"][0]
         mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "secret")
         keys = set(secret["stringData"])
-        read = [v for e in container["env"] for v in re.findall(re.escape(mount) + r"/([\w.]+)",
+        read = [v for e in container["env"] for v in re.findall(re.escape(mount) + r"/([\w.-]+)",
                                                                   e.get("value", ""))]
         self.assertTrue(read)
         for key in read:
