@@ -147,25 +147,25 @@ absl::StatusOr<kvcache::gpu::QuantKernel> QuantKernelFromFlag(const std::string&
       absl::StrCat("--quantize_kernel: \"", name, "\" is not auto, shader or host"));
 }
 
-// The KV event sockets' CURVE key and subscribers, from their files.
+// The KV event sockets' CURVE key and subscribers, from the files given
+// (KvEventPublisher::Start refuses one without the other).
 absl::Status ReadKvEventKeys(kvcache::KvEventsConfig& config) {
   const std::string key_file = absl::GetFlag(FLAGS_kv_events_curve_key_file);
   const std::string subscribers_file = absl::GetFlag(FLAGS_kv_events_curve_subscribers_file);
-  if (key_file.empty() != subscribers_file.empty()) {
-    return absl::InvalidArgumentError(
-        "--kv_events_curve_key_file and --kv_events_curve_subscribers_file: one needs the other "
-        "(CURVE admits listed subscribers only)");
+  if (key_file.empty() && subscribers_file.empty()) return absl::OkStatus();
+  if (config.endpoint.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        key_file.empty() ? "--kv_events_curve_subscribers_file" : "--kv_events_curve_key_file",
+        ": KV events are off (no --kv_events_endpoint)"));
+  }
+  if (!subscribers_file.empty()) {
+    ASSIGN_OR_RETURN(
+        config.curve_subscribers,
+        kvcache::curve::ReadPublicKeysFile(subscribers_file, "--kv_events_curve_subscribers_file"));
   }
   if (key_file.empty()) return absl::OkStatus();
-  if (config.endpoint.empty()) {
-    return absl::InvalidArgumentError(
-        "--kv_events_curve_key_file: KV events are off (no --kv_events_endpoint)");
-  }
   ASSIGN_OR_RETURN(const kvcache::curve::KeyPair pair,
                    kvcache::curve::ReadSecretKeyFile(key_file, "--kv_events_curve_key_file"));
-  ASSIGN_OR_RETURN(
-      config.curve_subscribers,
-      kvcache::curve::ReadPublicKeysFile(subscribers_file, "--kv_events_curve_subscribers_file"));
   config.curve_secret_key = pair.secret_key;
   kvcache::LogInfo("kv events: CURVE on, publisher key %s, %d subscriber keys admitted",
                    pair.public_key, config.curve_subscribers.size());
