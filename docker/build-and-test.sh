@@ -155,7 +155,10 @@ echo "build-and-test: $name healthy (gRPC 127.0.0.1:$grpc_port, lane 127.0.0.1:$
 # published ports only, the lane too.
 podman run --rm --network=host -e "KVCACHE_TOKEN=$token" -e "KVCACHE_OTHER_TOKEN=$other_token" \
   --entrypoint /usr/local/bin/kvcache_demo "$image" --server="127.0.0.1:$grpc_port"
-curl -fsS "http://127.0.0.1:$metrics_port/metrics" | grep -q '^kvcached_' \
+# Read whole before grep: `grep -q` stops at the first match, and curl,
+# still writing, would fail the pipeline.
+metrics=$(curl -fsS "http://127.0.0.1:$metrics_port/metrics")
+grep -q '^kvcached_' <<<"$metrics" \
   || { echo "build-and-test: no kvcached_ metrics on the published port" >&2; exit 1; }
 echo "build-and-test: demo and metrics over the published ports: OK"
 

@@ -1,11 +1,14 @@
 #include "kv_events.h"
 
+#include <sys/stat.h>
+
 #include <array>
 #include <iterator>
 #include <optional>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -91,6 +94,39 @@ absl::StatusOr<std::string> Bind(zmq::socket_t& socket, const std::string& endpo
   }
 }
 
+// Binds `endpoint` again once its old listener, which libzmq closes on its
+// own I/O thread after an unbind, has let go of it (about 2 s at most): a
+// port stays taken until then, and a socket file that the old listener has
+// yet to unlink would take the new one with it (after 1 s it is taken for
+// one left behind: bind replaces it).
+absl::Status BindAgain(zmq::socket_t& socket, const std::string& endpoint, const char* flag) {
+  const bool socket_file =
+      absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6 && endpoint[6] != '@';
+  absl::Status bound;
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    struct stat file;
+    const bool old_file_left =
+        socket_file && attempt < 100 && stat(endpoint.c_str() + 6, &file) == 0;
+    if (!old_file_left) {
+      bound = Bind(socket, endpoint, flag).status();
+      if (bound.ok()) return bound;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return bound;
+}
+
+absl::Status CheckSubscribers(const std::vector<std::string>& keys) {
+  if (keys.empty()) {
+    return absl::InvalidArgumentError(
+        "kv_events_curve_subscribers_file: CURVE admits listed subscribers only; none is listed");
+  }
+  for (const std::string& key : keys) {
+    RETURN_IF_ERROR(curve::CheckKey(key, "kv_events_curve_subscribers_file"));
+  }
+  return absl::OkStatus();
+}
+
 // The CURVE key and its subscribers, each named by its flag when refused.
 absl::Status CheckCurve(const KvEventsConfig& config) {
   if (config.curve_secret_key.empty()) {
@@ -103,14 +139,7 @@ absl::Status CheckCurve(const KvEventsConfig& config) {
         "kv_events_curve_key_file: this libzmq was built without CURVE");
   }
   RETURN_IF_ERROR(curve::CheckKey(config.curve_secret_key, "kv_events_curve_key_file"));
-  if (config.curve_subscribers.empty()) {
-    return absl::InvalidArgumentError(
-        "kv_events_curve_subscribers_file: CURVE admits listed subscribers only; none is listed");
-  }
-  for (const std::string& key : config.curve_subscribers) {
-    RETURN_IF_ERROR(curve::CheckKey(key, "kv_events_curve_subscribers_file"));
-  }
-  return absl::OkStatus();
+  return CheckSubscribers(config.curve_subscribers);
 }
 
 // Keys as the 32 bytes ZAP hands over (one key has one byte form; its Z85
@@ -239,9 +268,11 @@ void KvEventPublisher::Run() {
     if (sockets_->replay.has_value()) AnswerReplay();
     bool start_again = false;
     std::vector<BlockEvent> batch;
+    std::optional<absl::flat_hash_set<std::string>> new_subscribers;
     {
       absl::MutexLock lock(&queue_mutex_);
       queue_mutex_.AwaitWithTimeout(absl::Condition(this, &KvEventPublisher::HasWork), poll);
+      new_subscribers.swap(new_subscribers_);
       if (lost_) {
         start_again = true;
       } else if (queue_.empty()) {
@@ -254,6 +285,7 @@ void KvEventPublisher::Run() {
         }
       }
     }
+    if (new_subscribers.has_value()) AdmitOnly(*std::move(new_subscribers));
     if (start_again) batch = StartAgain();
     if (!batch.empty()) Send(batch);
   }
@@ -373,6 +405,45 @@ void KvEventPublisher::AnswerAuthentication() {
       authentication_error_logged_ = true;
       LogWarning("kv events: authentication: %s (later errors are not logged)", error.what());
     }
+  }
+}
+
+absl::Status KvEventPublisher::ReplaceSubscribers(const std::vector<std::string>& keys) {
+  if (config_.curve_secret_key.empty()) {
+    return absl::FailedPreconditionError(
+        "kv_events_curve_subscribers_file: KV events run without CURVE (no "
+        "--kv_events_curve_key_file); restart to turn it on");
+  }
+  RETURN_IF_ERROR(CheckSubscribers(keys));
+  absl::MutexLock lock(&queue_mutex_);
+  new_subscribers_ = DecodedKeys(keys);
+  return absl::OkStatus();
+}
+
+void KvEventPublisher::AdmitOnly(absl::flat_hash_set<std::string> keys) {
+  const bool revoked =
+      absl::c_any_of(subscribers_, [&](const std::string& key) { return !keys.contains(key); });
+  subscribers_ = std::move(keys);
+  LogInfo("kv events: %d subscriber keys admitted from now on%s", subscribers_.size(),
+          revoked ? "; keys were taken off: every connection is dropped and handshakes again" : "");
+  if (revoked) DropConnections();
+}
+
+void KvEventPublisher::DropConnections() {
+  const auto again = [](zmq::socket_t& socket, const std::string& endpoint, const char* flag) {
+    try {
+      socket.unbind(endpoint);
+    } catch (const zmq::error_t& error) {
+      LogError("kv events: %s: cannot unbind %s: %s", flag, endpoint, error.what());
+      return;
+    }
+    if (absl::Status bound = BindAgain(socket, endpoint, flag); !bound.ok()) {
+      LogError("kv events: no longer published there: %s", bound.ToString());
+    }
+  };
+  again(sockets_->pub, endpoint_, "kv_events_endpoint");
+  if (sockets_->replay.has_value()) {
+    again(*sockets_->replay, replay_endpoint_, "kv_events_replay_endpoint");
   }
 }
 

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -88,14 +89,28 @@ class KvEventPublisher final : public engine::BlockEventSink {
 
   void Emit(engine::BlockEvent event) override;
 
+  // Admits the subscribers `keys` (Z85) list from now on, in place of those
+  // listed before (kvcached calls it on SIGHUP with the re-read file). Where
+  // a key was taken off, every connection is dropped (the sockets bind their
+  // endpoints again) and each subscriber handshakes again under the new
+  // list: a revoked router stops receiving at once; listed ones reconnect by
+  // themselves and fill the gap from the replay socket. INVALID_ARGUMENT
+  // naming the file for a list that Start would refuse, FAILED_PRECONDITION
+  // without CURVE; either way the list in use stays.
+  absl::Status ReplaceSubscribers(const std::vector<std::string>& keys);
+
  private:
   struct Sockets;
 
   explicit KvEventPublisher(const KvEventsConfig& config, prometheus::Registry& metrics);
   void Run();
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mutex_) {
-    return !queue_.empty() || lost_ || stopping_;
+    return !queue_.empty() || lost_ || stopping_ || new_subscribers_.has_value();
   }
+  // The thread's side of ReplaceSubscribers.
+  void AdmitOnly(absl::flat_hash_set<std::string> keys);
+  // Unbinds and binds again each socket, which closes every connection.
+  void DropConnections();
   // AllBlocksCleared and every block held now, after events were dropped.
   std::vector<engine::BlockEvent> StartAgain();
   // In batches of at most kMaxBatchEvents.
@@ -118,9 +133,10 @@ class KvEventPublisher final : public engine::BlockEventSink {
   prometheus::Counter& batches_sent_;
   prometheus::Counter& restarts_;
   prometheus::Counter& refused_subscribers_;
-  const absl::flat_hash_set<std::string> subscribers_;  // CURVE keys admitted, 32 bytes each
-  bool refused_logged_ = false;                         // the thread's
-  bool authentication_error_logged_ = false;            // likewise
+  // The thread's: CURVE keys admitted, 32 bytes each.
+  absl::flat_hash_set<std::string> subscribers_;
+  bool refused_logged_ = false;               // likewise
+  bool authentication_error_logged_ = false;  // likewise
 
   // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;
@@ -128,6 +144,8 @@ class KvEventPublisher final : public engine::BlockEventSink {
   size_t queued_bytes_ ABSL_GUARDED_BY(queue_mutex_) = 0;
   bool lost_ ABSL_GUARDED_BY(queue_mutex_) = false;  // events dropped: start again
   bool stopping_ ABSL_GUARDED_BY(queue_mutex_) = false;
+  // From ReplaceSubscribers, for the thread to take.
+  std::optional<absl::flat_hash_set<std::string>> new_subscribers_ ABSL_GUARDED_BY(queue_mutex_);
   engine::PrefixBlocks blocks_;  // emits into the queue: declared after it
   std::thread thread_;
 };

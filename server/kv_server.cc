@@ -213,6 +213,14 @@ engine::Engine& KvCacheServer::engine() { return *tenants_->anonymous_engine(); 
 
 absl::Status KvCacheServer::ReloadTokens() { return tenants_->Reload(); }
 
+absl::Status KvCacheServer::ReplaceKvEventSubscribers(const std::vector<std::string>& keys) {
+  if (kv_events_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "kv_events_curve_subscribers_file: KV events are off (no --kv_events_endpoint)");
+  }
+  return kv_events_->ReplaceSubscribers(keys);
+}
+
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const ServerConfig& config) {
   auto server = std::unique_ptr<KvCacheServer>(new KvCacheServer);
   ASSIGN_OR_RETURN(auto host_port, SplitHostPort(config.listen));

@@ -140,6 +140,9 @@ class KvCacheServer {
   engine::Engine& engine();
   // Re-reads the tokens file (SIGHUP); a file that does not parse changes nothing.
   absl::Status ReloadTokens();
+  // The CURVE subscribers that KV events admit from now on (SIGHUP, with
+  // the re-read file; KvEventPublisher::ReplaceSubscribers).
+  absl::Status ReplaceKvEventSubscribers(const std::vector<std::string>& keys);
 
  private:
   KvCacheServer() = default;

@@ -105,7 +105,7 @@ ABSL_FLAG(std::string, kv_events_curve_key_file, "",
           "--kv_events_curve_subscribers_file lists. Its public key is logged at start");
 ABSL_FLAG(std::string, kv_events_curve_subscribers_file, "",
           "the CURVE public keys (Z85, one per line, # comments) of the routers admitted to "
-          "the KV event sockets");
+          "the KV event sockets; re-read on SIGHUP (a key taken off loses its connection)");
 ABSL_FLAG(std::string, etcd_endpoints, "",
           "list this replica in etcd for fleet clients (kvcachectl --etcd_endpoints): "
           "comma-separated host:port, http:// or https:// endpoints; empty: not listed. "
@@ -170,6 +170,15 @@ absl::Status ReadKvEventKeys(kvcache::KvEventsConfig& config) {
   kvcache::LogInfo("kv events: CURVE on, publisher key %s, %d subscriber keys admitted",
                    pair.public_key, config.curve_subscribers.size());
   return absl::OkStatus();
+}
+
+// Routers' keys are added and revoked without a restart, as tokens are.
+absl::Status ReloadKvEventSubscribers(kvcache::KvCacheServer& server) {
+  const std::string file = absl::GetFlag(FLAGS_kv_events_curve_subscribers_file);
+  if (file.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::vector<std::string> keys,
+                   kvcache::curve::ReadPublicKeysFile(file, "--kv_events_curve_subscribers_file"));
+  return server.ReplaceKvEventSubscribers(keys);
 }
 
 absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
@@ -277,7 +286,8 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_list_devices)) return ListDevices();
   KeepMessageBuffersInHeap();
 
-  // Block the stop signals (and SIGHUP, which reloads the tokens file) in
+  // Block the stop signals (and SIGHUP, which re-reads the tokens file and the KV
+  // event subscribers) in
   // every thread (gRPC's too); main waits for them.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -301,6 +311,9 @@ int main(int argc, char** argv) {
     // Connections and calls under way stay; the next call sees the new file.
     if (absl::Status reloaded = (*server)->ReloadTokens(); !reloaded.ok()) {
       kvcache::LogError("SIGHUP: tokens file kept as it was: %s", reloaded.ToString());
+    }
+    if (absl::Status reloaded = ReloadKvEventSubscribers(**server); !reloaded.ok()) {
+      kvcache::LogError("SIGHUP: KV event subscribers kept as they were: %s", reloaded.ToString());
     }
   }
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_grace);

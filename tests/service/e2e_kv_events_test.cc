@@ -503,6 +503,83 @@ TEST(KvEventPublisherTest, CurveAdmitsOnlyListedSubscribers) {
   EXPECT_GT(refused(), refused_routers) << "the unlisted subscriber was refused";
 }
 
+// Batches that `subscriber` receives while `count` more go out (one each).
+int BatchesReceived(KvEventPublisher& publisher, zmq::socket_t& subscriber, uint32_t first_seed,
+                    int count) {
+  int received = 0;
+  for (uint32_t seed = first_seed; seed < first_seed + count; ++seed) {
+    publisher.blocks().Add(Prompt(kBlock, seed));
+    std::vector<zmq::message_t> frames;
+    received += zmq::recv_multipart(subscriber, std::back_inserter(frames)).has_value();
+  }
+  return received;
+}
+
+// A CURVE subscriber of the publisher's live batches.
+zmq::socket_t CurveSubscriber(zmq::context_t& context, const SubscriberKeys& keys,
+                              const std::string& endpoint) {
+  zmq::socket_t subscriber(context, zmq::socket_type::sub);
+  UseCurve(subscriber, keys);
+  subscriber.set(zmq::sockopt::subscribe, "");
+  subscriber.set(zmq::sockopt::rcvtimeo, 100);
+  subscriber.set(zmq::sockopt::linger, 0);
+  subscriber.connect(endpoint);
+  return subscriber;
+}
+
+// A new list (kvcached re-reads its file on SIGHUP) admits its keys from
+// then on; a key taken off loses the connection it has, on both sockets,
+// while one still listed gets back in by itself. A list Start would refuse
+// changes nothing.
+TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
+  const curve::KeyPair server = curve::NewKeyPair().value();
+  const SubscriberKeys first{.server_key = server.public_key, .own = curve::NewKeyPair().value()};
+  const SubscriberKeys second{.server_key = server.public_key, .own = curve::NewKeyPair().value()};
+  const SubscriberKeys kept{.server_key = server.public_key, .own = curve::NewKeyPair().value()};
+  prometheus::Registry metrics;
+  auto publisher =
+      KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*",
+                               .replay_endpoint = "tcp://127.0.0.1:*",
+                               .curve_secret_key = server.secret_key,
+                               .curve_subscribers = {first.own.public_key, kept.own.public_key}},
+                              metrics);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  const std::string replay = (*publisher)->replay_endpoint();
+  zmq::context_t context;
+  zmq::socket_t revoked = CurveSubscriber(context, first, (*publisher)->endpoint());
+  zmq::socket_t stays = CurveSubscriber(context, kept, (*publisher)->endpoint());
+  EXPECT_GT(BatchesReceived(**publisher, revoked, 1, 50), 0) << "the first key, listed";
+  EXPECT_GT(BatchesReceived(**publisher, stays, 51, 50), 0);
+  EXPECT_FALSE(Router(replay, second, 1000).Answers()) << "the second key, not yet listed";
+  Router revoked_router(replay, first, 2000);
+  EXPECT_FALSE(revoked_router.Replay(0).empty()) << "the whole answer, read";
+
+  ASSERT_TRUE((*publisher)->ReplaceSubscribers({second.own.public_key, kept.own.public_key}).ok());
+  zmq::socket_t admitted = CurveSubscriber(context, second, (*publisher)->endpoint());
+  EXPECT_GT(BatchesReceived(**publisher, admitted, 101, 50), 0) << "the second key, now listed";
+  EXPECT_GT(BatchesReceived(**publisher, stays, 151, 50), 0) << "a kept key reconnects";
+  std::vector<zmq::message_t> before_cut_off;
+  while (zmq::recv_multipart(revoked, std::back_inserter(before_cut_off))) before_cut_off.clear();
+  EXPECT_EQ(BatchesReceived(**publisher, revoked, 201, 30), 0) << "the first key, taken off";
+  EXPECT_FALSE(revoked_router.Answers()) << "its replay connection is gone too";
+  EXPECT_TRUE(Router(replay, second).Answers());
+
+  const auto refused_with = [&](const std::vector<std::string>& keys, absl::StatusCode code) {
+    const absl::Status replaced = (*publisher)->ReplaceSubscribers(keys);
+    EXPECT_EQ(replaced.code(), code) << replaced;
+    EXPECT_THAT(replaced.message(), HasSubstr("kv_events_curve_subscribers_file"));
+  };
+  refused_with({}, absl::StatusCode::kInvalidArgument);
+  refused_with({second.own.public_key, "short"}, absl::StatusCode::kInvalidArgument);
+  EXPECT_GT(BatchesReceived(**publisher, admitted, 231, 50), 0) << "the list in use stays";
+
+  prometheus::Registry plain_metrics;
+  auto plain = KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:*"}, plain_metrics);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  const absl::Status replaced = (*plain)->ReplaceSubscribers({second.own.public_key});
+  EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
+}
+
 TEST(KvEventPublisherTest, CurveKeysAreCheckedAndNamed) {
   const curve::KeyPair server = curve::NewKeyPair().value();
   const std::string subscriber = curve::NewKeyPair()->public_key;

@@ -89,6 +89,9 @@ class Kvcached:
                 self._listening.set()
         self._listening.set()  # exited before listening
 
+    def signal(self, number):
+        self.process.send_signal(number)
+
     def stop(self):
         """SIGTERM, then the exit code."""
         self.process.send_signal(signal.SIGTERM)
@@ -439,7 +442,7 @@ class KvEventsTest(unittest.TestCase):
         cls.server = Kvcached(["--kv_events_endpoint=tcp://127.0.0.1:*",
                                "--kv_events_replay_endpoint=tcp://127.0.0.1:*",
                                "--kv_events_topic=kv-events"])
-        line = next(line for line in cls.server.log if "KV events" in line)
+        line = next(line for line in cls.server.log if "KV events (vLLM's" in line)
         cls.endpoint, cls.replay_endpoint = re.findall(r"tcp://127\.0\.0\.1:\d+", line)
         cls.channel = grpc.insecure_channel(cls.server.address, options=CHANNEL_OPTIONS)
         grpc.channel_ready_future(cls.channel).result(timeout=30)
@@ -530,27 +533,67 @@ class KvEventsTest(unittest.TestCase):
         context.destroy(linger=0)
 
 
+def write_curve_files(directory, secret_key, subscriber_keys):
+    """The publisher's secret key file (mode 600) and the subscribers file."""
+    secret_file = os.path.join(directory, "publisher.key")
+    with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
+        out.write(secret_key + b"\n")
+    subscribers_file = os.path.join(directory, "subscribers")
+    write_subscribers(subscribers_file, subscriber_keys)
+    return secret_file, subscribers_file
+
+
+def write_subscribers(path, keys):
+    # In place, not renamed over: a container sees a file mounted alone
+    # only through its inode.
+    with open(path, "wb") as out:
+        out.write(b"# the routers\n" + b"".join(key + b"\n" for key in keys))
+
+
+def curve_server(secret_file, subscribers_file):
+    """kvcached publishing KV events under CURVE, and its replay endpoint."""
+    server = Kvcached(["--kv_events_endpoint=tcp://127.0.0.1:*",
+                       "--kv_events_replay_endpoint=tcp://127.0.0.1:*",
+                       "--kv_events_curve_key_file=" + secret_file,
+                       "--kv_events_curve_subscribers_file=" + subscribers_file])
+    line = next(line for line in server.log if "KV events (vLLM's" in line)
+    return server, re.findall(r"tcp://127\.0\.0\.1:\d+", line)[1]
+
+
+def replay_dealer(context, endpoint, curve_keys):
+    """A router's replay socket (a DEALER), with (server, public, secret) keys."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.linger = 0
+    if curve_keys:
+        dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = curve_keys
+    dealer.connect(endpoint)
+    return dealer
+
+
+def replay_answer(dealer):
+    """Every message answering a replay from 0, or None when none comes in 2 s."""
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    answer = []
+    while dealer.poll(2000):
+        answer.append(dealer.recv_multipart())
+        if not answer[-1][2]:
+            return answer  # the end marker
+    return answer or None
+
+
 class KvEventsCurveTest(unittest.TestCase):
     """KV events under CURVE, as a pyzmq subscriber (vLLM's) sets it up: the
-    replica admits the router whose key it lists, and no one else."""
+    replica admits the router whose key it lists, and no one else; SIGHUP
+    re-reads the list."""
 
     @classmethod
     def setUpClass(cls):
         cls.keys = tempfile.mkdtemp(prefix="kvcache_curve_")
         cls.server_public, server_secret = zmq.curve_keypair()
         cls.router_public, cls.router_secret = zmq.curve_keypair()
-        secret_file = os.path.join(cls.keys, "publisher.key")
-        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as out:
-            out.write(server_secret + b"\n")
-        subscribers_file = os.path.join(cls.keys, "subscribers")
-        with open(subscribers_file, "wb") as out:
-            out.write(b"# the router\n" + cls.router_public + b"\n")
-        cls.server = Kvcached(["--kv_events_endpoint=tcp://127.0.0.1:*",
-                               "--kv_events_replay_endpoint=tcp://127.0.0.1:*",
-                               "--kv_events_curve_key_file=" + secret_file,
-                               "--kv_events_curve_subscribers_file=" + subscribers_file])
-        line = next(line for line in cls.server.log if "KV events" in line)
-        cls.replay_endpoint = re.findall(r"tcp://127\.0\.0\.1:\d+", line)[1]
+        cls.secret_file, cls.subscribers_file = write_curve_files(
+            cls.keys, server_secret, [cls.router_public])
+        cls.server, cls.replay_endpoint = curve_server(cls.secret_file, cls.subscribers_file)
         cls.announced = next(line for line in cls.server.log if "CURVE on" in line)
 
     @classmethod
@@ -562,14 +605,9 @@ class KvEventsCurveTest(unittest.TestCase):
     def ask(self, curve_keys):
         """The first answer to a replay from 0, or None within 2 s."""
         context = zmq.Context()
-        replay = context.socket(zmq.DEALER)
-        if curve_keys:
-            replay.curve_serverkey, replay.curve_publickey, replay.curve_secretkey = curve_keys
-        replay.connect(self.replay_endpoint)
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        answer = replay.recv_multipart() if replay.poll(2000) else None
+        answer = replay_answer(replay_dealer(context, self.replay_endpoint, curve_keys))
         context.destroy(linger=0)
-        return answer
+        return answer[0] if answer else None
 
     def test_the_listed_router_alone_is_answered(self):
         self.assertIn(self.server_public.decode(), self.announced, "the public key is logged")
@@ -580,6 +618,44 @@ class KvEventsCurveTest(unittest.TestCase):
         stranger_public, stranger_secret = zmq.curve_keypair()
         self.assertIsNone(self.ask((self.server_public, stranger_public, stranger_secret)))
         self.assertIsNone(self.ask(None), "plaintext")
+
+    def test_sighup_admits_a_new_router_and_cuts_off_a_revoked_one(self):
+        keys = tempfile.mkdtemp(prefix="kvcache_curve_reload_")
+        server_public, server_secret = zmq.curve_keypair()
+        old_public, old_secret = zmq.curve_keypair()
+        new_public, new_secret = zmq.curve_keypair()
+        secret_file, subscribers_file = write_curve_files(keys, server_secret, [old_public])
+        server, replay_endpoint = curve_server(secret_file, subscribers_file)
+        context = zmq.Context()
+        try:
+            old_router = replay_dealer(context, replay_endpoint,
+                                       (server_public, old_public, old_secret))
+            self.assertIsNotNone(replay_answer(old_router), "the listed router")
+            new_keys = (server_public, new_public, new_secret)
+            self.assertIsNone(replay_answer(replay_dealer(context, replay_endpoint, new_keys)))
+
+            write_subscribers(subscribers_file, [new_public])
+            server.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while not any("keys were taken off" in line for line in server.log):
+                self.assertLess(time.monotonic(), deadline, "no reload:\n" + "".join(server.log))
+                time.sleep(0.05)
+            self.assertIsNotNone(replay_answer(replay_dealer(context, replay_endpoint, new_keys)),
+                                 "the router listed now")
+            self.assertIsNone(replay_answer(old_router), "the connection it had is gone")
+
+            write_subscribers(subscribers_file, [])
+            server.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while not any("subscribers kept as they were" in line for line in server.log):
+                self.assertLess(time.monotonic(), deadline, "no refusal:\n" + "".join(server.log))
+                time.sleep(0.05)
+            self.assertIsNotNone(replay_answer(replay_dealer(context, replay_endpoint, new_keys)),
+                                 "an empty list changes nothing")
+        finally:
+            context.destroy(linger=0)
+            shutil.rmtree(keys, ignore_errors=True)
+            self.assertEqual(server.stop(), 0, "".join(server.log))
 
 
 def main():
