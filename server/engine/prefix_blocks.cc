@@ -22,6 +22,11 @@ std::vector<uint64_t> PrefixBlocks::Hashes(absl::Span<const uint32_t> tokens) co
   return hashes;
 }
 
+namespace {
+// Slots a map of a few blocks may keep however few it holds.
+constexpr size_t kSlotsKeptAlways = 63;
+}  // namespace
+
 uint64_t PrefixBlocks::MaxBytesPerBlock() const {
   return HeapBlockBytes(uint64_t{block_tokens_} * sizeof(uint32_t)) +
          3 * sizeof(std::pair<const uint64_t, Block>);
@@ -61,7 +66,18 @@ void PrefixBlocks::Remove(absl::Span<const uint32_t> tokens) {
       removed.block_hashes.push_back(hash);
     }
   }
+  // A flat_hash_map never shrinks by itself. Rehashed to fit once under a
+  // third full, it does so again only after a fifth or more of its blocks
+  // go: the rehash's cost is spread over those removals.
+  if (blocks_.capacity() > kSlotsKeptAlways && blocks_.size() * 3 < blocks_.capacity()) {
+    blocks_.rehash(0);
+  }
   if (!removed.block_hashes.empty()) sink_->Emit(std::move(removed));
+}
+
+size_t PrefixBlocks::slots() const {
+  absl::MutexLock lock(&mu_);
+  return blocks_.capacity();
 }
 
 void PrefixBlocks::Held(const std::function<void(std::vector<BlockEvent>)>& under_lock) const {

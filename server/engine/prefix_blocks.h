@@ -67,6 +67,9 @@ class PrefixBlocks {
   // while none can come or go: where a sink that lost events starts again.
   void Held(const std::function<void(std::vector<BlockEvent>)>& under_lock) const;
   size_t blocks() const;
+  // The map's slots: never more than three per held block past a few dozen
+  // (what MaxBytesPerBlock charges), so churn leaves no memory behind.
+  size_t slots() const;
   // The most host memory one held block takes: its token ids on the heap and
   // its map slot (flat_hash_map keeps up to 8/7 slots per entry and doubles:
   // under 2.3 slots at worst, three counted). Entries are charged this per

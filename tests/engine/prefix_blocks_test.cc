@@ -171,6 +171,24 @@ TEST(PrefixBlocksTest, RandomPublishesAndForgetsOfTwoTenantsKeepASubscriberExact
   }
 }
 
+// After churn the map gives its slots back: never more than three per held
+// block (what an entry's charge counts), once past a few dozen.
+TEST(PrefixBlocksTest, RemovedBlocksGiveTheirSlotsBack) {
+  Subscriber subscriber;
+  PrefixBlocks blocks(4, &subscriber);
+  std::vector<std::vector<uint32_t>> prompts;
+  for (uint32_t i = 0; i < 5000; ++i) prompts.push_back({i, i + 1, i + 2, i + 3});
+  for (const auto& prompt : prompts) blocks.Add(prompt);
+  EXPECT_GE(blocks.slots(), 5000u);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    blocks.Remove(prompts[i]);
+    const size_t held = prompts.size() - i - 1;
+    ASSERT_LE(blocks.slots(), std::max<size_t>(3 * held, 63)) << "after " << i + 1 << " removals";
+  }
+  EXPECT_EQ(blocks.blocks(), 0u);
+  EXPECT_TRUE(subscriber.held_.empty());
+}
+
 TEST(PrefixBlocksTest, ConcurrentPublishersLeaveASubscriberExact) {
   // Emit runs under the ledger's lock: the subscriber needs no lock of its own.
   Subscriber subscriber;
