@@ -100,7 +100,9 @@ if [[ -n $build ]]; then
   podman build --format docker --network=host --build-arg "BASE=$base" -f docker/Dockerfile \
     -t "$image" .
 fi
-echo "build-and-test: image $image ${build:+built in $((SECONDS - started)) s}${build:-as built before};" \
+how="as built before"
+if [[ -n $build ]]; then how="built in $((SECONDS - started)) s"; fi
+echo "build-and-test: image $image $how;" \
   "$(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MiB", $1/1048576}')"
 
 containers=()
@@ -157,7 +159,10 @@ podman run --rm --network=host -e "KVCACHE_TOKEN=$token" -e "KVCACHE_OTHER_TOKEN
   --entrypoint /usr/local/bin/kvcache_demo "$image" --server="127.0.0.1:$grpc_port"
 # Read whole before grep: `grep -q` stops at the first match, and curl,
 # still writing, would fail the pipeline.
-metrics=$(curl -fsS "http://127.0.0.1:$metrics_port/metrics")
+if ! metrics=$(curl -fsS "http://127.0.0.1:$metrics_port/metrics"); then
+  echo "build-and-test: no metrics page on the published port" >&2
+  exit 1
+fi
 grep -q '^kvcached_' <<<"$metrics" \
   || { echo "build-and-test: no kvcached_ metrics on the published port" >&2; exit 1; }
 echo "build-and-test: demo and metrics over the published ports: OK"

@@ -23,6 +23,12 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 files=$(mktemp -d)
+cid=""
+cleanup() {
+  if [[ -n $cid ]]; then podman rm -f "$cid" >/dev/null 2>&1 || true; fi
+  rm -rf "$files"  # copies of private files among them
+}
+trap cleanup EXIT
 args=()
 mounts=()
 ports=()
@@ -43,7 +49,7 @@ for arg in "$@"; do
       publish_kv_events kv_events_replay_endpoint 5558 ;;
     --*=/*)
       path=${arg#*=}
-      if [[ -f $path && $(stat -c %A "$path") == ???????r?? ]]; then
+      if [[ -f $path && $(stat -L -c %A "$path") == ???????r?? ]]; then
         mounts+=(-v "$path:$path:ro")
       elif [[ -f $path ]]; then
         copy="$files/$(basename "$path")"
@@ -63,11 +69,6 @@ renamed+=(-e "s/listening on 0\.0\.0\.0:50051/listening on 127.0.0.1:$grpc_port/
 cid=$(podman run -d --health-interval=disable -p "127.0.0.1:$grpc_port:50051" -p "127.0.0.1:$lane_port:50052" \
   "${ports[@]}" "${mounts[@]}" -e "KVCACHED_DATA_LANE_ADVERTISE=127.0.0.1:$lane_port" \
   "$image" "${args[@]}")
-cleanup() {
-  podman rm -f "$cid" >/dev/null 2>&1 || true
-  rm -rf "$files"
-}
-trap cleanup EXIT
 trap 'podman kill --signal TERM "$cid" >/dev/null 2>&1 || true' TERM INT
 trap 'podman kill --signal HUP "$cid" >/dev/null 2>&1 || true' HUP
 podman logs -f "$cid" 2>&1 | sed -u "${renamed[@]}" >&2 &

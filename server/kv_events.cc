@@ -1,7 +1,5 @@
 #include "kv_events.h"
 
-#include <sys/stat.h>
-
 #include <array>
 #include <iterator>
 #include <optional>
@@ -30,6 +28,8 @@ constexpr int kMaxAuthenticationsPerPass = 64;
 // How long the thread waits for events before it looks at replay requests.
 constexpr absl::Duration kReplayPoll = absl::Milliseconds(10);
 constexpr absl::Duration kIdlePoll = absl::Milliseconds(100);
+// Long enough for the last AllBlocksCleared to leave as the replica stops.
+constexpr int kPubLingerMs = 200;
 
 std::array<char, 8> BigEndian(int64_t value) {
   std::array<char, 8> bytes;
@@ -58,6 +58,10 @@ constexpr char kZapDomain[] = "kvcached-kv-events";
 absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote,
                            bool encrypted) {
   if (absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6) {
+    if (endpoint == "ipc://*") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": ipc://* makes a socket file no router is told in advance: name it"));
+    }
     if (endpoint[6] != '@' || allow_remote) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
         flag,
@@ -92,28 +96,6 @@ absl::StatusOr<std::string> Bind(zmq::socket_t& socket, const std::string& endpo
     return absl::UnavailableError(
         absl::StrCat(flag, ": cannot bind ", endpoint, ": ", error.what()));
   }
-}
-
-// Binds `endpoint` again once its old listener, which libzmq closes on its
-// own I/O thread after an unbind, has let go of it (about 2 s at most): a
-// port stays taken until then, and a socket file that the old listener has
-// yet to unlink would take the new one with it (after 1 s it is taken for
-// one left behind: bind replaces it).
-absl::Status BindAgain(zmq::socket_t& socket, const std::string& endpoint, const char* flag) {
-  const bool socket_file =
-      absl::StartsWith(endpoint, "ipc://") && endpoint.size() > 6 && endpoint[6] != '@';
-  absl::Status bound;
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    struct stat file;
-    const bool old_file_left =
-        socket_file && attempt < 100 && stat(endpoint.c_str() + 6, &file) == 0;
-    if (!old_file_left) {
-      bound = Bind(socket, endpoint, flag).status();
-      if (bound.ok()) return bound;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return bound;
 }
 
 absl::Status CheckSubscribers(const std::vector<std::string>& keys) {
@@ -193,6 +175,18 @@ KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, prometheus::Reg
                                      "key that --kv_events_curve_subscribers_file does not list")
                                .Register(metrics)
                                .Add({})),
+      subscriber_lists_(prometheus::BuildCounter()
+                            .Name("kvcached_kv_event_subscriber_lists_total")
+                            .Help("CURVE subscriber lists put in place after the one read at "
+                                  "start (SIGHUP), connections dropped where keys went")
+                            .Register(metrics)
+                            .Add({})),
+      endpoints_unbound_(prometheus::BuildGauge()
+                             .Name("kvcached_kv_event_endpoints_unbound")
+                             .Help("KV event endpoints not bound now: bound again after a "
+                                   "subscriber key was taken off, and not yet done")
+                             .Register(metrics)
+                             .Add({})),
       subscribers_(DecodedKeys(config.curve_subscribers)),
       blocks_(config.block_tokens, this) {}
 
@@ -216,8 +210,7 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
     RETURN_IF_ERROR(Bind(zap, kZapEndpoint, "kv_events_curve_key_file").status());
     MakeCurveServer(sockets.pub, config.curve_secret_key);
   }
-  // Long enough for the last AllBlocksCleared to leave as the replica stops.
-  sockets.pub.set(zmq::sockopt::linger, 200);
+  sockets.pub.set(zmq::sockopt::linger, kPubLingerMs);
   // What a subscriber sends is a subscription (a topic) and, with CURVE, its
   // handshake: a few hundred bytes. Nothing larger is read into memory.
   sockets.pub.set(zmq::sockopt::maxmsgsize, int64_t{4096});
@@ -264,6 +257,7 @@ void KvEventPublisher::Run() {
   const absl::Duration poll =
       sockets_->replay.has_value() || sockets_->zap.has_value() ? kReplayPoll : kIdlePoll;
   while (true) {
+    if (pub_unbound_ || replay_unbound_) BindUnbound(/*attempts=*/1);
     if (sockets_->zap.has_value()) AnswerAuthentication();
     if (sockets_->replay.has_value()) AnswerReplay();
     bool start_again = false;
@@ -415,8 +409,9 @@ absl::Status KvEventPublisher::ReplaceSubscribers(const std::vector<std::string>
         "--kv_events_curve_key_file); restart to turn it on");
   }
   RETURN_IF_ERROR(CheckSubscribers(keys));
+  absl::flat_hash_set<std::string> decoded = DecodedKeys(keys);
   absl::MutexLock lock(&queue_mutex_);
-  new_subscribers_ = DecodedKeys(keys);
+  new_subscribers_ = std::move(decoded);
   return absl::OkStatus();
 }
 
@@ -424,27 +419,58 @@ void KvEventPublisher::AdmitOnly(absl::flat_hash_set<std::string> keys) {
   const bool revoked =
       absl::c_any_of(subscribers_, [&](const std::string& key) { return !keys.contains(key); });
   subscribers_ = std::move(keys);
-  LogInfo("kv events: %d subscriber keys admitted from now on%s", subscribers_.size(),
-          revoked ? "; keys were taken off: every connection is dropped and handshakes again" : "");
   if (revoked) DropConnections();
+  subscriber_lists_.Increment();
+  LogInfo("kv events: %d subscriber keys admitted from now on%s", subscribers_.size(),
+          revoked ? "; keys were taken off: every connection was dropped to handshake again" : "");
 }
 
 void KvEventPublisher::DropConnections() {
-  const auto again = [](zmq::socket_t& socket, const std::string& endpoint, const char* flag) {
+  // Batches queued for a revoked subscriber must not leave as its
+  // connection closes (an unbind gives the connections the socket's linger).
+  const auto unbind = [&](zmq::socket_t& socket, const std::string& endpoint, bool& unbound) {
+    if (unbound) return;  // a bind after the last drop has yet to succeed
+    unbound = true;
+    endpoints_unbound_.Increment();
     try {
       socket.unbind(endpoint);
     } catch (const zmq::error_t& error) {
-      LogError("kv events: %s: cannot unbind %s: %s", flag, endpoint, error.what());
-      return;
-    }
-    if (absl::Status bound = BindAgain(socket, endpoint, flag); !bound.ok()) {
-      LogError("kv events: no longer published there: %s", bound.ToString());
+      LogError("kv events: cannot unbind %s: %s", endpoint, error.what());
     }
   };
-  again(sockets_->pub, endpoint_, "kv_events_endpoint");
+  sockets_->pub.set(zmq::sockopt::linger, 0);
+  unbind(sockets_->pub, endpoint_, pub_unbound_);
+  if (sockets_->replay.has_value()) unbind(*sockets_->replay, replay_endpoint_, replay_unbound_);
+  sockets_->pub.set(zmq::sockopt::linger, kPubLingerMs);
+  // libzmq closes the old listener on its I/O thread: the port is taken
+  // until then. A bind that fails for longer is tried again on every pass.
+  BindUnbound(/*attempts=*/200);
+}
+
+void KvEventPublisher::BindUnbound(int attempts) {
+  const auto bind = [&](zmq::socket_t& socket, const std::string& endpoint, const char* flag,
+                        bool& unbound) {
+    if (!unbound) return;
+    absl::Status bound;
+    for (int attempt = 0; attempt < attempts; ++attempt) {
+      if (attempt > 0) absl::SleepFor(absl::Milliseconds(10));
+      bound = Bind(socket, endpoint, flag).status();
+      if (!bound.ok()) continue;
+      unbound = false;
+      endpoints_unbound_.Decrement();
+      if (bind_failure_logged_) LogInfo("kv events: %s bound again", endpoint);
+      return;
+    }
+    if (bind_failure_logged_) return;
+    bind_failure_logged_ = true;
+    LogError("kv events: not published on %s until it binds again (tried on every pass): %s",
+             endpoint, bound.ToString());
+  };
+  bind(sockets_->pub, endpoint_, "kv_events_endpoint", pub_unbound_);
   if (sockets_->replay.has_value()) {
-    again(*sockets_->replay, replay_endpoint_, "kv_events_replay_endpoint");
+    bind(*sockets_->replay, replay_endpoint_, "kv_events_replay_endpoint", replay_unbound_);
   }
+  if (!pub_unbound_ && !replay_unbound_) bind_failure_logged_ = false;
 }
 
 void KvEventPublisher::NoteRefusal(const std::string& address, const std::string& key) {

@@ -45,6 +45,7 @@
 #include "engine/prefix_blocks.h"
 #include "kv_event_encoding.h"
 #include "prometheus/counter.h"
+#include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 
 namespace kvcache {
@@ -111,6 +112,8 @@ class KvEventPublisher final : public engine::BlockEventSink {
   void AdmitOnly(absl::flat_hash_set<std::string> keys);
   // Unbinds and binds again each socket, which closes every connection.
   void DropConnections();
+  // Each socket that is not bound, up to `attempts` tries 10 ms apart.
+  void BindUnbound(int attempts);
   // AllBlocksCleared and every block held now, after events were dropped.
   std::vector<engine::BlockEvent> StartAgain();
   // In batches of at most kMaxBatchEvents.
@@ -133,10 +136,15 @@ class KvEventPublisher final : public engine::BlockEventSink {
   prometheus::Counter& batches_sent_;
   prometheus::Counter& restarts_;
   prometheus::Counter& refused_subscribers_;
+  prometheus::Counter& subscriber_lists_;
+  prometheus::Gauge& endpoints_unbound_;
   // The thread's: CURVE keys admitted, 32 bytes each.
   absl::flat_hash_set<std::string> subscribers_;
   bool refused_logged_ = false;               // likewise
   bool authentication_error_logged_ = false;  // likewise
+  bool pub_unbound_ = false;                  // likewise: DropConnections
+  bool replay_unbound_ = false;               // likewise
+  bool bind_failure_logged_ = false;          // likewise
 
   // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;

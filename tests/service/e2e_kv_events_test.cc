@@ -6,6 +6,8 @@
 // the replayed ones; two tenants' equal prompts are one block, held while
 // either holds it; a publisher that falls behind starts again from what is
 // held; endpoints beyond loopback are refused unless allowed.
+#include <unistd.h>
+
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -340,6 +342,7 @@ TEST(KvEventPublisherTest, EndpointsBeyondLoopbackNeedAllowingAndMustBeZmqAddres
           "kv_events_replay_endpoint");
   refused({.endpoint = "tcp://127.0.0.1:*", .block_tokens = 0}, "kv_events_block_size");
   refused({.endpoint = "ipc://@kvcached-events"}, "kv_events_endpoint");  // abstract: anyone
+  refused({.endpoint = "ipc://*", .allow_remote = true}, "kv_events_endpoint");  // a random path
 
   prometheus::Registry allowed_metrics;
   auto allowed = KvEventPublisher::Start({.endpoint = "tcp://0.0.0.0:*", .allow_remote = true},
@@ -515,6 +518,29 @@ int BatchesReceived(KvEventPublisher& publisher, zmq::socket_t& subscriber, uint
   return received;
 }
 
+double CounterValue(prometheus::Registry& metrics, const std::string& name) {
+  for (const prometheus::MetricFamily& family : metrics.Collect()) {
+    if (family.name == name) return family.metric.at(0).counter.value;
+  }
+  return -1;
+}
+
+// Waits (10 s at most) until the publisher has put `lists` subscriber lists
+// in place since its start, connections dropped where keys went.
+void AwaitSubscriberLists(prometheus::Registry& metrics, double lists) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (CounterValue(metrics, "kvcached_kv_event_subscriber_lists_total") < lists) {
+    ASSERT_LT(absl::Now(), deadline) << "the list was never put in place";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+}
+
+// Reads whatever has reached `subscriber` already.
+void Drain(zmq::socket_t& subscriber) {
+  std::vector<zmq::message_t> frames;
+  while (zmq::recv_multipart(subscriber, std::back_inserter(frames))) frames.clear();
+}
+
 // A CURVE subscriber of the publisher's live batches.
 zmq::socket_t CurveSubscriber(zmq::context_t& context, const SubscriberKeys& keys,
                               const std::string& endpoint) {
@@ -556,10 +582,11 @@ TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
 
   ASSERT_TRUE((*publisher)->ReplaceSubscribers({second.own.public_key, kept.own.public_key}).ok());
   zmq::socket_t admitted = CurveSubscriber(context, second, (*publisher)->endpoint());
+  AwaitSubscriberLists(metrics, 1);  // what each socket holds now came before the drop
   EXPECT_GT(BatchesReceived(**publisher, admitted, 101, 50), 0) << "the second key, now listed";
+  Drain(stays);
+  Drain(revoked);
   EXPECT_GT(BatchesReceived(**publisher, stays, 151, 50), 0) << "a kept key reconnects";
-  std::vector<zmq::message_t> before_cut_off;
-  while (zmq::recv_multipart(revoked, std::back_inserter(before_cut_off))) before_cut_off.clear();
   EXPECT_EQ(BatchesReceived(**publisher, revoked, 201, 30), 0) << "the first key, taken off";
   EXPECT_FALSE(revoked_router.Answers()) << "its replay connection is gone too";
   EXPECT_TRUE(Router(replay, second).Answers());
@@ -571,6 +598,7 @@ TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
   };
   refused_with({}, absl::StatusCode::kInvalidArgument);
   refused_with({second.own.public_key, "short"}, absl::StatusCode::kInvalidArgument);
+  Drain(admitted);
   EXPECT_GT(BatchesReceived(**publisher, admitted, 231, 50), 0) << "the list in use stays";
 
   prometheus::Registry plain_metrics;
@@ -578,6 +606,43 @@ TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   const absl::Status replaced = (*plain)->ReplaceSubscribers({second.own.public_key});
   EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
+}
+
+// On a socket file too, a key taken off drops its connection and the
+// sockets bind their files again: the listed subscriber gets back in.
+TEST(KvEventPublisherTest, ReplacedSubscribersOnSocketFiles) {
+  const curve::KeyPair server = curve::NewKeyPair().value();
+  const SubscriberKeys revoked_keys{.server_key = server.public_key,
+                                    .own = curve::NewKeyPair().value()};
+  const SubscriberKeys kept_keys{.server_key = server.public_key,
+                                 .own = curve::NewKeyPair().value()};
+  const std::filesystem::path directory =
+      std::filesystem::temp_directory_path() / absl::StrCat("kv_events_ipc_", getpid());
+  std::filesystem::create_directories(directory);
+  prometheus::Registry metrics;
+  auto publisher = KvEventPublisher::Start(
+      {.endpoint = absl::StrCat("ipc://", (directory / "events").string()),
+       .replay_endpoint = absl::StrCat("ipc://", (directory / "replay").string()),
+       .curve_secret_key = server.secret_key,
+       .curve_subscribers = {revoked_keys.own.public_key, kept_keys.own.public_key}},
+      metrics);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  {
+    zmq::context_t context;
+    zmq::socket_t revoked = CurveSubscriber(context, revoked_keys, (*publisher)->endpoint());
+    zmq::socket_t kept = CurveSubscriber(context, kept_keys, (*publisher)->endpoint());
+    EXPECT_GT(BatchesReceived(**publisher, revoked, 1, 50), 0);
+    EXPECT_GT(BatchesReceived(**publisher, kept, 51, 50), 0);
+    ASSERT_TRUE((*publisher)->ReplaceSubscribers({kept_keys.own.public_key}).ok());
+    AwaitSubscriberLists(metrics, 1);  // what each holds now came before the drop
+    EXPECT_TRUE(Router((*publisher)->replay_endpoint(), kept_keys).Answers());
+    Drain(kept);
+    Drain(revoked);
+    EXPECT_GT(BatchesReceived(**publisher, kept, 101, 50), 0) << "back in on the same file";
+    EXPECT_EQ(BatchesReceived(**publisher, revoked, 151, 20), 0);
+  }
+  publisher->reset();
+  std::filesystem::remove_all(directory);
 }
 
 TEST(KvEventPublisherTest, CurveKeysAreCheckedAndNamed) {
