@@ -69,6 +69,25 @@ EOF
 export CONTAINERS_CONF="$work/containers.conf"
 export CONTAINERS_STORAGE_CONF="$work/storage.conf"
 
+# Does podman work here at all (storage, runtime)? Asked before anything is
+# built, so that a machine where it cannot says so at once.
+if ! info=$(timeout 120 podman info 2>&1); then
+  echo "build-and-test: SKIPPED: podman does not work on this machine: $(tail -3 <<<"$info")"
+  exit 0
+fi
+
+# The Debian mirror this machine's apt uses (deb822 or one-line sources).
+host_mirror() {
+  local uri
+  uri=$(sed -n 's/^URIs:[[:space:]]*\([^[:space:]]*\).*/\1/p' /etc/apt/sources.list.d/*.sources \
+    2>/dev/null | grep -m1 '/debian/\?$' || true)
+  if [[ -z $uri ]]; then
+    uri=$(awk '$1 == "deb" && $3 == "bookworm" {print $2; exit}' /etc/apt/sources.list \
+      2>/dev/null || true)
+  fi
+  echo "${uri:-http://deb.debian.org/debian}"
+}
+
 # --- a base image -------------------------------------------------------------
 base=localhost/kvcached-base:bookworm
 if timeout 120 podman pull -q docker.io/library/debian:12-slim >/dev/null 2>&1; then
@@ -77,12 +96,22 @@ if timeout 120 podman pull -q docker.io/library/debian:12-slim >/dev/null 2>&1; 
 elif podman image exists "$base"; then
   echo "build-and-test: no registry reachable; base image $base (made earlier with debootstrap)"
 else
+  mirror=$(host_mirror)
   echo "build-and-test: no registry reachable; making the base image from Debian packages" \
-    "(debootstrap --variant=minbase bookworm, podman import)"
+    "(debootstrap --variant=minbase bookworm from $mirror, podman import)"
   rm -rf "$work/rootfs"
-  debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian \
-    >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; exit 1; }
-  tar -C "$work/rootfs" -c . | podman import -q - "$base" >/dev/null
+  # Without a base image nothing can be built or tested: a machine that can
+  # neither pull one nor make one is told so, as one where podman cannot run.
+  if ! debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" \
+    >"$work/debootstrap.log" 2>&1; then
+    echo "build-and-test: SKIPPED: no base image: no registry answers and debootstrap failed:"
+    tail -5 "$work/debootstrap.log"
+    exit 0
+  fi
+  if ! tar -C "$work/rootfs" -c . | podman import -q - "$base" >/dev/null; then
+    echo "build-and-test: SKIPPED: no base image: podman import of the debootstrap tree failed"
+    exit 0
+  fi
   rm -rf "$work/rootfs"
 fi
 

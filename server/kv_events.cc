@@ -257,8 +257,14 @@ void KvEventPublisher::Run() {
   const absl::Duration poll =
       sockets_->replay.has_value() || sockets_->zap.has_value() ? kReplayPoll : kIdlePoll;
   while (true) {
-    if (pub_unbound_ || replay_unbound_) BindUnbound(/*attempts=*/1);
-    if (sockets_->zap.has_value()) AnswerAuthentication();
+    if (pub_binding_.unbound || replay_binding_.unbound) BindUnbound(/*attempts=*/1);
+    if (sockets_->zap.has_value()) {
+      AnswerAuthentication();
+      // A socket handles libzmq's commands (a connection closed, a pipe
+      // gone) only when called: without a call, a connection dropped for
+      // a revoked key would stay open until the next batch goes out.
+      (void)sockets_->pub.get(zmq::sockopt::events);
+    }
     if (sockets_->replay.has_value()) AnswerReplay();
     bool start_again = false;
     std::vector<BlockEvent> batch;
@@ -428,19 +434,20 @@ void KvEventPublisher::AdmitOnly(absl::flat_hash_set<std::string> keys) {
 void KvEventPublisher::DropConnections() {
   // Batches queued for a revoked subscriber must not leave as its
   // connection closes (an unbind gives the connections the socket's linger).
-  const auto unbind = [&](zmq::socket_t& socket, const std::string& endpoint, bool& unbound) {
-    if (unbound) return;  // a bind after the last drop has yet to succeed
-    unbound = true;
-    endpoints_unbound_.Increment();
+  const auto unbind = [&](zmq::socket_t& socket, const std::string& endpoint, Binding& binding) {
+    if (binding.unbound) return;  // a bind after the last drop has yet to succeed
     try {
       socket.unbind(endpoint);
     } catch (const zmq::error_t& error) {
-      LogError("kv events: cannot unbind %s: %s", endpoint, error.what());
+      LogError("kv events: cannot unbind %s, so its connections stay: %s", endpoint, error.what());
+      return;
     }
+    binding.unbound = true;
+    endpoints_unbound_.Increment();
   };
   sockets_->pub.set(zmq::sockopt::linger, 0);
-  unbind(sockets_->pub, endpoint_, pub_unbound_);
-  if (sockets_->replay.has_value()) unbind(*sockets_->replay, replay_endpoint_, replay_unbound_);
+  unbind(sockets_->pub, endpoint_, pub_binding_);
+  if (sockets_->replay.has_value()) unbind(*sockets_->replay, replay_endpoint_, replay_binding_);
   sockets_->pub.set(zmq::sockopt::linger, kPubLingerMs);
   // libzmq closes the old listener on its I/O thread: the port is taken
   // until then. A bind that fails for longer is tried again on every pass.
@@ -449,28 +456,28 @@ void KvEventPublisher::DropConnections() {
 
 void KvEventPublisher::BindUnbound(int attempts) {
   const auto bind = [&](zmq::socket_t& socket, const std::string& endpoint, const char* flag,
-                        bool& unbound) {
-    if (!unbound) return;
+                        Binding& binding) {
+    if (!binding.unbound) return;
     absl::Status bound;
     for (int attempt = 0; attempt < attempts; ++attempt) {
       if (attempt > 0) absl::SleepFor(absl::Milliseconds(10));
       bound = Bind(socket, endpoint, flag).status();
       if (!bound.ok()) continue;
-      unbound = false;
+      binding.unbound = false;
       endpoints_unbound_.Decrement();
-      if (bind_failure_logged_) LogInfo("kv events: %s bound again", endpoint);
+      if (binding.failure_logged) LogInfo("kv events: %s bound again", endpoint);
+      binding.failure_logged = false;
       return;
     }
-    if (bind_failure_logged_) return;
-    bind_failure_logged_ = true;
+    if (binding.failure_logged) return;
+    binding.failure_logged = true;
     LogError("kv events: not published on %s until it binds again (tried on every pass): %s",
              endpoint, bound.ToString());
   };
-  bind(sockets_->pub, endpoint_, "kv_events_endpoint", pub_unbound_);
+  bind(sockets_->pub, endpoint_, "kv_events_endpoint", pub_binding_);
   if (sockets_->replay.has_value()) {
-    bind(*sockets_->replay, replay_endpoint_, "kv_events_replay_endpoint", replay_unbound_);
+    bind(*sockets_->replay, replay_endpoint_, "kv_events_replay_endpoint", replay_binding_);
   }
-  if (!pub_unbound_ && !replay_unbound_) bind_failure_logged_ = false;
 }
 
 void KvEventPublisher::NoteRefusal(const std::string& address, const std::string& key) {

@@ -142,9 +142,14 @@ class KvEventPublisher final : public engine::BlockEventSink {
   absl::flat_hash_set<std::string> subscribers_;
   bool refused_logged_ = false;               // likewise
   bool authentication_error_logged_ = false;  // likewise
-  bool pub_unbound_ = false;                  // likewise: DropConnections
-  bool replay_unbound_ = false;               // likewise
-  bool bind_failure_logged_ = false;          // likewise
+  // Each endpoint's, the thread's likewise: unbound by DropConnections and
+  // not bound again yet.
+  struct Binding {
+    bool unbound = false;
+    bool failure_logged = false;
+  };
+  Binding pub_binding_;
+  Binding replay_binding_;
 
   // Taken after the ledger's lock (Emit runs under it).
   absl::Mutex queue_mutex_;

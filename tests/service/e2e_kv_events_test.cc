@@ -21,6 +21,7 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "curve/curve_keys.h"
@@ -535,6 +536,30 @@ void AwaitSubscriberLists(prometheus::Registry& metrics, double lists) {
   }
 }
 
+// Tells when a socket loses a connection (its monitor's DISCONNECTED): a
+// publisher's unbind closes connections on libzmq's I/O thread, after the
+// call has returned.
+class DisconnectWatch {
+ public:
+  DisconnectWatch(zmq::context_t& context, zmq::socket_t& socket, const std::string& name)
+      : events_(context, zmq::socket_type::pair) {
+    const std::string address = "inproc://disconnects-" + name;
+    EXPECT_EQ(zmq_socket_monitor(socket.handle(), address.c_str(), ZMQ_EVENT_DISCONNECTED), 0);
+    events_.set(zmq::sockopt::rcvtimeo, 10000);
+    events_.set(zmq::sockopt::linger, 0);
+    events_.connect(address);
+  }
+
+  // Whether one came within 10 s.
+  bool Disconnected() {
+    std::vector<zmq::message_t> frames;  // [event, value], [endpoint]
+    return zmq::recv_multipart(events_, std::back_inserter(frames)).has_value();
+  }
+
+ private:
+  zmq::socket_t events_;
+};
+
 // Reads whatever has reached `subscriber` already.
 void Drain(zmq::socket_t& subscriber) {
   std::vector<zmq::message_t> frames;
@@ -573,6 +598,7 @@ TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
   const std::string replay = (*publisher)->replay_endpoint();
   zmq::context_t context;
   zmq::socket_t revoked = CurveSubscriber(context, first, (*publisher)->endpoint());
+  DisconnectWatch revoked_watch(context, revoked, "tcp-revoked");
   zmq::socket_t stays = CurveSubscriber(context, kept, (*publisher)->endpoint());
   EXPECT_GT(BatchesReceived(**publisher, revoked, 1, 50), 0) << "the first key, listed";
   EXPECT_GT(BatchesReceived(**publisher, stays, 51, 50), 0);
@@ -582,7 +608,8 @@ TEST(KvEventPublisherTest, ReplacedSubscribersAreAdmittedAndRevokedOnesCutOff) {
 
   ASSERT_TRUE((*publisher)->ReplaceSubscribers({second.own.public_key, kept.own.public_key}).ok());
   zmq::socket_t admitted = CurveSubscriber(context, second, (*publisher)->endpoint());
-  AwaitSubscriberLists(metrics, 1);  // what each socket holds now came before the drop
+  AwaitSubscriberLists(metrics, 1);
+  ASSERT_TRUE(revoked_watch.Disconnected());  // what each socket holds now came before the drop
   EXPECT_GT(BatchesReceived(**publisher, admitted, 101, 50), 0) << "the second key, now listed";
   Drain(stays);
   Drain(revoked);
@@ -616,9 +643,10 @@ TEST(KvEventPublisherTest, ReplacedSubscribersOnSocketFiles) {
                                     .own = curve::NewKeyPair().value()};
   const SubscriberKeys kept_keys{.server_key = server.public_key,
                                  .own = curve::NewKeyPair().value()};
-  const std::filesystem::path directory =
-      std::filesystem::temp_directory_path() / absl::StrCat("kv_events_ipc_", getpid());
+  // Short, whatever TMPDIR says: a socket file's path has at most 107 bytes.
+  const std::filesystem::path directory = absl::StrCat("/tmp/kv_events_ipc_", getpid());
   std::filesystem::create_directories(directory);
+  absl::Cleanup remove_directory = [&] { std::filesystem::remove_all(directory); };
   prometheus::Registry metrics;
   auto publisher = KvEventPublisher::Start(
       {.endpoint = absl::StrCat("ipc://", (directory / "events").string()),
@@ -630,19 +658,20 @@ TEST(KvEventPublisherTest, ReplacedSubscribersOnSocketFiles) {
   {
     zmq::context_t context;
     zmq::socket_t revoked = CurveSubscriber(context, revoked_keys, (*publisher)->endpoint());
+    DisconnectWatch revoked_watch(context, revoked, "ipc-revoked");
     zmq::socket_t kept = CurveSubscriber(context, kept_keys, (*publisher)->endpoint());
     EXPECT_GT(BatchesReceived(**publisher, revoked, 1, 50), 0);
     EXPECT_GT(BatchesReceived(**publisher, kept, 51, 50), 0);
     ASSERT_TRUE((*publisher)->ReplaceSubscribers({kept_keys.own.public_key}).ok());
-    AwaitSubscriberLists(metrics, 1);  // what each holds now came before the drop
+    AwaitSubscriberLists(metrics, 1);
+    ASSERT_TRUE(revoked_watch.Disconnected());  // what each holds now came before the drop
     EXPECT_TRUE(Router((*publisher)->replay_endpoint(), kept_keys).Answers());
     Drain(kept);
     Drain(revoked);
     EXPECT_GT(BatchesReceived(**publisher, kept, 101, 50), 0) << "back in on the same file";
     EXPECT_EQ(BatchesReceived(**publisher, revoked, 151, 20), 0);
   }
-  publisher->reset();
-  std::filesystem::remove_all(directory);
+  publisher->reset();  // before its files go
 }
 
 TEST(KvEventPublisherTest, CurveKeysAreCheckedAndNamed) {
