@@ -203,32 +203,55 @@ code=$(podman inspect --format '{{.State.ExitCode}}' "$name")
 echo "build-and-test: SIGTERM: drained, exit 0"
 
 # --- compose: three replicas, each serving through its published ports ------
-# compose.yaml publishes fixed ports (5x051, 5x052, 5x464): where one is
-# taken the stage says so and is skipped.
-busy=$(ss -Hltn | awk '{print $4}' | grep -E ':(5[012](051|052|464))$' || true)
-if [[ -n $busy ]]; then
-  echo "build-and-test: compose: SKIPPED: ports compose.yaml publishes are taken: $busy"
-else
-  compose=(podman-compose -f docker/compose.yaml -p kvcached-test)
-  mkdir -p docker/secrets
-  [[ -f docker/secrets/tokens ]] || bash docker/fleet-secrets.sh >/dev/null
-  KVCACHED_IMAGE="$image" "${compose[@]}" up -d >"$work/compose.log" 2>&1 \
-    || { cat "$work/compose.log" >&2; exit 1; }
-  for port in 50051 51051 52051; do
-    served=""
-    for _ in $(seq 1 60); do
-      if podman run --rm --network=host --entrypoint /usr/local/bin/kvcachectl "$image" \
-        --server="127.0.0.1:$port" health kvcache.v1.KvCacheService >/dev/null 2>&1; then
-        served=yes
-        break
-      fi
-      sleep 1
-    done
-    [[ -n $served ]] || { echo "build-and-test: compose: no replica serves on $port" >&2; exit 1; }
-  done
-  KVCACHED_IMAGE="$image" "${compose[@]}" down -v >>"$work/compose.log" 2>&1
-  echo "build-and-test: compose: three replicas up and SERVING, then down"
+# compose.yaml as it is, but for the host ports it publishes (5i051, 5i052,
+# 5i464, 5i557, 5i558 and the lane addresses it advertises): those lie in
+# Linux's ephemeral range, where any outgoing connection of the moment may
+# hold one (a CI run failed so: "127.0.0.1:52052: address already in use").
+# The copy publishes ports below that range that nothing holds, and names
+# the tokens file by its absolute path.
+mkdir -p docker/secrets
+[[ -f docker/secrets/tokens ]] || bash docker/fleet-secrets.sh >/dev/null
+held=$(ss -Htan | awk '{n = split($4, a, ":"); print a[n]}' | sort -u)
+port_map=()
+next_port=$((20000 + RANDOM % 10000))
+for old_port in 50051 50052 50464 50557 50558 51051 51052 51464 51557 51558 \
+  52051 52052 52464 52557 52558; do
+  while grep -qx "$next_port" <<<"$held"; do next_port=$((next_port + 1)); done
+  port_map+=("$old_port=$next_port")
+  next_port=$((next_port + 1))
+done
+port_of() { local entry; for entry in "${port_map[@]}"; do [[ ${entry%=*} == "$1" ]] && echo "${entry#*=}"; done; }
+sed_ports=()
+for entry in "${port_map[@]}"; do
+  sed_ports+=(-e "s/127\.0\.0\.1:${entry%=*}\([:,\"]\|$\)/127.0.0.1:${entry#*=}\1/g")
+done
+sed "${sed_ports[@]}" -e "s#file: \./secrets/tokens#file: $PWD/docker/secrets/tokens#" \
+  docker/compose.yaml >"$work/compose.yaml"
+compose=(podman-compose -f "$work/compose.yaml" -p kvcached-test)
+if ! KVCACHED_IMAGE="$image" "${compose[@]}" up -d >"$work/compose.log" 2>&1; then
+  cat "$work/compose.log" >&2
+  exit 1
 fi
+for replica in 0 1 2; do
+  port=$(port_of "5${replica}051")
+  served=""
+  for _ in $(seq 1 60); do
+    if podman run --rm --network=host --entrypoint /usr/local/bin/kvcachectl "$image" \
+      --server="127.0.0.1:$port" health kvcache.v1.KvCacheService >/dev/null 2>&1; then
+      served=yes
+      break
+    fi
+    sleep 1
+  done
+  if [[ -z $served ]]; then
+    tail -20 "$work/compose.log" >&2
+    echo "build-and-test: compose: replica $replica never served on 127.0.0.1:$port" >&2
+    exit 1
+  fi
+done
+KVCACHED_IMAGE="$image" "${compose[@]}" down -v >>"$work/compose.log" 2>&1
+echo "build-and-test: compose: three replicas up and SERVING (host ports from" \
+  "$(port_of 50051)), then down"
 
 # --- the Python interop test against containers -----------------------------
 # The test starts its server itself, several times (plaintext, TLS): each
