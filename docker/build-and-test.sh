@@ -220,7 +220,12 @@ for old_port in 50051 50052 50464 50557 50558 51051 51052 51464 51557 51558 \
   port_map+=("$old_port=$next_port")
   next_port=$((next_port + 1))
 done
-port_of() { local entry; for entry in "${port_map[@]}"; do [[ ${entry%=*} == "$1" ]] && echo "${entry#*=}"; done; }
+port_of() {
+  local entry
+  for entry in "${port_map[@]}"; do
+    if [[ ${entry%=*} == "$1" ]]; then echo "${entry#*=}"; fi
+  done
+}
 sed_ports=()
 for entry in "${port_map[@]}"; do
   sed_ports+=(-e "s/127\.0\.0\.1:${entry%=*}\([:,\"]\|$\)/127.0.0.1:${entry#*=}\1/g")
