@@ -135,8 +135,10 @@ echo "build-and-test: image $image $how;" \
   "$(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MiB", $1/1048576}')"
 
 containers=()
+compose=()
 cleanup() {
   for c in "${containers[@]}"; do podman rm -f "$c" >/dev/null 2>&1 || true; done
+  if [[ ${#compose[@]} -gt 0 ]]; then "${compose[@]}" down -v >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
 
@@ -233,6 +235,7 @@ done
 sed "${sed_ports[@]}" -e "s#file: \./secrets/tokens#file: $PWD/docker/secrets/tokens#" \
   docker/compose.yaml >"$work/compose.yaml"
 compose=(podman-compose -f "$work/compose.yaml" -p kvcached-test)
+"${compose[@]}" down -v >/dev/null 2>&1 || true  # what a run stopped half-way left
 if ! KVCACHED_IMAGE="$image" "${compose[@]}" up -d >"$work/compose.log" 2>&1; then
   cat "$work/compose.log" >&2
   exit 1
@@ -255,6 +258,7 @@ for replica in 0 1 2; do
   fi
 done
 KVCACHED_IMAGE="$image" "${compose[@]}" down -v >>"$work/compose.log" 2>&1
+compose=()
 echo "build-and-test: compose: three replicas up and SERVING (host ports from" \
   "$(port_of 50051)), then down"
 
