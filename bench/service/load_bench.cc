@@ -131,6 +131,12 @@ class Worker {
       fleet_ = *std::move(fleet);
     } else {
       client_ = Client::Connect(options);
+      // The connection comes up before the first operation, so the tally
+      // counts operations, not connects: gRPC 1.51 can report a connect
+      // still in progress as failed (connect's errno overwritten before it
+      // is read: "ipv4:...: No such file or directory"), and a fail-fast
+      // call in that moment fails while the channel's next attempt succeeds.
+      if (!Check(client_->WaitForReady(absl::Seconds(30)), "connect")) return;
     }
     if (!Check(Replace(), "CreateCache")) return;
     const int ops = absl::GetFlag(FLAGS_ops);

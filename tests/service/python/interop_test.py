@@ -92,6 +92,15 @@ class Kvcached:
     def signal(self, number):
         self.process.send_signal(number)
 
+    def wait_for_log(self, text, seconds=10):
+        """Whether a line holding text was logged within the time."""
+        deadline = time.monotonic() + seconds
+        while not any(text in line for line in self.log):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self):
         """SIGTERM, then the exit code."""
         self.process.send_signal(signal.SIGTERM)
@@ -639,10 +648,8 @@ class KvEventsCurveTest(unittest.TestCase):
 
             write_subscribers(subscribers_file, [new_public])
             server.signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while not any("keys were taken off" in line for line in server.log):
-                self.assertLess(time.monotonic(), deadline, "no reload:\n" + "".join(server.log))
-                time.sleep(0.05)
+            self.assertTrue(server.wait_for_log("keys were taken off"),
+                            "no reload:\n" + "".join(server.log))
             self.assertIsNotNone(
                 replay_answer(replay_dealer(context, replay_endpoint, new_keys), 10000),
                 "the router listed now")
@@ -650,10 +657,8 @@ class KvEventsCurveTest(unittest.TestCase):
 
             write_subscribers(subscribers_file, [])
             server.signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while not any("subscribers kept as they were" in line for line in server.log):
-                self.assertLess(time.monotonic(), deadline, "no refusal:\n" + "".join(server.log))
-                time.sleep(0.05)
+            self.assertTrue(server.wait_for_log("subscribers kept as they were"),
+                            "no refusal:\n" + "".join(server.log))
             self.assertIsNotNone(
                 replay_answer(replay_dealer(context, replay_endpoint, new_keys), 10000),
                 "an empty list changes nothing")
