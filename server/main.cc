@@ -4,6 +4,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <limits>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -235,6 +236,11 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
       kv_events_format == "map" ? kvcache::KvEventFormat::kMap : kvcache::KvEventFormat::kArray;
   if (config.engine.default_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--default_ttl: must not be negative");
+  }
+  // What ttl_seconds can carry; a lease past it (or "inf") would show wrong.
+  if (config.engine.default_ttl > absl::Seconds(std::numeric_limits<uint32_t>::max())) {
+    return absl::InvalidArgumentError(
+        "--default_ttl: at most 4294967295s (ttl_seconds' range); 0 means no lease");
   }
   if (config.lease_check_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--lease_check_interval: must be positive");

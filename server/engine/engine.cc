@@ -410,9 +410,18 @@ absl::StatusOr<RenewedLeases> Engine::RenewLease(absl::Span<const std::string> c
 
 absl::StatusOr<SnapshotInfo> Engine::SetPinned(const std::string& snapshot_id, bool pinned) {
   if (!pinned) return snapshots_.SetPinned(snapshot_id, pinned);
+  // Refused before its pages come back, which could move other snapshots'
+  // down: a refused pin changes nothing. (A pin racing this one for the
+  // budget can still win it meanwhile; then this one is refused after.)
+  RETURN_IF_ERROR(snapshots_.CheckPinnable(snapshot_id));
   // Held (so not evicted again) from being brought back until it is pinned.
   ASSIGN_OR_RETURN(const CacheSnapshotPtr resident, tiering_.Acquire(snapshot_id));
   return snapshots_.SetPinned(snapshot_id, pinned);
+}
+
+size_t Engine::QueuedLeaseDeadlines() const {
+  absl::MutexLock lock(&caches_mutex_);
+  return cache_deadlines_.size() + snapshots_.queued_deadlines();
 }
 
 std::pair<uint64_t, uint64_t> Engine::ExpireLeases() {

@@ -288,6 +288,9 @@ class Engine {
   // exactly as DeleteCache and ReleaseSnapshot would; the reaper's pass
   // (lease_reaper.h). Returns how many of each.
   std::pair<uint64_t, uint64_t> ExpireLeases();
+  // Deadlines the reaper's queues hold: at most one per cache or snapshot
+  // with a lease, however often calls name it.
+  size_t QueuedLeaseDeadlines() const;
 
   // Prompt-cache files (mlx-lm save_prompt_cache; engine/mlx_state.h maps
   // the layout, engine/saved_files.h keeps the files). A snapshot as a file:

@@ -76,11 +76,17 @@ SnapshotInfo SnapshotRegistry::Insert(Entry entry) {
     pinned_bytes_ += entry.snapshot->size_bytes();
   } else {
     entry.lease.Renew(clock_.Now());
-    deadlines_.Push(entry.lease.expires_at(), id);
   }
   entry.last_use = ++use_clock_;
-  const Entry& added = entries_.try_emplace(id, std::move(entry)).first->second;
+  Entry& added = entries_.try_emplace(id, std::move(entry)).first->second;
+  QueueDeadline(id, added);
   return Info(id, added);
+}
+
+void SnapshotRegistry::QueueDeadline(const std::string& id, Entry& entry) {
+  if (entry.queued || entry.pinned || !entry.lease.has_ttl()) return;
+  deadlines_.Push(entry.lease.expires_at(), id);
+  entry.queued = true;
 }
 
 absl::Status SnapshotRegistry::CheckPinBudget(uint64_t more_bytes) const {
@@ -181,7 +187,9 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
   Dropped dropped(options_);
   absl::MutexLock lock(&mutex_);
   bool pinned = false;
+  // The longest of their leases, where a handle without one outlives any.
   absl::Duration ttl;
+  bool unleased = false;
   uint64_t consumed_pinned_bytes = 0;
   uint64_t distinct_consumed = 0;
   const absl::Time now = clock_.Now();
@@ -193,8 +201,10 @@ absl::StatusOr<std::vector<SnapshotInfo>> SnapshotRegistry::Replace(
     distinct_consumed += repeated ? 0 : 1;
     if (it->second.pinned && !repeated) consumed_pinned_bytes += it->second.snapshot->size_bytes();
     pinned |= it->second.pinned;
+    unleased |= !it->second.lease.has_ttl();
     ttl = std::max(ttl, it->second.lease.ttl());
   }
+  if (unleased) ttl = absl::ZeroDuration();
   RETURN_IF_ERROR(CheckCount(added.size(), distinct_consumed));
   if (pinned) {
     uint64_t added_bytes = 0;
@@ -246,8 +256,16 @@ absl::StatusOr<SnapshotInfo> SnapshotRegistry::SetPinned(const std::string& snap
   // Naming it renews it; an unpinned lease runs from now.
   entry.lease.Renew(now);
   entry.last_use = ++use_clock_;
-  if (!pinned) deadlines_.Push(entry.lease.expires_at(), snapshot_id);
+  QueueDeadline(snapshot_id, entry);
   return Info(snapshot_id, entry);
+}
+
+absl::Status SnapshotRegistry::CheckPinnable(const std::string& snapshot_id) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = FindLive(snapshot_id, clock_.Now());
+  if (it == entries_.end()) return UnknownSnapshot(snapshot_id);
+  if (it->second.pinned) return absl::OkStatus();
+  return CheckPinBudget(it->second.snapshot->size_bytes());
 }
 
 absl::StatusOr<std::vector<LeaseInfo>> SnapshotRegistry::Renew(absl::Span<const std::string> ids,
@@ -281,12 +299,14 @@ uint64_t SnapshotRegistry::Expire() {
     const std::vector<std::string> due = deadlines_.PopDue(now, kExpiriesPerLock);
     for (const std::string& id : due) {
       auto it = entries_.find(id);
-      if (it == entries_.end() || it->second.pinned) continue;  // released, or pinned since
+      if (it == entries_.end()) continue;  // released since
+      it->second.queued = false;
+      if (it->second.pinned) continue;  // SetPinned queues it again when unpinned
       if (it->second.lease.ExpiredAt(now)) {
         Erase(it, dropped);
         ++count;
       } else {
-        deadlines_.Push(it->second.lease.expires_at(), id);  // renewed since
+        QueueDeadline(id, it->second);  // renewed since
       }
     }
     expired_ += dropped.size();
@@ -302,6 +322,11 @@ absl::Time SnapshotRegistry::NextDeadline() const {
 size_t SnapshotRegistry::size() const {
   absl::MutexLock lock(&mutex_);
   return entries_.size();
+}
+
+size_t SnapshotRegistry::queued_deadlines() const {
+  absl::MutexLock lock(&mutex_);
+  return deadlines_.size();
 }
 
 uint64_t SnapshotRegistry::pinned_bytes() const {

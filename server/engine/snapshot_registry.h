@@ -84,13 +84,17 @@ class SnapshotRegistry {
   std::optional<SnapshotInfo> Peek(const std::string& snapshot_id) const;
   // Replaces `consumed` ids by `added` snapshots atomically: NOT_FOUND (and no
   // change) if any consumed id is gone by now. The added ones are pinned if
-  // any consumed one was, and take the longest of their leases; each keeps
+  // any consumed one was, and take the longest of their leases (none, if a
+  // consumed one has none: it would never have expired); each keeps
   // its charge of `metadata` (one per added snapshot).
   absl::StatusOr<std::vector<SnapshotInfo>> Replace(const std::vector<std::string>& consumed,
                                                     std::vector<CacheSnapshotPtr> added,
                                                     std::vector<MetadataCharge> metadata);
   std::vector<SnapshotInfo> List(const std::string& cache_id) const;
   absl::StatusOr<SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
+  // What SetPinned(snapshot_id, true) would refuse now: NOT_FOUND, or
+  // RESOURCE_EXHAUSTED naming max_pinned_bytes. Changes nothing.
+  absl::Status CheckPinnable(const std::string& snapshot_id) const;
   // Renews every one of `ids`, or none when one is unknown (NOT_FOUND naming
   // `field`[i]).
   absl::StatusOr<std::vector<LeaseInfo>> Renew(absl::Span<const std::string> ids,
@@ -109,6 +113,8 @@ class SnapshotRegistry {
       absl::FunctionRef<void()> then) const;
 
   size_t size() const;
+  // Deadlines waiting for the reaper: at most one per snapshot with a lease.
+  size_t queued_deadlines() const;
   uint64_t pinned_bytes() const;
   uint64_t expired() const;
   void Clear();
@@ -120,6 +126,10 @@ class SnapshotRegistry {
     bool pinned = false;
     Lease lease;
     uint64_t last_use = 0;  // use_clock_ when a call last named it
+    // A deadline of it waits in deadlines_. One per handle is enough (the
+    // reaper pushes it again when it finds the lease renewed), and more
+    // would let a caller grow the queue by naming the handle.
+    bool queued = false;
   };
   // What erasing leaves to do once the lock is released (declare it before
   // the lock): free the snapshots, then tell on_drop which ids went.
@@ -146,6 +156,9 @@ class SnapshotRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // Registers `entry` under a new id, its lease started (unless pinned).
   SnapshotInfo Insert(Entry entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Puts the entry's deadline in deadlines_ unless one waits there already
+  // or it cannot expire (pinned, or no lease).
+  void QueueDeadline(const std::string& id, Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status CheckPinBudget(uint64_t more_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   // RESOURCE_EXHAUSTED naming max_snapshots unless `more` fit beside those
   // held after `leaving` go.

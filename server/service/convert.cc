@@ -1,5 +1,8 @@
 #include "service/convert.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvcache::service {
@@ -99,6 +102,17 @@ void ToProto(const engine::CacheSpec& spec, v1::CacheSpec* out) {
   }
 }
 
+namespace {
+
+// ttl_seconds is uint32: a longer lease (set by a flag, not a request) shows
+// as the longest it can say instead of wrapping.
+uint32_t TtlSeconds(absl::Duration ttl) {
+  return static_cast<uint32_t>(
+      std::clamp<int64_t>(absl::ToInt64Seconds(ttl), 0, std::numeric_limits<uint32_t>::max()));
+}
+
+}  // namespace
+
 void ToProto(absl::Time time, google::protobuf::Timestamp* out) {
   const int64_t nanos = absl::ToUnixNanos(time);
   out->set_seconds(nanos / 1'000'000'000);
@@ -112,7 +126,7 @@ void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out) {
   out->set_offset(info.offset);
   out->set_size_bytes(info.size_bytes);
   out->set_in_step(info.in_step);
-  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
+  out->set_ttl_seconds(TtlSeconds(info.ttl));
   if (info.expires_at != absl::InfiniteFuture())
     ToProto(info.expires_at, out->mutable_expires_at());
 }
@@ -127,14 +141,14 @@ void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out) {
   out->set_host_bytes(info.tiers.host);
   out->set_disk_bytes(info.tiers.disk);
   out->set_pinned(info.pinned);
-  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(info.ttl)));
+  out->set_ttl_seconds(TtlSeconds(info.ttl));
   if (info.expires_at != absl::InfiniteFuture())
     ToProto(info.expires_at, out->mutable_expires_at());
 }
 
 void ToProto(const engine::LeaseInfo& lease, v1::Lease* out) {
   out->set_id(lease.id);
-  out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(lease.ttl)));
+  out->set_ttl_seconds(TtlSeconds(lease.ttl));
   if (lease.expires_at != absl::InfiniteFuture()) {
     ToProto(lease.expires_at, out->mutable_expires_at());
   }

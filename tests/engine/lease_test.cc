@@ -273,6 +273,51 @@ TEST_P(LeaseTest, MergeAndSplitKeepThePinAndTheLongestLease) {
   EXPECT_EQ(engine_->ListSnapshots().size(), 1u);
 }
 
+TEST_P(LeaseTest, NamingAHandleOftenKeepsOneDeadlineQueued) {
+  StartEngine(absl::Seconds(60));
+  MirroredCache cache(*engine_, Spec());
+  ASSERT_TRUE(cache.Append(8));
+  auto snapshot = engine_->Snapshot(cache.id(), 0);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+  EXPECT_EQ(engine_->QueuedLeaseDeadlines(), 2u);
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 500; ++i) {
+      ASSERT_TRUE(engine_->SetPinned(snapshot->snapshot_id, false).ok());
+      ASSERT_TRUE(engine_->SetPinned(snapshot->snapshot_id, i % 2 == 0).ok());
+      ASSERT_TRUE(engine_->RenewLease({cache.id()}, {snapshot->snapshot_id}).ok());
+    }
+    EXPECT_LE(engine_->QueuedLeaseDeadlines(), 2u);
+    EXPECT_EQ(AdvanceAndExpire(absl::Seconds(59)), std::make_pair(uint64_t{0}, uint64_t{0}));
+    ASSERT_TRUE(engine_->RenewLease({cache.id()}, {snapshot->snapshot_id}).ok());
+    EXPECT_EQ(AdvanceAndExpire(absl::Seconds(59)), std::make_pair(uint64_t{0}, uint64_t{0}));
+    EXPECT_LE(engine_->QueuedLeaseDeadlines(), 2u);
+  }
+  // The one deadline still finds it when no call names it any more.
+  EXPECT_EQ(AdvanceAndExpire(absl::Seconds(61)), std::make_pair(uint64_t{1}, uint64_t{1}));
+  EXPECT_EQ(engine_->QueuedLeaseDeadlines(), 0u);
+}
+
+TEST_P(LeaseTest, MergingWithAHandleWithoutALeaseGivesNone) {
+  StartEngine(absl::ZeroDuration());
+  MirroredCache cache(*engine_, Spec());
+  ASSERT_TRUE(cache.Append(8));
+  auto forever = engine_->Snapshot(cache.id(), 0);  // no ttl, no default: never expires
+  ASSERT_TRUE(forever.ok());
+  ASSERT_TRUE(cache.Append(8));
+  auto leased = engine_->Snapshot(cache.id(), 8, false, absl::Seconds(30));
+  ASSERT_TRUE(leased.ok());
+  auto merged = engine_->MergeSnapshots(forever->snapshot_id, leased->snapshot_id);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(merged->ttl, absl::ZeroDuration());
+  EXPECT_EQ(merged->expires_at, absl::InfiniteFuture());
+  EXPECT_EQ(AdvanceAndExpire(absl::Hours(1)), std::make_pair(uint64_t{0}, uint64_t{0}));
+  EXPECT_TRUE(engine_->Freeze("", merged->snapshot_id).ok());
+  auto halves = engine_->SplitSnapshot(merged->snapshot_id, 8);
+  ASSERT_TRUE(halves.ok()) << halves.status();
+  EXPECT_EQ(halves->first.expires_at, absl::InfiniteFuture());
+  EXPECT_EQ(halves->second.expires_at, absl::InfiniteFuture());
+}
+
 TEST_P(LeaseTest, AnExpiredCacheEndsItsSpeculation) {
   StartEngine(absl::Seconds(2));
   MirroredCache cache(*engine_, Spec());

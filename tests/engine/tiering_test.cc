@@ -29,7 +29,8 @@ constexpr uint64_t kTokensPerPage = 16;  // one layer, 1 head of 64 dims, float1
 
 class TieringTest : public GpuTestBase {
  protected:
-  void StartEngine(uint32_t device_pages, uint32_t host_pages, uint32_t disk_pages = 0) {
+  void StartEngine(uint32_t device_pages, uint32_t host_pages, uint32_t disk_pages = 0,
+                   uint64_t max_pinned_bytes = 0) {
     gpu::PoolOptions options{.page_bytes = kPage,
                              .budget_bytes = device_pages * kPage,
                              .host_bytes = host_pages * kPage};
@@ -40,7 +41,9 @@ class TieringTest : public GpuTestBase {
     auto pool = gpu::PagePool::Create(device(), options);
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = *std::move(pool);
-    engine_ = std::make_unique<Engine>(*pool_, engine::EngineOptions{.page_tokens = kPageTokens});
+    engine_ = std::make_unique<Engine>(
+        *pool_, engine::EngineOptions{.page_tokens = kPageTokens,
+                                      .max_pinned_bytes = max_pinned_bytes});
   }
   void TearDown() override {
     if (engine_ != nullptr) {
@@ -140,6 +143,29 @@ TEST_P(TieringTest, PinnedSnapshotsStayOnTheDevice) {
   ASSERT_TRUE(engine_->SetPinned(pinned, true).ok());
   EXPECT_EQ(Info(pinned).tiers.device, 6 * kPage);
   EXPECT_TRUE(SnapshotMatches(*engine_, pinned, *pinned_reference));
+}
+
+TEST_P(TieringTest, APinPastTheBudgetLeavesEveryTierAsItWas) {
+  StartEngine(8, 16, 0, /*max_pinned_bytes=*/2 * kPage);
+  RefCacheSnapshotPtr reference;
+  const std::string snapshot = OrphanSnapshot(6, &reference);
+  MirroredCache other(*engine_, Spec(), 11);
+  ASSERT_TRUE(other.Append(6 * kTokensPerPage));
+  ASSERT_TRUE(engine_->DeleteCache(other.id()).ok());
+  const engine::SnapshotInfo evicted = Info(snapshot);
+  ASSERT_GT(evicted.tiers.host, 0u);
+  const gpu::PoolStats before = pool_->stats();
+
+  const auto refused = engine_->SetPinned(snapshot, true);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("max_pinned_bytes"));
+  const engine::SnapshotInfo after = Info(snapshot);
+  EXPECT_FALSE(after.pinned);
+  EXPECT_EQ(after.tiers.host, evicted.tiers.host);
+  EXPECT_EQ(after.tiers.device, evicted.tiers.device);
+  EXPECT_EQ(pool_->stats().promotions_from_host, before.promotions_from_host);
+  EXPECT_EQ(engine_->Stats().pinned_bytes, 0u);
+  EXPECT_TRUE(SnapshotMatches(*engine_, snapshot, *reference));
 }
 
 TEST_P(TieringTest, ASharedPageMovesOnceAndStaysShared) {

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "handlers_test_base.h"
+#include "service/convert.h"
 #include "service/update_parser.h"
 #include "service_test_util.h"
 #include "support/gpu_test_base.h"
@@ -346,6 +347,17 @@ TEST_P(HandlersTest, TrimAnswersWhatEveryLayerDropped) {
   ExpectRefused(Code::kFailedPrecondition,
                 "layer 2 cannot be trimmed: its rotating window has filled",
                 [&] { return handlers_->Trim(trim, &trimmed); });
+}
+
+TEST(ConvertTest, ALeaseLongerThanTtlSecondsCanSayShowsItsLongest) {
+  v1::Lease lease;
+  service::ToProto(engine::LeaseInfo{.id = "x", .ttl = absl::Hours(24 * 365 * 200)}, &lease);
+  EXPECT_EQ(lease.ttl_seconds(), std::numeric_limits<uint32_t>::max());
+  service::ToProto(engine::LeaseInfo{.id = "x", .ttl = absl::Seconds(90)}, &lease);
+  EXPECT_EQ(lease.ttl_seconds(), 90u);
+  v1::SnapshotInfo info;
+  service::ToProto(engine::SnapshotInfo{.ttl = absl::InfiniteDuration()}, &info);
+  EXPECT_EQ(info.ttl_seconds(), std::numeric_limits<uint32_t>::max());
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPaths, HandlersTest, ::testing::ValuesIn(kAllTransferPaths),
