@@ -234,6 +234,12 @@ int Stats(kvcache::Client& client) {
                 quota(stats->tenant_host_bytes(), stats->tenant_max_host_bytes()).c_str(),
                 quota(stats->tenant_disk_bytes(), stats->tenant_max_disk_bytes()).c_str());
   }
+  if (stats->max_saved_bytes() != 0 || stats->saved_bytes() != 0) {
+    std::printf("saved files   %s%s\n", Bytes(stats->saved_bytes()).c_str(),
+                stats->max_saved_bytes() == 0
+                    ? ""
+                    : (" of " + Bytes(stats->max_saved_bytes())).c_str());
+  }
   std::printf("prefixes      %s\n", PrefixTotals(*stats).c_str());
   return 0;
 }

@@ -131,6 +131,14 @@ absl::StatusOr<gpu::AccountLimits> TierLimits(const TenantQuotas& quotas, uint64
 absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfig* tenant) {
   auto runtime = std::make_shared<TenantRuntime>();
   engine::EngineOptions options = engine_options_;
+  // Everything that can refuse the tenant comes before its store is opened.
+  gpu::AccountLimits limits;
+  if (tenant != nullptr) {
+    ASSIGN_OR_RETURN(limits, TierLimits(tenant->quotas, pool_->page_bytes()));
+    if (next_account_ == std::numeric_limits<gpu::AccountId>::max()) {
+      return absl::ResourceExhaustedError("tokens_file: more tenants than pool accounts");
+    }
+  }
   if (!data_dir_.empty()) {
     std::string dir = data_dir_;
     if (tenant != nullptr) {
@@ -140,7 +148,9 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
       }
       absl::StrAppend(&dir, "/", tenant->name);
     }
-    ASSIGN_OR_RETURN(runtime->saved_files, engine::SavedFileStore::Open(dir, *disk_budget_));
+    ASSIGN_OR_RETURN(runtime->saved_files,
+                     engine::SavedFileStore::Open(
+                         dir, *disk_budget_, tenant != nullptr ? tenant->quotas.max_saved_bytes : 0));
     options.saved_files = runtime->saved_files.get();
     LogInfo("data dir %s: %d saved files", dir, runtime->saved_files->List().size());
   }
@@ -155,11 +165,6 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     options.max_snapshots = tenant->quotas.max_snapshots;
     // The pool is shared, so one tenant's idle snapshots make room for another's work.
     options.evict_elsewhere = [this](uint32_t pages) { return EvictAnyTenant(pages); };
-    ASSIGN_OR_RETURN(const gpu::AccountLimits limits,
-                     TierLimits(tenant->quotas, pool_->page_bytes()));
-    if (next_account_ == std::numeric_limits<gpu::AccountId>::max()) {
-      return absl::ResourceExhaustedError("tokens_file: more tenants than pool accounts");
-    }
     runtime->pool = pool_->ForAccount(next_account_++, limits);
   }
   runtime->engine =

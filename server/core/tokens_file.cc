@@ -98,6 +98,8 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
     status = ParseLimit(line, key, value, quotas.max_host_bytes);
   } else if (key == "max_disk_bytes") {
     status = ParseLimit(line, key, value, quotas.max_disk_bytes);
+  } else if (key == "max_saved_bytes") {
+    status = ParseLimit(line, key, value, quotas.max_saved_bytes);
   } else if (key == "max_caches") {
     status = ParseLimit(line, key, value, quotas.max_caches);
   } else if (key == "max_snapshots") {

@@ -38,6 +38,9 @@ struct TenantQuotas {
   uint64_t max_device_bytes = 0;
   uint64_t max_host_bytes = 0;
   uint64_t max_disk_bytes = 0;
+  // Bytes of its saved prompt-cache files (<data_dir>/tenants/<name>), which
+  // share the data dir's --disk_bytes with the disk tier and other tenants.
+  uint64_t max_saved_bytes = 0;
   uint64_t max_caches = 0;
   uint64_t max_snapshots = 0;
   uint32_t max_requests_in_flight = 0;

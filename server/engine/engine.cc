@@ -485,6 +485,10 @@ EngineStats Engine::Stats() const {
                     .prefixes = prefixes_.Stats(),
                     .account = pool_.account_usage()};
   stats.prefixes.dropped = prefixes_dropped_.load(std::memory_order_relaxed);
+  if (options_.saved_files != nullptr) {
+    stats.saved_bytes = options_.saved_files->used_bytes();
+    stats.max_saved_bytes = options_.saved_files->max_bytes();
+  }
   absl::MutexLock lock(&caches_mutex_);
   stats.caches = caches_.size();
   return stats;

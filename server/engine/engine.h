@@ -102,6 +102,9 @@ struct EngineStats {
   PrefixStats prefixes;
   // The pages this engine's account holds per tier (PagePool::ForAccount).
   gpu::AccountUsage account;
+  // Its saved files (SavedFileStore::used_bytes, max_bytes); 0 without any.
+  uint64_t saved_bytes = 0;
+  uint64_t max_saved_bytes = 0;
 };
 
 // What PublishPrefix left in the index.

@@ -59,25 +59,32 @@ absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string
                                                                      uint64_t max_bytes) {
   auto budget = std::make_unique<DiskBudget>(max_bytes);
   DiskBudget& shared = *budget;
-  return Open(std::move(data_dir), std::move(budget), shared);
+  return Open(std::move(data_dir), std::move(budget), shared, 0);
 }
 
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string data_dir,
-                                                                     DiskBudget& budget) {
-  return Open(std::move(data_dir), nullptr, budget);
+                                                                     DiskBudget& budget,
+                                                                     uint64_t quota_bytes) {
+  return Open(std::move(data_dir), nullptr, budget, quota_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(
-    std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget) {
+    std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
+    uint64_t quota_bytes) {
   std::error_code error;
   std::filesystem::create_directories(data_dir, error);
   if (error) {
     return FileErrorStatus(error.value(), "create_directories", data_dir, data_dir);
   }
   std::unique_ptr<SavedFileStore> store(
-      new SavedFileStore(std::move(data_dir), std::move(own_budget), budget));
+      new SavedFileStore(std::move(data_dir), std::move(own_budget), budget, quota_bytes));
   RETURN_IF_ERROR(store->IndexDirectory());
   return store;
+}
+
+SavedFileStore::~SavedFileStore() {
+  absl::MutexLock lock(&mu_);
+  if (own_budget_ == nullptr) budget_.Credit(used_bytes_);
 }
 
 // Removes the temporaries a crash left and indexes "<name>.safetensors" files;
@@ -262,12 +269,21 @@ absl::StatusOr<uint64_t> SavedFileStore::ReserveBytes(absl::string_view name, ui
   auto old = files_.find(name);
   const uint64_t old_bytes = old == files_.end() ? 0 : old->second.size_bytes;
   const uint64_t growth = size_bytes > old_bytes ? size_bytes - old_bytes : 0;
+  // Only this store's own figures: a shared budget's remainder is other
+  // tenants' files and evicted pages, none of the caller's business.
+  const std::string held = absl::StrCat(used_bytes_, " bytes in these saved files, ",
+                                        reserved_bytes_, " being written");
+  if (quota_bytes_ != 0 && used_bytes_ + reserved_bytes_ + growth > quota_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat("max_saved_bytes: saving ", size_bytes,
+                                                     " bytes as ", Quoted(name),
+                                                     " would pass the quota of ", quota_bytes_,
+                                                     " (", held, ")"));
+  }
   if (!budget_.TryCharge(growth)) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("saving ", size_bytes, " bytes as ", Quoted(name), " would pass disk_bytes ",
-                     budget_.max_bytes(), " (", used_bytes_, " bytes in saved files, ",
-                     reserved_bytes_, " being written, ",
-                     budget_.used() - used_bytes_ - reserved_bytes_, " holding evicted pages)"));
+        absl::StrCat("disk_bytes: saving ", size_bytes, " bytes as ", Quoted(name),
+                     " would pass the data dir's budget of ", budget_.max_bytes(), " (", held,
+                     "; the rest holds other saved files and evicted pages)"));
   }
   reserved_bytes_ += growth;
   return growth;

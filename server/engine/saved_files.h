@@ -58,9 +58,16 @@ class SavedFileStore {
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
                                                               uint64_t max_bytes);
   // The same within `budget`, shared with whatever else writes under
-  // data_dir (the pool's disk tier); it must outlive the store.
+  // data_dir (the pool's disk tier, other tenants' stores); it must outlive
+  // the store. `quota_bytes` bounds this store's own files within it (a
+  // tenant's max_saved_bytes; 0: only the budget).
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
-                                                              DiskBudget& budget);
+                                                              DiskBudget& budget,
+                                                              uint64_t quota_bytes = 0);
+  // Gives a shared budget back what this store's files were charged: they
+  // stay on disk, but no longer count until a store indexes them again (a
+  // tenant that failed to start, or a server that stops).
+  ~SavedFileStore();
 
   absl::StatusOr<SavedFileInfo> Save(absl::string_view name, const PromptCacheFile& file);
   // The decoded file, and whether its checksum was verified (files from mlx-lm
@@ -75,15 +82,21 @@ class SavedFileStore {
   absl::StatusOr<SavedFileInfo> WriteBytes(absl::string_view name, absl::string_view bytes);
 
   uint64_t used_bytes() const;
-  uint64_t max_bytes() const { return budget_.max_bytes(); }
+  // The most its files may hold: the quota, else the budget (0: no limit).
+  uint64_t max_bytes() const { return quota_bytes_ != 0 ? quota_bytes_ : budget_.max_bytes(); }
   const std::string& data_dir() const { return data_dir_; }
 
  private:
-  SavedFileStore(std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget)
-      : data_dir_(std::move(data_dir)), own_budget_(std::move(own_budget)), budget_(budget) {}
+  SavedFileStore(std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
+                 uint64_t quota_bytes)
+      : data_dir_(std::move(data_dir)),
+        own_budget_(std::move(own_budget)),
+        budget_(budget),
+        quota_bytes_(quota_bytes) {}
 
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(
-      std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget);
+      std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
+      uint64_t quota_bytes);
   std::string PathOf(absl::string_view name) const;
   absl::Status IndexDirectory();
   absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
@@ -105,6 +118,7 @@ class SavedFileStore {
   const std::unique_ptr<DiskBudget> own_budget_;  // null when shared
   // Charged with used_bytes_ + reserved_bytes_ (and whatever shares it).
   DiskBudget& budget_;
+  const uint64_t quota_bytes_;  // 0: none
 
   mutable absl::Mutex mu_;
   std::map<std::string, SavedFileInfo, std::less<>> files_ ABSL_GUARDED_BY(mu_);

@@ -184,6 +184,17 @@ uint32_t PageAllocator::AvailableLocked() const {
 
 namespace {
 thread_local PagePool::Refusals refusals_on_this_thread;
+
+// A full pool's refusal. Its free pages are told only where nobody else
+// holds any (no tenants): to a tenant they would show how much the others use.
+absl::Status PoolExhausted(uint32_t count, absl::string_view what, bool only_the_pools,
+                           uint32_t available, uint32_t max_pages) {
+  if (!only_the_pools) {
+    return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count, " ", what));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count, " ", what, ", ",
+                                                   available, " of ", max_pages, " available"));
+}
 }  // namespace
 
 PagePool::Refusals PageAllocator::RefusalsOnThisThread() { return refusals_on_this_thread; }
@@ -208,9 +219,8 @@ absl::Status PageAllocator::Allocate(uint32_t count, std::vector<PageId>& out, A
   const uint32_t available = AvailableLocked();
   if (count > available) {
     CountRefusal(count - available);
-    return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
-                                                     " pages requested, ", available, " of ",
-                                                     plan_.max_pages, " available"));
+    return PoolExhausted(count, "pages requested", account == kPoolAccount, available,
+                         plan_.max_pages);
   }
   // New slabs stay even if a later one fails: their slots wait in free_.
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
@@ -255,9 +265,11 @@ absl::Status PageAllocator::TakeDeviceSlots(absl::Span<const PageId> pages,
     }
   }
   if (count > AvailableLocked()) {
-    return absl::ResourceExhaustedError(absl::StrCat(kPoolExhausted, ": ", count,
-                                                     " pages to bring back, ", AvailableLocked(),
-                                                     " of ", plan_.max_pages, " available"));
+    const bool only_the_pools = std::all_of(needs.begin(), needs.end(), [](const auto& need) {
+      return need.first == kPoolAccount;
+    });
+    return PoolExhausted(count, "pages to bring back", only_the_pools, AvailableLocked(),
+                         plan_.max_pages);
   }
   while (free_.size() < count) RETURN_IF_ERROR(AddSlabLocked());
   out.insert(out.end(), free_.end() - count, free_.end());

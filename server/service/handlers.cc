@@ -315,6 +315,8 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_tenant_max_device_bytes(stats.account.limits.device_pages * page_bytes);
   response->set_tenant_max_host_bytes(stats.account.limits.host_pages * page_bytes);
   response->set_tenant_max_disk_bytes(stats.account.limits.disk_pages * page_bytes);
+  response->set_saved_bytes(stats.saved_bytes);
+  response->set_max_saved_bytes(stats.max_saved_bytes);
   return absl::OkStatus();
 }
 

@@ -27,6 +27,7 @@ void AddTenantCounts(const engine::EngineStats& stats, v1::Stats& totals) {
   totals.set_prefix_hits(totals.prefix_hits() + stats.prefixes.hits);
   totals.set_prefix_matched_tokens(totals.prefix_matched_tokens() + stats.prefixes.matched_tokens);
   totals.set_prefix_entries_dropped(totals.prefix_entries_dropped() + stats.prefixes.dropped);
+  totals.set_saved_bytes(totals.saved_bytes() + stats.saved_bytes);
 }
 
 // The shared pool's use, which says how busy the other tenants are.
@@ -216,6 +217,7 @@ void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
   totals.clear_prefix_hits();
   totals.clear_prefix_matched_tokens();
   totals.clear_prefix_entries_dropped();
+  totals.clear_saved_bytes();
   for (engine::Engine* engine : Engines()) AddTenantCounts(engine->Stats(), totals);
   totals.set_max_pinned_bytes(max_pinned);
   totals.set_max_metadata_bytes(max_metadata);

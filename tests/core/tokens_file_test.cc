@@ -23,7 +23,7 @@ TEST(TokensFileTest, ParsesTenantsQuotasAndDigests) {
       absl::StrCat("# tenants\n\n", "tenant=alice token=", kAliceToken,
                    " max_pinned_bytes=1024 max_metadata_bytes=2048 max_requests_in_flight=3 "
                    "max_lane_connections=4 max_caches=5 max_snapshots=6 max_device_bytes=7 "
-                   "max_host_bytes=8 max_disk_bytes=9\n",
+                   "max_host_bytes=8 max_disk_bytes=9 max_saved_bytes=10\n",
                    "  tenant=ops\tsha256=", digest_hex, " admin  \n"));
   ASSERT_TRUE(tenants.ok()) << tenants.status();
   ASSERT_EQ(tenants->size(), 2u);
@@ -40,6 +40,7 @@ TEST(TokensFileTest, ParsesTenantsQuotasAndDigests) {
   EXPECT_EQ(alice.quotas.max_device_bytes, 7u);
   EXPECT_EQ(alice.quotas.max_host_bytes, 8u);
   EXPECT_EQ(alice.quotas.max_disk_bytes, 9u);
+  EXPECT_EQ(alice.quotas.max_saved_bytes, 10u);
   const TenantConfig& ops = (*tenants)[1];
   EXPECT_TRUE(ops.admin);
   EXPECT_EQ(ops.token_digest, DigestToken("secret"));

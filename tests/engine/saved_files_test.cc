@@ -221,6 +221,56 @@ TEST_F(SavedFileStoreTest, BudgetRefusesSavesPastDiskBytes) {
   EXPECT_EQ(store_->used_bytes(), 2 * size);
 }
 
+// A tenant's store: its own quota inside a budget other stores share. A
+// refusal gives the refused store's own figures only, and a store that goes
+// gives the budget back what its files were charged (they stay on disk for
+// the next store to index).
+TEST_F(SavedFileStoreTest, AQuotaInsideASharedBudget) {
+  const uint64_t theirs = EncodedSize(MakeFile(4096, 1));
+  const uint64_t mine = EncodedSize(MakeFile(8192, 1));
+  ASSERT_NE(theirs, mine);
+  DiskBudget shared(3 * theirs + mine + theirs / 2);
+  const std::string other_dir = dir_ + "-other";
+  absl::StatusOr<std::unique_ptr<SavedFileStore>> other = SavedFileStore::Open(other_dir, shared);
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE((*other)->Save("t1", MakeFile(4096, 1)).ok());
+
+  store_.reset();
+  absl::StatusOr<std::unique_ptr<SavedFileStore>> quota =
+      SavedFileStore::Open(dir_, shared, /*quota_bytes=*/mine + mine / 2);
+  ASSERT_TRUE(quota.ok()) << quota.status();
+  store_ = *std::move(quota);
+  EXPECT_EQ(store_->max_bytes(), mine + mine / 2);
+  ASSERT_TRUE(store_->Save("a", MakeFile(8192, 1)).ok());
+  const absl::StatusOr<SavedFileInfo> past_quota = store_->Save("b", MakeFile(8192, 2));
+  EXPECT_EQ(past_quota.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(past_quota.status().message().find("max_saved_bytes"), absl::string_view::npos)
+      << past_quota.status();
+  EXPECT_EQ(shared.used(), theirs + mine);
+  EXPECT_EQ(ListedNames(), (std::vector<std::string>{"a"}));
+
+  // The other store, past the shared budget: refused naming it, and nothing
+  // of this store's use shown to it.
+  ASSERT_TRUE((*other)->Save("t2", MakeFile(4096, 2)).ok());
+  ASSERT_TRUE((*other)->Save("t3", MakeFile(4096, 3)).ok());
+  const absl::StatusOr<SavedFileInfo> past_budget = (*other)->Save("t4", MakeFile(4096, 4));
+  EXPECT_EQ(past_budget.status().code(), absl::StatusCode::kResourceExhausted);
+  const absl::string_view message = past_budget.status().message();
+  EXPECT_NE(message.find("disk_bytes"), absl::string_view::npos) << message;
+  EXPECT_NE(message.find(absl::StrCat(3 * theirs, " bytes in")), absl::string_view::npos)
+      << message;
+  EXPECT_EQ(message.find(absl::StrCat(mine)), absl::string_view::npos) << message;
+  EXPECT_EQ(message.find(absl::StrCat(shared.used())), absl::string_view::npos) << message;
+
+  store_.reset();
+  EXPECT_EQ(shared.used(), 3 * theirs);
+  other->reset();
+  EXPECT_EQ(shared.used(), 0u);
+  fs::remove_all(other_dir);
+  store_ = OpenStore(0);
+  EXPECT_EQ(ListedNames(), (std::vector<std::string>{"a"}));  // still on disk
+}
+
 TEST_F(SavedFileStoreTest, BytesStreamOutAndBackIn) {
   const PromptCacheFile file = MakeFile(8192, 3);
   ASSERT_TRUE(store_->Save("a", file).ok());

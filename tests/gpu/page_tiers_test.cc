@@ -251,6 +251,27 @@ TEST_P(PageTiersTest, AnAccountAllocatesWithinItsDeviceLimitOnly) {
   ExpectAllFree(*pool);
 }
 
+// A tenant refused by the full pool learns what it asked for, not how many
+// pages the pool still has (that would show how much the others hold); the
+// pool's own account, with nobody else to hide, is told.
+TEST_P(PageTiersTest, AFullPoolTellsItsFreePagesOnlyToItsOwnAccount) {
+  auto pool = MakeTieredPool(8, 0, 0);
+  ASSERT_NE(pool, nullptr);
+  std::unique_ptr<PagePool> tenant = pool->ForAccount(1, {});
+  std::vector<PageId> held;
+  ASSERT_TRUE(tenant->Allocate(5, held).ok());
+  const absl::Status tenant_refused = tenant->Allocate(4, held);
+  EXPECT_EQ(tenant_refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(tenant_refused.message()), ::testing::HasSubstr(kPoolExhausted));
+  EXPECT_THAT(std::string(tenant_refused.message()), ::testing::HasSubstr("4 pages requested"));
+  EXPECT_THAT(std::string(tenant_refused.message()), ::testing::Not(::testing::HasSubstr("3")));
+  const absl::Status pool_refused = pool->Allocate(4, held);
+  EXPECT_THAT(std::string(pool_refused.message()), ::testing::HasSubstr("3 of 8 available"));
+  EXPECT_EQ(held.size(), 5u);
+  for (PageId page : held) pool->Release(page);
+  ExpectAllFree(*pool);
+}
+
 TEST_P(PageTiersTest, EvictionAndPromotionKeepEachAccountWithinItsLimits) {
   auto pool = MakeTieredPool(8, 4, 4);
   ASSERT_NE(pool, nullptr);

@@ -39,6 +39,7 @@ constexpr char kAlice[] = "alice-token-0123456789abcdef";
 constexpr char kBob[] = "bob-token-0123456789abcdef";
 constexpr char kOps[] = "ops-token-0123456789abcdef";
 constexpr char kCarol[] = "carol-token-0123456789abcdef";
+constexpr char kErin[] = "erin-token-0123456789abcdef";
 
 class E2eTenantsTest : public ::testing::Test {
  protected:
@@ -786,6 +787,74 @@ TEST_F(E2eTenantsTest, ReloadRotatesTokensAndKeepsWhatTenantsHold) {
   EXPECT_TRUE(bob_->GetCache(bobs_cache).ok()) << "bob's cache did not outlive his absence";
   EXPECT_TRUE(alice_->GetCache(cache).ok());
   ReleaseAll(*bob_);
+}
+
+// Saved files: a tenant's stop at its max_saved_bytes, inside the data dir's
+// --disk_bytes that every tenant shares; GetStats shows the caller's own. A
+// tokens file that fails to start one of its tenants leaves that budget as
+// it found it, though the tenants before it had indexed their files.
+TEST_F(E2eTenantsTest, SavedFilesStopAtTheTenantsQuotaInsideTheSharedBudget) {
+  const auto [probe_cache, probe] = CacheWithSnapshot(*alice_, 12);
+  absl::StatusOr<v1::SavedFile> sized = alice_->SaveSnapshot(probe, "probe");
+  ASSERT_TRUE(sized.ok()) << sized.status();
+  const uint64_t file = sized->size_bytes();
+  ASSERT_TRUE(alice_->DeleteSaved("probe").ok());
+  ReleaseAll(*alice_);
+  const std::string tokens =
+      absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob,
+                   "\ntenant=ops token=", kOps, " admin\ntenant=erin token=", kErin,
+                   " max_saved_bytes=", file + file / 2, "\n");
+  WriteTokens(tokens);
+  alice_.reset();
+  bob_.reset();
+  server_.reset();
+  server_ = TestServer::Start({.data_dir = (dir_ / "data").string(),
+                               .disk_bytes = 4 * file,
+                               .tokens_file = tokens_file(),
+                               .token = kAlice});
+  ASSERT_NE(server_, nullptr);
+  alice_ = server_->ConnectAs(kAlice);
+  bob_ = server_->ConnectAs(kBob);
+  auto erin = server_->ConnectAs(kErin);
+
+  const auto [erins_cache, erins] = CacheWithSnapshot(*erin, 12);
+  ASSERT_TRUE(erin->SaveSnapshot(erins, "one").ok());
+  const absl::StatusOr<v1::SavedFile> refused = erin->SaveSnapshot(erins, "two");
+  EXPECT_EQ(refused.status().code(), Code::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("max_saved_bytes"));
+  EXPECT_EQ(erin->ListSaved()->size(), 1u);
+  absl::StatusOr<v1::Stats> erins_stats = erin->GetStats();
+  ASSERT_TRUE(erins_stats.ok()) << erins_stats.status();
+  EXPECT_EQ(erins_stats->saved_bytes(), file);
+  EXPECT_EQ(erins_stats->max_saved_bytes(), file + file / 2);
+  absl::StatusOr<v1::Stats> alices_stats = alice_->GetStats();
+  ASSERT_TRUE(alices_stats.ok()) << alices_stats.status();
+  EXPECT_EQ(alices_stats->saved_bytes(), 0u);
+  EXPECT_EQ(alices_stats->max_saved_bytes(), 4 * file);
+  EXPECT_EQ(server_->ConnectAs(kOps)->GetStats()->saved_bytes(), file);  // every tenant's
+
+  // frank has a file already; gina's quota cannot be met, so neither starts.
+  const std::filesystem::path franks = dir_ / "data" / "tenants" / "frank";
+  std::filesystem::create_directories(franks);
+  std::filesystem::copy_file(dir_ / "data" / "tenants" / "erin" / "one.safetensors",
+                             franks / "old.safetensors");
+  WriteTokens(absl::StrCat(tokens, "tenant=frank token=frank-token-0123456789abcdef\n",
+                           "tenant=gina token=gina-token-0123456789abcdef max_host_bytes=1\n"));
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const absl::Status reloaded = server_->server().ReloadTokens();
+    EXPECT_EQ(reloaded.code(), Code::kInvalidArgument) << reloaded;
+    EXPECT_THAT(reloaded.message(), HasSubstr("tenant gina"));
+  }
+  // Three of the four files' room is left: none went to frank's file.
+  const auto [alices_cache, alices] = CacheWithSnapshot(*alice_, 12);
+  for (const char* name : {"a", "b", "c"}) {
+    const absl::StatusOr<v1::SavedFile> saved = alice_->SaveSnapshot(alices, name);
+    EXPECT_TRUE(saved.ok()) << name << ": " << saved.status();
+  }
+  const absl::StatusOr<v1::SavedFile> full = alice_->SaveSnapshot(alices, "d");
+  EXPECT_EQ(full.status().code(), Code::kResourceExhausted) << full.status();
+  EXPECT_THAT(full.status().message(), HasSubstr("disk_bytes"));
+  ReleaseAll(*erin);
 }
 
 }  // namespace
