@@ -218,7 +218,12 @@ absl::StatusOr<uint64_t> Engine::UpdateLayer(
 
 absl::StatusOr<std::shared_ptr<const CacheSnapshot>> Engine::Freeze(
     const std::string& cache_id, const std::string& snapshot_id) const {
-  if (!snapshot_id.empty()) return tiering_.Acquire(snapshot_id);
+  if (!snapshot_id.empty()) {
+    // A cache named beside the snapshot is not read, but it is named: it
+    // must exist, and its lease is renewed like any named handle's.
+    if (!cache_id.empty()) RETURN_IF_ERROR(FindEntry(cache_id).status());
+    return tiering_.Acquire(snapshot_id);
+  }
   ASSIGN_OR_RETURN(LockedCache cache, LockedCache::Open(*this, cache_id));
   return cache->Freeze(cache_id);
 }

@@ -123,9 +123,9 @@ absl::Status Tiering::PromoteLocked(const CacheSnapshot& snapshot) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages) const {
+absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages, uint32_t* chosen) const {
   absl::MutexLock lock(&mutex_);
-  return EvictLocked(pages);
+  return EvictLocked(pages, /*batch=*/true, chosen);
 }
 
 absl::StatusOr<uint32_t> Tiering::EvictIdle(uint32_t pages) const {

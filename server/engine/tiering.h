@@ -68,8 +68,9 @@ class Tiering {
   template <typename Op>
   auto RetryAfterEviction(Op op) const -> decltype(op());
   // Evicts up to `pages` pages (at least a batch, to spread the cost of
-  // choosing); returns how many moved.
-  absl::StatusOr<uint32_t> Evict(uint32_t pages) const;
+  // choosing); returns how many moved. `chosen`, when given, gets how many
+  // could have moved (0: no device page is held by idle snapshots only).
+  absl::StatusOr<uint32_t> Evict(uint32_t pages, uint32_t* chosen = nullptr) const;
   // What an operator asks for: moves up to `pages` pages of idle, unpinned
   // snapshots down a tier, least recently used first, and no more (no batch);
   // returns how many moved. RESOURCE_EXHAUSTED naming host_bytes when some
@@ -128,7 +129,8 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
         pool_refused ? gpu::PagePool::RefusalsOnThisThread().last_shortfall : 0;
     if (round + 1 == kMaxEvictionRounds) return pool_refused ? NothingToEvict(status) : result;
     if (pool_refused && enabled()) {
-      absl::StatusOr<uint32_t> moved = Evict(shortfall);
+      uint32_t could_move = 0;
+      absl::StatusOr<uint32_t> moved = Evict(shortfall, &could_move);
       if (!moved.ok()) return moved.status();
       if (*moved > 0) continue;
       // Other tenants' idle snapshots move to a lower tier before anything
@@ -136,6 +138,10 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
       if (!quota_refused && evict_elsewhere_ && evict_elsewhere_(std::max(shortfall, 1u)) > 0) {
         continue;
       }
+      // Every page on the device is held by something other than idle
+      // snapshots, so dropping cached entries would free pages below it
+      // (or none) and lose them for nothing.
+      if (could_move == 0) return NothingToEvict(status);
     }
     // Nothing more can leave the device (or the budget is not the pool's):
     // what the engine keeps only as a cache goes before a caller is refused.

@@ -161,7 +161,7 @@ EngineFingerprint Fingerprint(engine::Engine& engine) {
   for (const engine::SnapshotInfo& info : engine.ListSnapshots()) {
     EngineFingerprint::Entry entry{.id = info.snapshot_id, .cache_id = info.cache_id,
                                    .offsets = {info.from_offset, info.to_offset}};
-    if (auto view = engine.Freeze(info.cache_id, info.snapshot_id); view.ok()) {
+    if (auto view = engine.Freeze("", info.snapshot_id); view.ok()) {
       entry.layers = FingerprintLayers(**view);
     }
     fingerprint.snapshots.push_back(std::move(entry));

@@ -163,6 +163,27 @@ TEST_P(LeaseTest, RestoreAndFetchRenewASnapshot) {
   EXPECT_EQ(AdvanceAndExpire(absl::Seconds(3)), std::make_pair(uint64_t{1}, uint64_t{1}));
 }
 
+// A Fetch of a snapshot that also names a cache reads the snapshot, and the
+// cache, named, is renewed; a cache that is gone is NOT_FOUND naming it.
+TEST_P(LeaseTest, AFetchOfASnapshotRenewsTheCacheNamedBesideIt) {
+  StartEngine(absl::Seconds(3));
+  MirroredCache cache(*engine_, Spec());
+  ASSERT_TRUE(cache.Append(7));
+  RefCacheSnapshotPtr reference;
+  const std::string id = cache.Snapshot(0, &reference);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(AdvanceAndExpire(absl::Seconds(2)), std::make_pair(uint64_t{0}, uint64_t{0}));
+    auto view = engine_->Freeze(cache.id(), id);
+    ASSERT_TRUE(view.ok()) << view.status();
+    EXPECT_EQ((*view)->to, 7u);
+  }
+  ASSERT_TRUE(engine_->DeleteCache(cache.id()).ok());
+  const auto gone = engine_->Freeze(cache.id(), id);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(gone.status().message(), HasSubstr("cache_id"));
+  EXPECT_TRUE(engine_->Freeze("", id).ok());
+}
+
 TEST_P(LeaseTest, RenewLeaseRenewsAllOrNone) {
   StartEngine(absl::Seconds(10));
   MirroredCache cache(*engine_, Spec());

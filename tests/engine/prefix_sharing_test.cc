@@ -623,6 +623,28 @@ TEST_P(PrefixSharingTest, EntriesAreDroppedOnlyWhenEveryTierIsFull) {
   }
 }
 
+// Entries already below the device free nothing on it: when live caches
+// hold every device page, a refused call drops no entry.
+TEST_P(PrefixSharingTest, EntriesBelowAFullDeviceAreNotDroppedForNothing) {
+  UsePool(gpu::PoolOptions{
+      .page_bytes = kPageBytes, .budget_bytes = 32 * kPageBytes, .host_bytes = 64 * kPageBytes});
+  for (uint32_t first : {100, 200, 300}) PrefillAndPublish(Prompt(first), 16);
+  auto moved = engine_->EvictIdleBytes(0);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(*moved, 24u);
+  auto full = LiveCache(*engine_, spec_, 900, 64);  // 32 pages: the whole device
+  ASSERT_TRUE(full.ok()) << full.status();
+  auto refused = LiveCache(*engine_, spec_, 990, 4);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr(gpu::kPoolExhausted));
+  EXPECT_EQ(engine_->Stats().prefixes.dropped, 0u);
+  EXPECT_EQ(engine_->ListPrefixes().size(), 3u);
+  for (const engine::CacheInfo& cache : engine_->ListCaches()) {
+    ASSERT_TRUE(engine_->DeleteCache(cache.cache_id).ok());
+  }
+  EXPECT_EQ(LookupAndRestore(Prompt(200), /*alone=*/false), 16u);
+}
+
 // A fleet that publishes for ever is never refused for the metadata budget:
 // the oldest entries make room, the newest answer.
 TEST_P(PrefixSharingTest, PublishingForEverStaysWithinTheMetadataBudget) {

@@ -42,7 +42,8 @@ void RandomDriver::FetchSnapshot() {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   SCOPED_TRACE(absl::StrCat("fetch snapshot [", snapshot.reference->from, ",",
                             snapshot.reference->to, ") layer ", layer));
-  // A snapshot is found by its id alone; a cache id beside it is ignored.
+  // A snapshot is found by its id alone; the live cache named beside it is
+  // renewed, not read.
   auto view = engine().Freeze(Chance(0.5) ? cache_id_ : "", snapshot.id);
   ASSERT_TRUE(view.ok()) << view.status();
   EXPECT_EQ((*view)->from, snapshot.reference->from);

@@ -39,7 +39,8 @@ void WireDriver::FetchSnapshot() {
   const uint32_t layer = Uniform(0, reference_->num_layers() - 1);
   SCOPED_TRACE(absl::StrCat("fetch snapshot [", snapshot.reference->from, ",",
                             snapshot.reference->to, ") layer ", layer));
-  // A snapshot is found by its id alone; a cache id beside it is ignored.
+  // A snapshot is found by its id alone; the live cache named beside it is
+  // renewed, not read.
   const std::string cache_id = Chance(0.5) ? cache_id_ : "";
   const RefCacheSnapshot* reference = snapshot.reference.get();
   ASSERT_TRUE(LayerMatches(cache_id, snapshot.id, layer, reference->spec,
