@@ -376,7 +376,8 @@ class Engine {
   // calls that found the entry just before DeleteCache removed it.
   struct Entry {
     explicit Entry(absl::Duration ttl) : lease(ttl) {}
-    // Renewed under caches_mutex_ (or by a speculation's calls), read anywhere.
+    // Renewed under caches_mutex_ (so never after the reaper found it run out),
+    // read anywhere.
     Lease lease;
     absl::Mutex mutex;
     std::unique_ptr<Cache> cache ABSL_GUARDED_BY(mutex);

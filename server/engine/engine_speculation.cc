@@ -71,8 +71,14 @@ absl::StatusOr<Engine::LockedCache> Engine::OpenSpeculation(const std::string& s
     }
     entry = it->second.entry;
     if (owner_id != nullptr) *owner_id = it->second.cache_id;
-    // A call on the speculation names its cache too. (Not under caches_mutex_:
-    // one that comes just as the lease runs out may find the cache deleted.)
+  }
+  // A call on the speculation names its cache too: renewed under the lock the
+  // reaper expires caches under, as FindEntry does, so that a call either
+  // renews it in time or finds it gone (renewed outside it, a call could be
+  // acknowledged just before the reaper, which had found the lease run out,
+  // deleted the cache with what the call wrote).
+  if (entry->lease.has_ttl()) {
+    absl::MutexLock lock(&caches_mutex_);
     if (!entry->lease.RenewIfLive(clock_)) return UnknownSpeculation(speculation_id);
   }
   absl::StatusOr<LockedCache> cache = LockedCache::OpenEntry(std::move(entry), cache_id);
