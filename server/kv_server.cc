@@ -150,7 +150,9 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     }
     ASSIGN_OR_RETURN(runtime->saved_files,
                      engine::SavedFileStore::Open(
-                         dir, *disk_budget_, tenant != nullptr ? tenant->quotas.max_saved_bytes : 0));
+                         dir, *disk_budget_,
+                         {.quota_bytes = tenant != nullptr ? tenant->quotas.max_saved_bytes : 0,
+                          .tell_others_use = tenant == nullptr}));
     options.saved_files = runtime->saved_files.get();
     LogInfo("data dir %s: %d saved files", dir, runtime->saved_files->List().size());
   }

@@ -58,26 +58,26 @@ absl::Status ValidateSavedFileName(absl::string_view name) {
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string data_dir,
                                                                      uint64_t max_bytes) {
   auto budget = std::make_unique<DiskBudget>(max_bytes);
-  DiskBudget& shared = *budget;
-  return Open(std::move(data_dir), std::move(budget), shared, 0);
+  DiskBudget& own = *budget;
+  return Open(std::move(data_dir), std::move(budget), own, {.tell_others_use = true});
 }
 
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(std::string data_dir,
                                                                      DiskBudget& budget,
-                                                                     uint64_t quota_bytes) {
-  return Open(std::move(data_dir), nullptr, budget, quota_bytes);
+                                                                     SavedFileSharing sharing) {
+  return Open(std::move(data_dir), nullptr, budget, sharing);
 }
 
 absl::StatusOr<std::unique_ptr<SavedFileStore>> SavedFileStore::Open(
     std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
-    uint64_t quota_bytes) {
+    SavedFileSharing sharing) {
   std::error_code error;
   std::filesystem::create_directories(data_dir, error);
   if (error) {
     return FileErrorStatus(error.value(), "create_directories", data_dir, data_dir);
   }
   std::unique_ptr<SavedFileStore> store(
-      new SavedFileStore(std::move(data_dir), std::move(own_budget), budget, quota_bytes));
+      new SavedFileStore(std::move(data_dir), std::move(own_budget), budget, sharing));
   RETURN_IF_ERROR(store->IndexDirectory());
   return store;
 }
@@ -269,21 +269,26 @@ absl::StatusOr<uint64_t> SavedFileStore::ReserveBytes(absl::string_view name, ui
   auto old = files_.find(name);
   const uint64_t old_bytes = old == files_.end() ? 0 : old->second.size_bytes;
   const uint64_t growth = size_bytes > old_bytes ? size_bytes - old_bytes : 0;
-  // Only this store's own figures: a shared budget's remainder is other
-  // tenants' files and evicted pages, none of the caller's business.
-  const std::string held = absl::StrCat(used_bytes_, " bytes in these saved files, ",
-                                        reserved_bytes_, " being written");
-  if (quota_bytes_ != 0 && used_bytes_ + reserved_bytes_ + growth > quota_bytes_) {
+  std::string held = absl::StrCat(used_bytes_, " bytes in these saved files, ", reserved_bytes_,
+                                  " being written");
+  // A write that adds nothing passes even a store over its quota (one that
+  // found more on disk at start than its quota allows): it can only shrink.
+  if (quota_bytes_ != 0 && growth > 0 && used_bytes_ + reserved_bytes_ + growth > quota_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat("max_saved_bytes: saving ", size_bytes,
                                                      " bytes as ", Quoted(name),
                                                      " would pass the quota of ", quota_bytes_,
                                                      " (", held, ")"));
   }
   if (!budget_.TryCharge(growth)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("disk_bytes: saving ", size_bytes, " bytes as ", Quoted(name),
-                     " would pass the data dir's budget of ", budget_.max_bytes(), " (", held,
-                     "; the rest holds other saved files and evicted pages)"));
+    // The rest of a shared budget is other tenants' files and the disk
+    // tier's pages: said only where those are all the caller's own.
+    absl::StrAppend(&held, tell_others_use_
+                               ? absl::StrCat(", ", budget_.used() - used_bytes_ - reserved_bytes_,
+                                              " holding evicted pages")
+                               : "; the rest is held by others");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk_bytes: saving ", size_bytes, " bytes as ", Quoted(name),
+        " would pass the data dir's budget of ", budget_.max_bytes(), " (", held, ")"));
   }
   reserved_bytes_ += growth;
   return growth;

@@ -51,6 +51,16 @@ struct SavedFileInfo {
 // Non-empty, at most kMaxSavedFileNameBytes of [A-Za-z0-9._-], not starting with '.'.
 absl::Status ValidateSavedFileName(absl::string_view name);
 
+// How a SavedFileStore shares its DiskBudget.
+struct SavedFileSharing {
+  // The most the store's own files may hold within the budget (a tenant's
+  // max_saved_bytes; 0: only the budget).
+  uint64_t quota_bytes = 0;
+  // Whether a refusal may say what else holds the budget: only where all of
+  // that is the caller's own too (a server without tenants).
+  bool tell_others_use = false;
+};
+
 class SavedFileStore {
  public:
   // Creates `data_dir` if missing, removes leftover temporaries, indexes the
@@ -59,11 +69,10 @@ class SavedFileStore {
                                                               uint64_t max_bytes);
   // The same within `budget`, shared with whatever else writes under
   // data_dir (the pool's disk tier, other tenants' stores); it must outlive
-  // the store. `quota_bytes` bounds this store's own files within it (a
-  // tenant's max_saved_bytes; 0: only the budget).
+  // the store.
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(std::string data_dir,
                                                               DiskBudget& budget,
-                                                              uint64_t quota_bytes = 0);
+                                                              SavedFileSharing sharing = {});
   // Gives a shared budget back what this store's files were charged: they
   // stay on disk, but no longer count until a store indexes them again (a
   // tenant that failed to start, or a server that stops).
@@ -88,15 +97,16 @@ class SavedFileStore {
 
  private:
   SavedFileStore(std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
-                 uint64_t quota_bytes)
+                 SavedFileSharing sharing)
       : data_dir_(std::move(data_dir)),
         own_budget_(std::move(own_budget)),
         budget_(budget),
-        quota_bytes_(quota_bytes) {}
+        quota_bytes_(sharing.quota_bytes),
+        tell_others_use_(sharing.tell_others_use) {}
 
   static absl::StatusOr<std::unique_ptr<SavedFileStore>> Open(
       std::string data_dir, std::unique_ptr<DiskBudget> own_budget, DiskBudget& budget,
-      uint64_t quota_bytes);
+      SavedFileSharing sharing);
   std::string PathOf(absl::string_view name) const;
   absl::Status IndexDirectory();
   absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
@@ -119,6 +129,7 @@ class SavedFileStore {
   // Charged with used_bytes_ + reserved_bytes_ (and whatever shares it).
   DiskBudget& budget_;
   const uint64_t quota_bytes_;  // 0: none
+  const bool tell_others_use_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, SavedFileInfo, std::less<>> files_ ABSL_GUARDED_BY(mu_);

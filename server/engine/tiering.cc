@@ -123,9 +123,9 @@ absl::Status Tiering::PromoteLocked(const CacheSnapshot& snapshot) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages, uint32_t* chosen) const {
+absl::StatusOr<uint32_t> Tiering::Evict(uint32_t pages, uint32_t* candidates) const {
   absl::MutexLock lock(&mutex_);
-  return EvictLocked(pages, /*batch=*/true, chosen);
+  return EvictLocked(pages, /*batch=*/true, nullptr, candidates);
 }
 
 absl::StatusOr<uint32_t> Tiering::EvictIdle(uint32_t pages) const {
@@ -140,7 +140,8 @@ absl::StatusOr<uint32_t> Tiering::EvictIdle(uint32_t pages) const {
   return moved;
 }
 
-absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch, uint32_t* chosen) const {
+absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch, uint32_t* chosen,
+                                              uint32_t* found) const {
   if (!enabled()) return 0;
   if (batch) {
     wanted =
@@ -181,6 +182,7 @@ absl::StatusOr<uint32_t> Tiering::EvictLocked(uint32_t wanted, bool batch, uint3
           }
         }
         const size_t take = std::min<size_t>(wanted, candidates.size());
+        if (found != nullptr) *found = static_cast<uint32_t>(take);
         std::partial_sort(candidates.begin(), candidates.begin() + take, candidates.end());
         for (size_t i = 0; i < take; ++i) {
           // Held while they move; the registry's lock keeps them alive until then.

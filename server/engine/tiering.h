@@ -68,9 +68,9 @@ class Tiering {
   template <typename Op>
   auto RetryAfterEviction(Op op) const -> decltype(op());
   // Evicts up to `pages` pages (at least a batch, to spread the cost of
-  // choosing); returns how many moved. `chosen`, when given, gets how many
-  // could have moved (0: no device page is held by idle snapshots only).
-  absl::StatusOr<uint32_t> Evict(uint32_t pages, uint32_t* chosen = nullptr) const;
+  // choosing); returns how many moved. `candidates`, when given, gets how
+  // many were found to move (0: no device page is held by idle snapshots only).
+  absl::StatusOr<uint32_t> Evict(uint32_t pages, uint32_t* candidates = nullptr) const;
   // What an operator asks for: moves up to `pages` pages of idle, unpinned
   // snapshots down a tier, least recently used first, and no more (no batch);
   // returns how many moved. RESOURCE_EXHAUSTED naming host_bytes when some
@@ -83,9 +83,11 @@ class Tiering {
   static constexpr int kMaxEvictionRounds = 64;
 
   // Moves up to `wanted` pages; a batch at least when `batch`. `chosen`, when
-  // given, is how many were eligible to move.
+  // given, is how many were held to move; `found`, how many were eligible
+  // (more than chosen when some were being freed meanwhile).
   absl::StatusOr<uint32_t> EvictLocked(uint32_t wanted, bool batch = true,
-                                       uint32_t* chosen = nullptr) const
+                                       uint32_t* chosen = nullptr,
+                                       uint32_t* found = nullptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::Status PromoteLocked(const CacheSnapshot& snapshot) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
@@ -129,7 +131,7 @@ auto Tiering::RetryAfterEviction(Op op) const -> decltype(op()) {
         pool_refused ? gpu::PagePool::RefusalsOnThisThread().last_shortfall : 0;
     if (round + 1 == kMaxEvictionRounds) return pool_refused ? NothingToEvict(status) : result;
     if (pool_refused && enabled()) {
-      uint32_t could_move = 0;
+      uint32_t could_move = 0;  // eligible pages, whether or not they moved
       absl::StatusOr<uint32_t> moved = Evict(shortfall, &could_move);
       if (!moved.ok()) return moved.status();
       if (*moved > 0) continue;

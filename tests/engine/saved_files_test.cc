@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -229,25 +230,27 @@ TEST_F(SavedFileStoreTest, AQuotaInsideASharedBudget) {
   const uint64_t theirs = EncodedSize(MakeFile(4096, 1));
   const uint64_t mine = EncodedSize(MakeFile(8192, 1));
   ASSERT_NE(theirs, mine);
+  store_.reset();
+  // Declared after the budget, so they go before it whatever fails.
   DiskBudget shared(3 * theirs + mine + theirs / 2);
   const std::string other_dir = dir_ + "-other";
+  absl::Cleanup remove_other = [&] { fs::remove_all(other_dir); };
   absl::StatusOr<std::unique_ptr<SavedFileStore>> other = SavedFileStore::Open(other_dir, shared);
   ASSERT_TRUE(other.ok()) << other.status();
   ASSERT_TRUE((*other)->Save("t1", MakeFile(4096, 1)).ok());
-
-  store_.reset();
   absl::StatusOr<std::unique_ptr<SavedFileStore>> quota =
-      SavedFileStore::Open(dir_, shared, /*quota_bytes=*/mine + mine / 2);
+      SavedFileStore::Open(dir_, shared, {.quota_bytes = mine + mine / 2});
   ASSERT_TRUE(quota.ok()) << quota.status();
-  store_ = *std::move(quota);
-  EXPECT_EQ(store_->max_bytes(), mine + mine / 2);
-  ASSERT_TRUE(store_->Save("a", MakeFile(8192, 1)).ok());
-  const absl::StatusOr<SavedFileInfo> past_quota = store_->Save("b", MakeFile(8192, 2));
+  SavedFileStore& store = **quota;
+
+  EXPECT_EQ(store.max_bytes(), mine + mine / 2);
+  ASSERT_TRUE(store.Save("a", MakeFile(8192, 1)).ok());
+  const absl::StatusOr<SavedFileInfo> past_quota = store.Save("b", MakeFile(8192, 2));
   EXPECT_EQ(past_quota.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(past_quota.status().message().find("max_saved_bytes"), absl::string_view::npos)
       << past_quota.status();
   EXPECT_EQ(shared.used(), theirs + mine);
-  EXPECT_EQ(ListedNames(), (std::vector<std::string>{"a"}));
+  EXPECT_EQ(store.List().size(), 1u);
 
   // The other store, past the shared budget: refused naming it, and nothing
   // of this store's use shown to it.
@@ -262,13 +265,35 @@ TEST_F(SavedFileStoreTest, AQuotaInsideASharedBudget) {
   EXPECT_EQ(message.find(absl::StrCat(mine)), absl::string_view::npos) << message;
   EXPECT_EQ(message.find(absl::StrCat(shared.used())), absl::string_view::npos) << message;
 
-  store_.reset();
+  quota->reset();
   EXPECT_EQ(shared.used(), 3 * theirs);
   other->reset();
   EXPECT_EQ(shared.used(), 0u);
-  fs::remove_all(other_dir);
   store_ = OpenStore(0);
   EXPECT_EQ(ListedNames(), (std::vector<std::string>{"a"}));  // still on disk
+}
+
+// A store that finds more on disk than its quota (the quota was lowered) may
+// still replace a file with one no larger, which can only bring it down.
+TEST_F(SavedFileStoreTest, AStoreOverItsQuotaMayStillShrink) {
+  ASSERT_TRUE(store_->Save("a", MakeFile(8192, 1)).ok());
+  ASSERT_TRUE(store_->Save("b", MakeFile(8192, 2)).ok());
+  const uint64_t file = EncodedSize(MakeFile(8192, 1));
+  store_.reset();
+  DiskBudget shared(0);
+  absl::StatusOr<std::unique_ptr<SavedFileStore>> lowered =
+      SavedFileStore::Open(dir_, shared, {.quota_bytes = file});
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  SavedFileStore& store = **lowered;
+  EXPECT_EQ(store.used_bytes(), 2 * file);
+  EXPECT_EQ(store.Save("c", MakeFile(4096, 3)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store.Save("a", MakeFile(8192, 4)).ok());  // the same size
+  EXPECT_TRUE(store.Save("b", MakeFile(4096, 5)).ok());  // smaller
+  EXPECT_LT(store.used_bytes(), 2 * file);
+  EXPECT_EQ(shared.used(), store.used_bytes());
+  lowered->reset();
+  EXPECT_EQ(shared.used(), 0u);
 }
 
 TEST_F(SavedFileStoreTest, BytesStreamOutAndBackIn) {
