@@ -53,6 +53,7 @@ constexpr char kServiceConfig[] = R"({
 
 template <typename Response, typename Call>
 absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
+  client.AwaitFirstConnect();
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + client.options().deadline));
   Response response;
@@ -165,6 +166,15 @@ Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> chan
 Client::~Client() = default;
 
 bool Client::uses_data_lane() { return lanes_->enabled(); }
+
+void Client::AwaitFirstConnect() const {
+  if (connected_once_.load(std::memory_order_acquire)) return;
+  const absl::Duration wait = std::min(options_.first_connect_wait, options_.deadline);
+  const bool ready = channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY ||
+                     (wait > absl::ZeroDuration() &&
+                      channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + wait)));
+  if (ready) connected_once_.store(true, std::memory_order_release);
+}
 
 absl::Status Client::WaitForReady(absl::Duration timeout) {
   if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
@@ -380,6 +390,7 @@ absl::Status Client::DeleteSaved(const std::string& name) {
 }
 
 absl::StatusOr<std::string> Client::ExportSnapshot(const v1::ExportSnapshotRequest& request) {
+  AwaitFirstConnect();
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
   std::unique_ptr<grpc::ClientReader<v1::FileChunk>> reader =
@@ -395,6 +406,7 @@ absl::StatusOr<std::string> Client::ExportSnapshot(const v1::ExportSnapshotReque
 absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
     absl::string_view file, const v1::ImportSnapshotRequest& options) {
   constexpr size_t kChunkBytes = 1 << 20;
+  AwaitFirstConnect();
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
   v1::LoadSnapshotResponse response;
@@ -418,6 +430,8 @@ absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
                                                       const v1::ExportSnapshotRequest& request,
                                                       Client& to,
                                                       const v1::ImportSnapshotRequest& to_options) {
+  from.AwaitFirstConnect();
+  to.AwaitFirstConnect();
   grpc::ClientContext export_context;
   export_context.set_deadline(absl::ToChronoTime(absl::Now() + from.options().deadline));
   std::unique_ptr<grpc::ClientReader<v1::FileChunk>> reader =
@@ -501,7 +515,9 @@ absl::StatusOr<v1::CacheInfo> Client::AbortSpeculation(const std::string& specul
 #undef KV_UNARY
 
 internal::FetchTransport& Client::fetch_transport() {
-  return uses_data_lane() ? *lane_fetch_ : *grpc_fetch_;
+  if (uses_data_lane()) return *lane_fetch_;
+  AwaitFirstConnect();
+  return *grpc_fetch_;
 }
 
 absl::Status Client::Fetch(const v1::FetchRequest& request,
@@ -599,10 +615,14 @@ absl::StatusOr<std::vector<v1::UpdateResponse>> Client::Update(
 }
 
 UpdateStream::UpdateStream(Client& client, std::string cache_id)
-    : transport_(client.uses_data_lane()
-                     ? internal::OpenLaneUpdate(*client.lanes_, std::move(cache_id))
-                     : internal::OpenGrpcUpdate(*client.channel_, client.raw_update_,
-                                                std::move(cache_id), client.options().deadline)) {}
+    : transport_([&]() -> std::unique_ptr<internal::UpdateTransport> {
+        if (client.uses_data_lane()) {
+          return internal::OpenLaneUpdate(*client.lanes_, std::move(cache_id));
+        }
+        client.AwaitFirstConnect();
+        return internal::OpenGrpcUpdate(*client.channel_, client.raw_update_, std::move(cache_id),
+                                        client.options().deadline);
+      }()) {}
 
 UpdateStream::~UpdateStream() {
   if (!finished_) {

@@ -60,6 +60,14 @@ struct ClientOptions {
   // went away; zero: gRPC's default (two minutes). A fleet's clients set it
   // low, so a replica that restarts is used again within seconds.
   absl::Duration max_reconnect_backoff;
+  // Until the channel has connected once, each call first waits up to this
+  // (within its deadline) for the connection: a worker started beside its
+  // server gets its first call through once the server listens, and gRPC
+  // 1.51, which can report a connect still under way as failed, does not
+  // fail it. No call is retried for it: it waits before it is sent. Zero:
+  // calls fail fast from the start. ShardedClient sets zero (a replica that
+  // is down must fail fast so creates go to the next).
+  absl::Duration first_connect_wait = absl::Seconds(3);
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):
@@ -250,6 +258,9 @@ class Client {
   absl::StatusOr<v1::CacheInfo> AbortSpeculation(const std::string& speculation_id);
 
   v1::KvCacheService::Stub& stub() { return *stub_; }
+  // Waits for the channel's first connection (ClientOptions::first_connect_wait);
+  // every call of this class does so itself, a caller of stub() may.
+  void AwaitFirstConnect() const;
   const ClientOptions& options() const { return options_; }
   // Whether Update and Fetch go over the data lane (ClientOptions::data_lane).
   bool uses_data_lane();
@@ -264,6 +275,7 @@ class Client {
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
+  mutable std::atomic<bool> connected_once_{false};
   std::unique_ptr<v1::KvCacheService::Stub> stub_;
   // Update with requests the client encodes itself (update_encoding.h).
   grpc::internal::RpcMethod raw_update_;

@@ -143,6 +143,8 @@ absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
   if (options.client.max_reconnect_backoff == absl::ZeroDuration()) {
     options.client.max_reconnect_backoff = absl::Seconds(2);
   }
+  // A replica that is down fails at once, so a create goes on to the next.
+  options.client.first_connect_wait = absl::ZeroDuration();
   if (etcd) return ConnectEtcd(options);
   // One address for several replicas is a proxy in front of them, which
   // routes by the replica each call names: only named replicas may share one.

@@ -72,7 +72,8 @@ struct ShardedClientOptions {
   std::function<void(const absl::Status&)> on_etcd_failure;
   // Everything but `address` for each replica's Client. data_lane is "" or
   // "auto" (each replica's lane is the one its GetStats names).
-  // max_reconnect_backoff defaults to 2 s here.
+  // max_reconnect_backoff defaults to 2 s here, and first_connect_wait is
+  // zero (a replica that is down fails fast).
   ClientOptions client;
   // Prompt routing: how many leading tokens decide the replica. Prefixes
   // shorter than this are routed by all their tokens, so a prompt shares

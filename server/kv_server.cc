@@ -126,6 +126,34 @@ absl::StatusOr<gpu::AccountLimits> TierLimits(const TenantQuotas& quotas, uint64
   return limits;
 }
 
+int Milliseconds(absl::Duration duration) {
+  return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(duration), 1, INT32_MAX));
+}
+
+// Pings on every connection, idle ones too, so that a worker that vanished
+// mid-stream ends its calls (and frees its tenant's in-flight quota) in
+// seconds; and a bound on the handshake, so that connections that never
+// speak do not hold the port's memory for gRPC's two minutes.
+absl::Status SetConnectionLiveness(const ServerConfig& config, grpc::ServerBuilder& builder) {
+  RETURN_IF_ERROR(config.keepalive.Validate());
+  if (config.grpc_handshake_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("grpc_handshake_timeout: must be positive");
+  }
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Milliseconds(config.keepalive.time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             Milliseconds(config.keepalive.timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // gRPC stops pinging after two pings with no data between; 0: never stops.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Clients that ping their server as often as it pings them are welcome
+  // (gRPC's default sends GOAWAY to clients pinging more than every 5 min).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             Milliseconds(std::min(config.keepalive.time, absl::Seconds(10))));
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             Milliseconds(config.grpc_handshake_timeout));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfig* tenant) {
@@ -283,10 +311,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
   if (lane_on) {
     ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
+    RETURN_IF_ERROR(config.lane_limits.Validate());
+    RETURN_IF_ERROR(config.keepalive.Validate());
     ASSIGN_OR_RETURN(std::shared_ptr<const lane::TlsContext> lane_tls, LaneTlsContext(config.tls));
     absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
         service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes,
-                                  std::move(lane_tls), config.lane_opening_timeout);
+                                  std::move(lane_tls), config.lane_limits, config.keepalive);
     if (!lane.ok()) {
       return absl::UnavailableError(
           absl::StrCat("data_lane_listen: ", lane.status().message()));
@@ -327,6 +357,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    GrpcServerCredentials(config.tls));
   grpc::ServerBuilder builder;
+  RETURN_IF_ERROR(SetConnectionLiveness(config, builder));
   builder.AddListeningPort(config.listen, credentials, &server->port_);
   RETURN_IF_ERROR(server->ObserveCalls(config.metrics_listen, config.access_log, builder));
   builder.RegisterService(server->service_.get());
@@ -388,7 +419,8 @@ absl::Status KvCacheServer::ObserveCalls(const std::string& listen, bool access_
   if (listen.empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(metrics_, MetricsExporter::Start(
                                  listen, {metrics_registry_,
-                                          std::make_shared<service::StateMetrics>(*tenants_)}));
+                                          std::make_shared<service::StateMetrics>(
+                                              *tenants_, data_lane_.get())}));
   LogInfo("metrics (Prometheus) on http://%s/metrics", metrics_->address());
   return absl::OkStatus();
 }
@@ -396,6 +428,7 @@ absl::Status KvCacheServer::ObserveCalls(const std::string& listen, bool access_
 // Cancels whatever is still in flight at once: an open stream would otherwise
 // keep an unbounded Shutdown() waiting for its client.
 KvCacheServer::~KvCacheServer() {
+  metrics_.reset();
   if (server_) server_->Shutdown(std::chrono::system_clock::now());
   if (data_lane_) data_lane_->Shutdown(absl::ZeroDuration());
 }

@@ -19,6 +19,8 @@
 #include "metrics_exporter.h"
 #include "prometheus/registry.h"
 #include "service/handlers.h"
+#include "lane/socket.h"
+#include "service/lane_limits.h"
 #include "service/rpc_observer.h"
 #include "transport_security.h"
 
@@ -56,9 +58,17 @@ struct ServerConfig {
   // makes begins with it, and GetStats gives it. Empty: ids without a name
   // (a single server).
   std::string replica_name;
-  // A lane connection is closed unless it opens (TLS handshake, preamble,
-  // AUTH where there are tenants) within this of its connect.
-  absl::Duration lane_opening_timeout = absl::Seconds(10);
+  // How many lane connections may be open, and opening (TLS handshake,
+  // preamble, AUTH where there are tenants), and for how long.
+  service::LaneLimits lane_limits;
+  // A peer that went away without closing (its host down, the network cut)
+  // is found by pings (HTTP/2 PING on gRPC, TCP keepalive on the lane) and
+  // dropped with its calls, freeing their quota, within keepalive.time +
+  // keepalive.timeout of its last byte.
+  lane::Keepalive keepalive;
+  // A gRPC connection must finish its TLS handshake and send its HTTP/2
+  // settings within this of its connect (gRPC's own default: 2 minutes).
+  absl::Duration grpc_handshake_timeout = absl::Seconds(10);
   // How often the lease reaper looks for leases that ran out (lease_reaper.h).
   absl::Duration lease_check_interval = absl::Milliseconds(250);
   // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere
@@ -183,7 +193,8 @@ class KvCacheServer {
   // Each tenant's engine and handlers; declared after the pool and before
   // the gRPC server and the lane, which stop before it goes.
   std::unique_ptr<service::Tenants> tenants_;
-  // Refers to tenants_; goes first so no scrape reads them while they go.
+  // Refers to tenants_ and data_lane_; the destructor stops it first, so no
+  // scrape reads them while they go.
   std::unique_ptr<MetricsExporter> metrics_;
   // Before service_ (destroyed after it and the server): lookups in flight
   // hold calls that the server's shutdown waits for.

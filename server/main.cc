@@ -25,6 +25,24 @@ ABSL_FLAG(std::string, data_lane_listen, "127.0.0.1:50052",
 ABSL_FLAG(std::string, data_lane_advertise, "",
           "host:port clients are told to reach the data lane at, where it differs from "
           "--data_lane_listen (a container's published port, a NAT); empty: that address");
+ABSL_FLAG(int32_t, lane_max_connections, 1024,
+          "most data-lane connections open at once (each holds a thread); past it a new one is "
+          "refused");
+ABSL_FLAG(int32_t, lane_max_opening, 64,
+          "most data-lane connections still opening (TLS handshake, preamble, AUTH) at once; a "
+          "new one past it cuts the one opening longest, so peers that never authenticate "
+          "cannot hold the lane's connections");
+ABSL_FLAG(absl::Duration, lane_opening_timeout, absl::Seconds(10),
+          "how long a data-lane connection may take to open before it is cut");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
+          "a gRPC or data-lane connection silent this long is pinged (HTTP/2 PING, TCP "
+          "keepalive), so a worker whose host went away is dropped with its calls and their "
+          "quota; past --keepalive_timeout with no answer it is closed");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
+          "how long a ping waits for its answer (and unacknowledged bytes wait, with "
+          "--keepalive_time) before the connection is closed");
+ABSL_FLAG(absl::Duration, grpc_handshake_timeout, absl::Seconds(10),
+          "how long a gRPC connection may take for its TLS handshake and HTTP/2 settings");
 ABSL_FLAG(std::string, replica_name, "",
           "this replica's name in a fleet (1-63 letters, digits, '-', '_', '.'; a StatefulSet "
           "pod's name): every id it makes begins with \"NAME:\", so clients of many replicas "
@@ -187,6 +205,12 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.listen = absl::GetFlag(FLAGS_listen);
   config.data_lane_listen = absl::GetFlag(FLAGS_data_lane_listen);
   config.data_lane_advertise = absl::GetFlag(FLAGS_data_lane_advertise);
+  config.lane_limits = {.max_connections = absl::GetFlag(FLAGS_lane_max_connections),
+                        .max_opening = absl::GetFlag(FLAGS_lane_max_opening),
+                        .opening_timeout = absl::GetFlag(FLAGS_lane_opening_timeout)};
+  config.keepalive = {.time = absl::GetFlag(FLAGS_keepalive_time),
+                      .timeout = absl::GetFlag(FLAGS_keepalive_timeout)};
+  config.grpc_handshake_timeout = absl::GetFlag(FLAGS_grpc_handshake_timeout);
   config.replica_name = absl::GetFlag(FLAGS_replica_name);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.access_log = absl::GetFlag(FLAGS_access_log);

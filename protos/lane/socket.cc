@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -57,6 +58,37 @@ void SetTimeouts(int fd, absl::Duration timeout) {
 }
 
 }  // namespace
+
+absl::Status Keepalive::Validate() const {
+  if (time <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("keepalive_time: must be positive");
+  }
+  if (timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("keepalive_timeout: must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetKeepalive(int fd, const Keepalive& keepalive) {
+  constexpr int kProbes = 3;
+  auto whole_seconds = [](absl::Duration duration) {
+    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Seconds(absl::Ceil(duration, absl::Seconds(1))), 1, INT32_MAX));
+  };
+  const int on = 1;
+  const int idle = whole_seconds(keepalive.time);
+  const int interval = whole_seconds(keepalive.timeout / kProbes);
+  const int probes = kProbes;
+  const unsigned user_timeout = static_cast<unsigned>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(keepalive.time + keepalive.timeout), 1, UINT32_MAX));
+  if (setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle)) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval)) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes)) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout)) != 0) {
+    return SocketError("keepalive");
+  }
+  return absl::OkStatus();
+}
 
 bool WouldBlock(int error) { return error == EAGAIN || error == EWOULDBLOCK; }
 

@@ -21,6 +21,24 @@ absl::StatusOr<int> Connect(const std::string& address, absl::Duration timeout,
 // to the port bound.
 absl::StatusOr<int> Listen(const std::string& address, int& port);
 
+// How a connection whose peer went away (its host down, the network cut,
+// no FIN or RST ever coming) is found: after `time` without a byte from the
+// peer it is probed, and it is dropped when `timeout` passes with no answer,
+// or when bytes sent stay unacknowledged for time + timeout. The kernel's
+// own default finds such a peer after more than two hours.
+struct Keepalive {
+  absl::Duration time = absl::Seconds(30);
+  absl::Duration timeout = absl::Seconds(10);
+
+  // InvalidArgument naming keepalive_time or keepalive_timeout where one is not positive.
+  absl::Status Validate() const;
+};
+
+// SO_KEEPALIVE with TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT and
+// TCP_USER_TIMEOUT from `keepalive` (whole seconds, at least one, for the
+// first three).
+absl::Status SetKeepalive(int fd, const Keepalive& keepalive);
+
 // Closes a file descriptor when it goes out of scope.
 class OwnedFd {
  public:

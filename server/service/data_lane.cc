@@ -10,6 +10,7 @@
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "lane/frame.h"
 #include "lane/frame_writer.h"
 #include "service/lane_session.h"
@@ -17,8 +18,6 @@
 namespace kvcache::service {
 namespace {
 
-// Each connection holds a thread and a buffer as large as its largest frame.
-constexpr int kMaxConnections = 1024;
 // How often connections are checked against their opening deadline.
 constexpr absl::Duration kOpeningCheckInterval = absl::Milliseconds(250);
 // Lines about closed connections: a peer failing on purpose fills no log.
@@ -32,11 +31,12 @@ void SetTimeouts(int fd, absl::Duration timeout) {
 }
 
 // Refuses a connection over the limit with a status, then closes it.
-void RefuseBusy(int fd) {
+void RefuseBusy(int fd, int max_connections) {
   lane::FrameWriter writer(fd);
   writer.AddMessage(v1::LANE_FRAME_STATUS,
-                    lane::LaneStatusOf(absl::ResourceExhaustedError(absl::StrCat(
-                        "data lane: ", kMaxConnections, " connections are open already"))));
+                    lane::LaneStatusOf(absl::ResourceExhaustedError(
+                        absl::StrCat("data lane: ", max_connections,
+                                     " connections are open already (lane_max_connections)"))));
   (void)writer.Send();
 }
 
@@ -44,23 +44,27 @@ void RefuseBusy(int fd) {
 
 absl::StatusOr<std::unique_ptr<DataLane>> DataLane::Listen(
     const std::string& listen, uint64_t max_message_bytes,
-    std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout) {
+    std::shared_ptr<const lane::TlsContext> tls, LaneLimits limits, lane::Keepalive keepalive) {
+  RETURN_IF_ERROR(limits.Validate());
+  RETURN_IF_ERROR(keepalive.Validate());
   int port = 0;
   absl::StatusOr<int> fd = lane::Listen(listen, port);
   if (!fd.ok()) return fd.status();
   // A frame's length is 32 bits.
   const uint64_t max_payload = std::min<uint64_t>(max_message_bytes, UINT32_MAX);
   return std::unique_ptr<DataLane>(
-      new DataLane(lane::OwnedFd(*fd), port, max_payload, std::move(tls), opening_timeout));
+      new DataLane(lane::OwnedFd(*fd), port, max_payload, std::move(tls), limits, keepalive));
 }
 
 DataLane::DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
-                   std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout)
+                   std::shared_ptr<const lane::TlsContext> tls, LaneLimits limits,
+                   lane::Keepalive keepalive)
     : listener_(std::move(listener)),
       port_(port),
       max_message_bytes_(max_message_bytes),
       tls_(std::move(tls)),
-      opening_timeout_(opening_timeout),
+      limits_(limits),
+      keepalive_(keepalive),
       closed_lines_(kClosedLinesPerPeriod, kClosedLinesPeriod) {}
 
 DataLane::~DataLane() { Shutdown(absl::ZeroDuration()); }
@@ -71,7 +75,7 @@ void DataLane::Serve(Tenants& tenants) {
 }
 
 // Cuts connections that have not opened (TLS handshake, preamble, AUTH
-// where the server has tenants) within opening_timeout_ of their connect:
+// where the server has tenants) within the opening timeout of their connect:
 // the sockets' timeouts bound each read, not the whole, and a peer that
 // sends a byte now and then would otherwise hold a thread for good.
 void DataLane::WatchOpenings() {
@@ -79,11 +83,11 @@ void DataLane::WatchOpenings() {
   while (!mutex_.AwaitWithTimeout(absl::Condition(&stopping_), kOpeningCheckInterval)) {
     const absl::Time now = absl::Now();
     for (Connection& connection : connections_) {
-      if (connection.done || connection.cut) continue;
-      if (connection.session != nullptr && connection.session->opened()) continue;
-      if (now - connection.accepted_at < opening_timeout_) continue;
+      if (!Opening(connection)) continue;
+      if (now - connection.accepted_at < limits_.opening_timeout) continue;
       shutdown(connection.fd.get(), SHUT_RDWR);
-      connection.cut = true;
+      connection.cut = Cut::kOpeningTimeout;
+      ++cut_opening_timeout_;
     }
   }
 }
@@ -94,8 +98,11 @@ void DataLane::AcceptLoop(Tenants& tenants) {
     if (fd >= 0) {
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      // A client that vanished without closing its end frees its thread.
-      setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+      // A client that vanished without closing its end frees its thread,
+      // its slot and its tenant's connection quota in seconds.
+      if (absl::Status kept = lane::SetKeepalive(fd, keepalive_); !kept.ok()) {
+        LogError("%s", kept.message());
+      }
       Serve(tenants, lane::OwnedFd(fd));
       continue;
     }
@@ -114,9 +121,10 @@ void DataLane::Serve(Tenants& tenants, lane::OwnedFd fd) {
   absl::MutexLock lock(&mutex_);
   if (stopping_) return;
   ReapFinished();
-  if (connections_.size() >= kMaxConnections) {
+  if (!MakeRoom()) {
+    ++refused_busy_;
     // Said in plaintext only: a TLS client would read it as a broken handshake.
-    if (tls_ == nullptr) RefuseBusy(fd.get());
+    if (tls_ == nullptr) RefuseBusy(fd.get(), limits_.max_connections);
     return;
   }
   Connection& connection = connections_.emplace_back();
@@ -141,18 +149,14 @@ void DataLane::RunConnection(Tenants& tenants, Connection& connection) {
   // A client that broke the protocol or failed its handshake, or a Fetch
   // that broke its announced length, is worth a line; a client that left
   // is not.
-  bool cut;
+  Cut cut;
   {
     absl::MutexLock lock(&mutex_);
     cut = connection.cut;
   }
-  if (cut) {
-    status = absl::DeadlineExceededError(absl::StrCat(
-        "data lane: the connection did not open (TLS handshake, preamble, AUTH) within ",
-        absl::FormatDuration(opening_timeout_)));
-  }
+  if (cut != Cut::kNo) status = CutStatus(cut);
   uint64_t held_back = 0;
-  if ((cut || absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
+  if ((cut != Cut::kNo || absl::IsInvalidArgument(status) || absl::IsAborted(status) ||
        absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status)) &&
       closed_lines_.Allow(absl::Now(), held_back)) {
     LogError("data lane: closed a connection: %s%s", status.message(),
@@ -167,7 +171,7 @@ void DataLane::RunConnection(Tenants& tenants, Connection& connection) {
 absl::Status DataLane::Handshake(Connection& connection) {
   if (tls_ == nullptr) return absl::OkStatus();
   const int fd = connection.fd.get();
-  SetTimeouts(fd, opening_timeout_);  // each read and write; WatchOpenings bounds the whole
+  SetTimeouts(fd, limits_.opening_timeout);  // each read and write; WatchOpenings bounds the whole
   absl::StatusOr<std::unique_ptr<lane::TlsSession>> session = lane::TlsSession::Accept(*tls_, fd);
   SetTimeouts(fd, absl::ZeroDuration());  // afterwards, as in plaintext: none
   if (!session.ok()) {
@@ -177,6 +181,48 @@ absl::Status DataLane::Handshake(Connection& connection) {
   absl::call_once(described, [&] { LogInfo("data lane: %s", (*session)->Describe()); });
   connection.tls = *std::move(session);
   return absl::OkStatus();
+}
+
+absl::Status DataLane::CutStatus(Cut cut) const {
+  if (cut == Cut::kDisplaced) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "data lane: cut while opening (TLS handshake, preamble, AUTH), the longest opening "
+        "when a new connection found ",
+        limits_.max_opening, " opening (lane_max_opening) or ", limits_.max_connections,
+        " open (lane_max_connections)"));
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "data lane: the connection did not open (TLS handshake, preamble, AUTH) within ",
+      absl::FormatDuration(limits_.opening_timeout)));
+}
+
+bool DataLane::Opening(const Connection& connection) {
+  if (connection.done || connection.cut != Cut::kNo) return false;
+  return connection.session == nullptr || !connection.session->opened();
+}
+
+bool DataLane::MakeRoom() {
+  // Cut ones still closing hold threads too: a peer that connects faster
+  // than they close cannot grow the threads past twice the limit.
+  if (connections_.size() >= 2 * static_cast<size_t>(limits_.max_connections)) return false;
+  int held = 0;
+  int opening = 0;
+  Connection* oldest_opening = nullptr;
+  // In accept order: the first that is opening has been opening longest.
+  for (Connection& connection : connections_) {
+    // Cut ones are on their way out (their reads fail at once).
+    if (connection.done || connection.cut != Cut::kNo) continue;
+    ++held;
+    if (!Opening(connection)) continue;
+    if (oldest_opening == nullptr) oldest_opening = &connection;
+    ++opening;
+  }
+  if (opening < limits_.max_opening && held < limits_.max_connections) return true;
+  if (oldest_opening == nullptr) return false;  // every one has opened
+  shutdown(oldest_opening->fd.get(), SHUT_RDWR);
+  oldest_opening->cut = Cut::kDisplaced;
+  ++cut_displaced_;
+  return true;
 }
 
 void DataLane::ReapFinished() {
@@ -219,6 +265,21 @@ void DataLane::Shutdown(absl::Duration grace) {
     }
     absl::SleepFor(absl::Milliseconds(2));
   }
+}
+
+LaneCounts DataLane::Counts() {
+  absl::MutexLock lock(&mutex_);
+  LaneCounts counts{.refused_busy = refused_busy_,
+                    .cut_opening_timeout = cut_opening_timeout_,
+                    .cut_displaced = cut_displaced_};
+  for (const Connection& connection : connections_) {
+    if (Opening(connection)) {
+      ++counts.opening;
+    } else if (!connection.done && connection.cut == Cut::kNo) {
+      ++counts.open;
+    }
+  }
+  return counts;
 }
 
 int DataLane::open_connections() {

@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "lane/socket.h"
 #include "lane/tls.h"
+#include "service/lane_limits.h"
 #include "service/tenants.h"
 
 namespace kvcache::service {
@@ -29,13 +30,12 @@ class DataLane {
  public:
   // Listens on host:port (port 0: a free one); serves nothing until Serve.
   // With `tls` each connection runs TLS from its first byte (null: plaintext).
-  // A connection must open (its TLS handshake, its preamble, and its AUTH
-  // where the server has tenants) within `opening_timeout` of its connect,
-  // or it is closed.
+  // `limits` and `keepalive` must be valid (their Validate); each accepted
+  // connection gets `keepalive`.
   static absl::StatusOr<std::unique_ptr<DataLane>> Listen(
       const std::string& listen, uint64_t max_message_bytes,
-      std::shared_ptr<const lane::TlsContext> tls = nullptr,
-      absl::Duration opening_timeout = absl::Seconds(10));
+      std::shared_ptr<const lane::TlsContext> tls = nullptr, LaneLimits limits = {},
+      lane::Keepalive keepalive = {});
   ~DataLane();  // Shutdown(no grace)
 
   int port() const { return port_; }
@@ -46,10 +46,13 @@ class DataLane {
   // way may finish until `grace` has passed, then their connections are cut
   // (acknowledged updates stay applied).
   void Shutdown(absl::Duration grace);
-  // Connections open now (for tests and logs).
+  // Connections open now, opened or opening (for tests and logs).
   int open_connections();
+  LaneCounts Counts();
 
  private:
+  // Why the lane shut a connection before it opened.
+  enum class Cut { kNo, kOpeningTimeout, kDisplaced };
   struct Connection {
     lane::OwnedFd fd;
     std::unique_ptr<lane::TlsSession> tls;  // once its handshake is done
@@ -62,11 +65,12 @@ class DataLane {
     // thread-safety analysis cannot name the enclosing lane's mutex from a
     // member of this struct (it would look for the connection's own).
     bool done = false;
-    bool cut = false;  // shut down by WatchOpenings
+    Cut cut = Cut::kNo;
   };
 
   DataLane(lane::OwnedFd listener, int port, uint64_t max_message_bytes,
-           std::shared_ptr<const lane::TlsContext> tls, absl::Duration opening_timeout);
+           std::shared_ptr<const lane::TlsContext> tls, LaneLimits limits,
+           lane::Keepalive keepalive);
   void AcceptLoop(Tenants& tenants);
   void WatchOpenings();
   void Serve(Tenants& tenants, lane::OwnedFd fd);
@@ -76,6 +80,15 @@ class DataLane {
   absl::Status Handshake(Connection& connection);
   // Joins the connections whose sessions have ended.
   void ReapFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Whether `connection` is accepted and neither opened nor ended or cut.
+  static bool Opening(const Connection& connection);
+  // Whether a connection just accepted may be held. Where max_opening are
+  // opening, or max_connections are held and some are opening, it cuts the
+  // one opening longest to make room; false: all are held and opened (or
+  // twice max_connections are held or closing).
+  bool MakeRoom() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // The status a cut connection's line gives.
+  absl::Status CutStatus(Cut cut) const;
   // Shuts the reading side of idle connections (both sides of all, when
   // `all`); returns whether no connection is left.
   bool CloseIdle(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
@@ -84,13 +97,18 @@ class DataLane {
   const int port_;
   const uint64_t max_message_bytes_;
   const std::shared_ptr<const lane::TlsContext> tls_;
-  const absl::Duration opening_timeout_;
+  const LaneLimits limits_;
+  const lane::Keepalive keepalive_;
   LogLimiter closed_lines_;
   std::thread acceptor_;
   std::thread opening_watch_;
   absl::Mutex mutex_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mutex_);
   bool stopping_ ABSL_GUARDED_BY(mutex_) = false;
+  // LaneCounts' totals of connections closed unasked.
+  uint64_t refused_busy_ ABSL_GUARDED_BY(mutex_) = 0;
+  uint64_t cut_opening_timeout_ ABSL_GUARDED_BY(mutex_) = 0;
+  uint64_t cut_displaced_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
 }  // namespace kvcache::service

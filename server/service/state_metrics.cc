@@ -146,6 +146,21 @@ void CollectTenants(const std::vector<TenantSample>& tenants, FamilyBuilder& out
   }
 }
 
+// The lane's connections that are still opening, and those it closed
+// before they opened: a peer that connects and never authenticates shows
+// here, and nowhere per tenant.
+void CollectLane(const LaneCounts& lane, FamilyBuilder& out) {
+  out.Family("kvcached_lane_connections_opening",
+             "Data-lane connections accepted and not yet opened (TLS, preamble, AUTH)",
+             MetricType::Gauge)
+      .Sample(lane.opening);
+  out.Family("kvcached_lane_connections_refused_total",
+             "Data-lane connections closed before they opened, by reason", MetricType::Counter)
+      .Sample(double(lane.refused_busy), {{"reason", "busy"}})
+      .Sample(double(lane.cut_opening_timeout), {{"reason", "opening_timeout"}})
+      .Sample(double(lane.cut_displaced), {{"reason", "displaced"}});
+}
+
 }  // namespace
 
 std::vector<MetricFamily> StateMetrics::Collect() const {
@@ -161,6 +176,7 @@ std::vector<MetricFamily> StateMetrics::Collect() const {
   FamilyBuilder out(families);
   if (!tenants.empty()) CollectPool(tenants.front().stats.pool, out);  // one pool under all
   CollectTenants(tenants, out);
+  if (lane_ != nullptr) CollectLane(lane_->Counts(), out);
   return families;
 }
 

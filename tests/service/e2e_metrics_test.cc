@@ -11,6 +11,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -159,6 +160,47 @@ TEST_F(E2eMetricsTest, BytesOfEachTransportAndWhatThePoolHolds) {
   }
   EXPECT_EQ(Sample(after, R"(kvcached_lane_connections{tenant="anonymous"})"), 0);
   EXPECT_EQ(Sample(after, R"(kvcached_caches{tenant="anonymous"})"), 1);
+}
+
+// Connections that never open show as the lane's, not any tenant's: the
+// ones opening now, and those cut or refused by reason.
+TEST_F(E2eMetricsTest, TheLaneCountsConnectionsThatDidNotOpen) {
+  ASSERT_NO_FATAL_FAILURE(Start({.lane_limits = {.max_connections = 3,
+                                                 .max_opening = 2,
+                                                 .opening_timeout = absl::Milliseconds(300)}}));
+  std::string text = Scrape();
+  EXPECT_EQ(Sample(text, "kvcached_lane_connections_opening"), 0);
+  for (const char* reason : {"busy", "opening_timeout", "displaced"}) {
+    EXPECT_EQ(Sample(text, absl::StrCat(R"(kvcached_lane_connections_refused_total{reason=")",
+                                        reason, "\"}")),
+              0)
+        << reason;
+  }
+  // Three that send nothing: one is cut for room, two wait out their 300 ms.
+  std::vector<lane::OwnedFd> silent;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<int> fd = lane::Connect(server_->server().data_lane_address(),
+                                           absl::Seconds(5), /*preamble=*/"");
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    silent.emplace_back(*fd);
+  }
+  for (int i = 0; i < 200 && Sample(text, "kvcached_lane_connections_opening") != 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+    text = Scrape();
+  }
+  EXPECT_EQ(Sample(text, "kvcached_lane_connections_opening"), 2);
+  EXPECT_EQ(Sample(text, R"(kvcached_lane_connections_refused_total{reason="displaced"})"), 1);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (Sample(text, R"(kvcached_lane_connections_refused_total{reason="opening_timeout"})") <
+             2 &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    text = Scrape();
+  }
+  EXPECT_EQ(Sample(text, R"(kvcached_lane_connections_refused_total{reason="opening_timeout"})"),
+            2);
+  EXPECT_EQ(Sample(text, "kvcached_lane_connections_opening"), 0);
+  EXPECT_EQ(Sample(text, R"(kvcached_lane_connections_refused_total{reason="busy"})"), 0);
 }
 
 TEST_F(E2eMetricsTest, EachTenantHasItsOwnSeries) {

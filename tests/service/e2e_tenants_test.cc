@@ -632,7 +632,7 @@ TEST_F(E2eTenantsTest, OnlyAnAdminNamesAnotherTenant) {
     EXPECT_THAT(caches.message(), HasSubstr("tenant"));
     EXPECT_EQ(alice_->ListSnapshots("", other).status(), caches);
   }
-  for (const std::string& any : {"", "alice", "bob", "nobody"}) {
+  for (const char* any : {"", "alice", "bob", "nobody"}) {
     const absl::Status evict = alice_->EvictSnapshots(0, any).status();
     EXPECT_EQ(evict.code(), Code::kPermissionDenied) << any;
     EXPECT_THAT(evict.message(), HasSubstr("admin")) << any;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
 #include "chunked_recurrent_test_util.h"
 #include "gpu/device.h"
 #include "reference_quantized.h"
@@ -21,7 +22,7 @@ namespace kvcache::testing {
 
 std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   ServerConfig config;
-  config.listen = "127.0.0.1:0";
+  config.listen = setup.listen;
   if (setup.data_lane) config.data_lane_listen = "127.0.0.1:0";
   config.device.enable_validation = true;
   config.device.force_staging =
@@ -44,7 +45,9 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.tokens_file = setup.tokens_file;
   config.tls = setup.tls;
   config.allow_plaintext_lane = setup.allow_plaintext_lane;
-  config.lane_opening_timeout = setup.lane_opening_timeout;
+  config.lane_limits = setup.lane_limits;
+  config.keepalive = setup.keepalive;
+  config.grpc_handshake_timeout = setup.grpc_handshake_timeout;
   config.metrics_listen = setup.metrics_listen;
   config.access_log = setup.access_log;
   config.kv_events = setup.kv_events;
@@ -70,6 +73,16 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
     return nullptr;
   }
   return test_server;
+}
+
+void ExpectStartRefused(ServerConfig config, const std::string& field) {
+  SCOPED_TRACE(field);
+  config.listen = "127.0.0.1:0";
+  if (!config.data_lane_listen.empty()) config.data_lane_listen = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Start(config);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+  EXPECT_THAT(std::string(server.status().message()), ::testing::HasSubstr(field));
 }
 
 TestServer::~TestServer() {

@@ -58,8 +58,11 @@ struct ServerSetup {
   TlsConfig tls;
   bool allow_plaintext_lane = false;
   ClientOptions client_tls;
-  // How long a lane connection has to open (ServerConfig::lane_opening_timeout).
-  absl::Duration lane_opening_timeout = absl::Seconds(10);
+  // Lane connections: how many, how many opening, for how long (ServerConfig::lane_limits).
+  service::LaneLimits lane_limits;
+  // The server's --keepalive_time, --keepalive_timeout and --grpc_handshake_timeout.
+  lane::Keepalive keepalive;
+  absl::Duration grpc_handshake_timeout = absl::Seconds(10);
   // The server's --metrics_listen (empty: no endpoint) and --access_log.
   std::string metrics_listen;
   bool access_log = false;
@@ -72,6 +75,8 @@ struct ServerSetup {
   std::string peer_ca_file;
   std::string peer_cert_file;
   std::string peer_key_file;
+  // Where the gRPC port listens (port 0: a free one).
+  std::string listen = "127.0.0.1:0";
 };
 
 class TestServer {
@@ -124,6 +129,10 @@ class E2eTest : public ::testing::TestWithParam<TransferPath> {
 // The transfer paths the end-to-end suites run on (the engine suites cover all).
 inline constexpr TransferPath kE2ePaths[] = {TransferPath::kDirect, TransferPath::kStagingRegions};
 std::string PathTestName(const ::testing::TestParamInfo<TransferPath>& info);
+
+// KvCacheServer::Start(config), on free loopback ports, refuses with
+// INVALID_ARGUMENT naming `field`.
+void ExpectStartRefused(ServerConfig config, const std::string& field);
 
 // "/kvcache.v1.KvCacheService/<name>" of every RPC of the proto.
 std::vector<std::string> EveryRpcMethod();

@@ -239,7 +239,7 @@ TEST_F(E2eTlsTest, AcknowledgementsCountedWhileWritingOverTheTlsLane) {
 TEST_F(E2eTlsTest, ALaneConnectionThatDoesNotOpenInTimeIsClosed) {
   server_ = TestServer::Start({.tls = ServerTls(false),
                                .client_tls = Trusting("ca.pem"),
-                               .lane_opening_timeout = absl::Seconds(1)});
+                               .lane_limits = {.opening_timeout = absl::Seconds(1)}});
   ASSERT_NE(server_, nullptr);
   std::unique_ptr<Client> on_lane = server_->Connect(/*dedicated=*/true, "auto");
   ASSERT_TRUE(on_lane->uses_data_lane());

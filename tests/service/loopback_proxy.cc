@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace kvcache::testing {
 namespace {
@@ -99,7 +100,10 @@ void LoopbackProxy::AcceptLoop() {
       if (server_fd >= 0) close(server_fd);
       continue;
     }
-    links_.push_back(std::make_unique<Link>(Link{client_fd, server_fd}));
+    auto link = std::make_unique<Link>();
+    link->client_fd = client_fd;
+    link->server_fd = server_fd;
+    links_.push_back(std::move(link));
     pumps_.emplace_back([this, link = links_.back().get()] { Pump(link); });
   }
 }
@@ -108,6 +112,8 @@ void LoopbackProxy::Pump(Link* link) {
   pollfd fds[2] = {{link->client_fd, POLLIN, 0}, {link->server_fd, POLLIN, 0}};
   bool open = true;
   while (open && poll(fds, 2, -1) > 0) {
+    while (frozen_ && !link->cut) absl::SleepFor(absl::Milliseconds(10));
+    if (link->cut) break;
     if (fds[0].revents != 0) open = Forward(link->client_fd, link->server_fd);
     if (open && fds[1].revents != 0) open = Forward(link->server_fd, link->client_fd);
   }
@@ -127,6 +133,7 @@ void LoopbackProxy::CutConnections() {
 
 // A zero linger makes the close send RST; the shutdown wakes the pump.
 void LoopbackProxy::Cut(Link& link) {
+  link.cut = true;
   const linger reset{.l_onoff = 1, .l_linger = 0};
   for (int fd : {link.client_fd, link.server_fd}) {
     setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));

@@ -4,6 +4,7 @@
 // open calls keep it alive) does that.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,12 +26,17 @@ class LoopbackProxy {
   // Resets every forwarded connection at once (both sides see RST); new
   // connections are still accepted.
   void CutConnections();
+  // Stops forwarding, in both directions, on every connection, keeping them
+  // open: as a peer whose host went away looks (its kernel still
+  // acknowledges what reaches it here, but nothing answers).
+  void Freeze() { frozen_ = true; }
 
  private:
   struct Link {
     int client_fd;
     int server_fd;
     bool closed = false;
+    std::atomic<bool> cut{false};
   };
 
   LoopbackProxy(int listen_fd, int port, int target_port);
@@ -41,6 +47,7 @@ class LoopbackProxy {
   const int listen_fd_;
   const int port_;
   const int target_port_;
+  std::atomic<bool> frozen_{false};
   std::thread acceptor_;
   absl::Mutex mutex_;
   bool stopping_ ABSL_GUARDED_BY(mutex_) = false;

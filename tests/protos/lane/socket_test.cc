@@ -1,6 +1,8 @@
 // Listening, connecting with the preamble, and addresses that are refused.
 #include "lane/socket.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include <string>
@@ -28,6 +30,48 @@ TEST(LaneConnectTest, ListensOnAFreePortAndSendsThePreamble) {
 
   EXPECT_TRUE(absl::IsInvalidArgument(Connect("no-port", absl::Seconds(1)).status()));
   EXPECT_FALSE(Listen("127.0.0.1:" + std::to_string(port), port).ok());  // taken
+}
+
+int IntOption(int fd, int level, int name) {
+  int value = -1;
+  socklen_t size = sizeof(value);
+  EXPECT_EQ(getsockopt(fd, level, name, &value, &size), 0);
+  return value;
+}
+
+// Whole seconds, rounded up, for the kernel's keepalive; milliseconds for
+// the unacknowledged-data timeout.
+TEST(LaneKeepaliveTest, SetsTheProbesAndTheTimeoutOfUnacknowledgedBytes) {
+  int port = 0;
+  absl::StatusOr<int> listener = Listen("127.0.0.1:0", port);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  OwnedFd listening(*listener);
+  absl::StatusOr<int> client = Connect("127.0.0.1:" + std::to_string(port), absl::Seconds(5));
+  ASSERT_TRUE(client.ok()) << client.status();
+  OwnedFd connected(*client);
+  EXPECT_EQ(IntOption(connected.get(), SOL_SOCKET, SO_KEEPALIVE), 0);
+
+  ASSERT_TRUE(SetKeepalive(connected.get(), {.time = absl::Milliseconds(1500),
+                                             .timeout = absl::Seconds(2)})
+                  .ok());
+  EXPECT_EQ(IntOption(connected.get(), SOL_SOCKET, SO_KEEPALIVE), 1);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPIDLE), 2);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPINTVL), 1);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPCNT), 3);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 3500);
+
+  ASSERT_TRUE(SetKeepalive(connected.get(), {}).ok());  // the defaults: 30 s, 10 s
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPIDLE), 30);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPINTVL), 4);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 40000);
+
+  EXPECT_FALSE(SetKeepalive(-1, {}).ok());
+  const absl::Status no_time = Keepalive{.time = absl::ZeroDuration()}.Validate();
+  EXPECT_TRUE(absl::IsInvalidArgument(no_time));
+  EXPECT_NE(no_time.message().find("keepalive_time"), std::string::npos) << no_time;
+  const absl::Status no_timeout = Keepalive{.timeout = absl::Seconds(-1)}.Validate();
+  EXPECT_NE(no_timeout.message().find("keepalive_timeout"), std::string::npos) << no_timeout;
+  EXPECT_TRUE(Keepalive{}.Validate().ok());
 }
 
 }  // namespace
