@@ -61,7 +61,8 @@ struct ClientOptions {
   // low, so a replica that restarts is used again within seconds.
   absl::Duration max_reconnect_backoff;
   // Until the channel has connected once, each call first waits up to this
-  // (within its deadline) for the connection: a worker started beside its
+  // (at most its deadline, which starts after the wait) for the
+  // connection: a worker started beside its
   // server gets its first call through once the server listens, and gRPC
   // 1.51, which can report a connect still under way as failed, does not
   // fail it. No call is retried for it: it waits before it is sent. Zero:

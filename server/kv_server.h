@@ -63,8 +63,10 @@ struct ServerConfig {
   service::LaneLimits lane_limits;
   // A peer that went away without closing (its host down, the network cut)
   // is found by pings (HTTP/2 PING on gRPC, TCP keepalive on the lane) and
-  // dropped with its calls, freeing their quota, within keepalive.time +
-  // keepalive.timeout of its last byte.
+  // dropped with its calls, freeing their quota, about keepalive.time +
+  // keepalive.timeout after its last byte (lane::Keepalive). gRPC also ends
+  // a connection whose sent bytes stay unacknowledged for keepalive.timeout
+  // (its TCP_USER_TIMEOUT, 20 s by its own default too).
   lane::Keepalive keepalive;
   // A gRPC connection must finish its TLS handshake and send its HTTP/2
   // settings within this of its connect (gRPC's own default: 2 minutes).

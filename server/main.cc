@@ -26,21 +26,23 @@ ABSL_FLAG(std::string, data_lane_advertise, "",
           "host:port clients are told to reach the data lane at, where it differs from "
           "--data_lane_listen (a container's published port, a NAT); empty: that address");
 ABSL_FLAG(int32_t, lane_max_connections, 1024,
-          "most data-lane connections open at once (each holds a thread); past it a new one is "
-          "refused");
+          "most data-lane connections held at once (each holds a thread); past it a new one "
+          "cuts the connection opening longest, or is refused where all have opened");
 ABSL_FLAG(int32_t, lane_max_opening, 64,
           "most data-lane connections still opening (TLS handshake, preamble, AUTH) at once; a "
           "new one past it cuts the one opening longest, so peers that never authenticate "
-          "cannot hold the lane's connections");
+          "hold at most this many of the lane's connections");
 ABSL_FLAG(absl::Duration, lane_opening_timeout, absl::Seconds(10),
           "how long a data-lane connection may take to open before it is cut");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
           "a gRPC or data-lane connection silent this long is pinged (HTTP/2 PING, TCP "
           "keepalive), so a worker whose host went away is dropped with its calls and their "
           "quota; past --keepalive_timeout with no answer it is closed");
-ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
-          "how long a ping waits for its answer (and unacknowledged bytes wait, with "
-          "--keepalive_time) before the connection is closed");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
+          "how long a ping waits for its answer before the connection is closed (at most "
+          "32767s). Bytes sent and unacknowledged (or a peer's shut receive window) end a "
+          "connection too: on gRPC after this long, on the lane after --keepalive_time plus "
+          "this");
 ABSL_FLAG(absl::Duration, grpc_handshake_timeout, absl::Seconds(10),
           "how long a gRPC connection may take for its TLS handshake and HTTP/2 settings");
 ABSL_FLAG(std::string, replica_name, "",

@@ -60,11 +60,18 @@ void SetTimeouts(int fd, absl::Duration timeout) {
 }  // namespace
 
 absl::Status Keepalive::Validate() const {
-  if (time <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("keepalive_time: must be positive");
-  }
-  if (timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("keepalive_timeout: must be positive");
+  // TCP_KEEPIDLE and TCP_KEEPINTVL take at most 32767 s.
+  constexpr absl::Duration kMost = absl::Seconds(32767);
+  const struct {
+    const char* name;
+    absl::Duration value;
+  } fields[] = {{"keepalive_time", time}, {"keepalive_timeout", timeout}};
+  for (const auto& field : fields) {
+    if (field.value < absl::Milliseconds(1) || field.value > kMost) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field.name, ": ", absl::FormatDuration(field.value),
+                       " is not from 1ms to 32767s"));
+    }
   }
   return absl::OkStatus();
 }
@@ -72,14 +79,15 @@ absl::Status Keepalive::Validate() const {
 absl::Status SetKeepalive(int fd, const Keepalive& keepalive) {
   constexpr int kProbes = 3;
   auto whole_seconds = [](absl::Duration duration) {
-    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Seconds(absl::Ceil(duration, absl::Seconds(1))), 1, INT32_MAX));
+    const int64_t seconds = absl::ToInt64Seconds(absl::Ceil(duration, absl::Seconds(1)));
+    return static_cast<int>(std::clamp<int64_t>(seconds, 1, 32767));
   };
   const int on = 1;
   const int idle = whole_seconds(keepalive.time);
   const int interval = whole_seconds(keepalive.timeout / kProbes);
   const int probes = kProbes;
-  const unsigned user_timeout = static_cast<unsigned>(std::clamp<int64_t>(
-      absl::ToInt64Milliseconds(keepalive.time + keepalive.timeout), 1, UINT32_MAX));
+  const int user_timeout = static_cast<int>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(keepalive.time + keepalive.timeout), 1, INT32_MAX));
   if (setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) != 0 ||
       setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle)) != 0 ||
       setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval)) != 0 ||

@@ -23,20 +23,25 @@ absl::StatusOr<int> Listen(const std::string& address, int& port);
 
 // How a connection whose peer went away (its host down, the network cut,
 // no FIN or RST ever coming) is found: after `time` without a byte from the
-// peer it is probed, and it is dropped when `timeout` passes with no answer,
-// or when bytes sent stay unacknowledged for time + timeout. The kernel's
-// own default finds such a peer after more than two hours.
+// peer it is probed, and it is dropped once `timeout` more passes with no
+// answer (SetKeepalive: on the lane within a probe interval, timeout / 3,
+// after that). The kernel's own default finds such a peer after more than
+// two hours. The default timeout is gRPC's own (its server sockets' bound
+// on unacknowledged bytes is 20 s too).
 struct Keepalive {
   absl::Duration time = absl::Seconds(30);
-  absl::Duration timeout = absl::Seconds(10);
+  absl::Duration timeout = absl::Seconds(20);
 
-  // InvalidArgument naming keepalive_time or keepalive_timeout where one is not positive.
+  // InvalidArgument naming keepalive_time or keepalive_timeout where one is
+  // not from 1 ms to 32767 s (the kernel's bound on its probe times).
   absl::Status Validate() const;
 };
 
-// SO_KEEPALIVE with TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT and
-// TCP_USER_TIMEOUT from `keepalive` (whole seconds, at least one, for the
-// first three).
+// SO_KEEPALIVE with TCP_KEEPIDLE (time), TCP_KEEPINTVL (timeout / 3),
+// TCP_KEEPCNT (3), all in whole seconds of at least one, and
+// TCP_USER_TIMEOUT of time + timeout: bytes sent and unacknowledged that
+// long, or a peer's receive window shut that long, end the connection too.
+// `keepalive` must be valid.
 absl::Status SetKeepalive(int fd, const Keepalive& keepalive);
 
 // Closes a file descriptor when it goes out of scope.

@@ -101,7 +101,8 @@ void DataLane::AcceptLoop(Tenants& tenants) {
       // A client that vanished without closing its end frees its thread,
       // its slot and its tenant's connection quota in seconds.
       if (absl::Status kept = lane::SetKeepalive(fd, keepalive_); !kept.ok()) {
-        LogError("%s", kept.message());
+        static absl::once_flag said;  // the same on every socket: once is enough
+        absl::call_once(said, [&] { LogError("%s", kept.message()); });
       }
       Serve(tenants, lane::OwnedFd(fd));
       continue;

@@ -46,7 +46,8 @@ class DataLane {
   // way may finish until `grace` has passed, then their connections are cut
   // (acknowledged updates stay applied).
   void Shutdown(absl::Duration grace);
-  // Connections open now, opened or opening (for tests and logs).
+  // Connections held now: opened, opening, or cut and still closing (for
+  // tests and logs).
   int open_connections();
   LaneCounts Counts();
 

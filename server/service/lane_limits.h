@@ -18,8 +18,8 @@ struct LaneLimits {
   // Of those, how many may still be opening (TLS handshake, preamble, AUTH
   // where the server has tenants). A new connection past it cuts the one
   // that has been opening longest: peers that never authenticate hold at
-  // most this many slots, and a worker that opens in milliseconds gets in
-  // however many of them keep connecting.
+  // most this many slots, and a worker gets in as long as fewer than this
+  // many connections arrive while it opens (a round trip or two).
   int max_opening = 64;
   // A connection that has not opened within this of its connect is cut.
   absl::Duration opening_timeout = absl::Seconds(10);

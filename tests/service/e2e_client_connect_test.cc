@@ -26,9 +26,12 @@ int FreePort() {
   return ntohs(address.sin_port);
 }
 
+// Reconnecting every 200 ms at most: gRPC's own backoff (1 s, growing 1.6x)
+// could put its next attempt past the wait on a slow machine.
 std::unique_ptr<Client> ConnectTo(const std::string& address, absl::Duration first_connect_wait) {
   return Client::Connect({.address = address,
                           .dedicated_connection = true,
+                          .max_reconnect_backoff = absl::Milliseconds(200),
                           .first_connect_wait = first_connect_wait});
 }
 

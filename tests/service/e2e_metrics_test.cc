@@ -167,7 +167,7 @@ TEST_F(E2eMetricsTest, BytesOfEachTransportAndWhatThePoolHolds) {
 TEST_F(E2eMetricsTest, TheLaneCountsConnectionsThatDidNotOpen) {
   ASSERT_NO_FATAL_FAILURE(Start({.lane_limits = {.max_connections = 3,
                                                  .max_opening = 2,
-                                                 .opening_timeout = absl::Milliseconds(300)}}));
+                                                 .opening_timeout = absl::Seconds(2)}}));
   std::string text = Scrape();
   EXPECT_EQ(Sample(text, "kvcached_lane_connections_opening"), 0);
   for (const char* reason : {"busy", "opening_timeout", "displaced"}) {
@@ -176,7 +176,7 @@ TEST_F(E2eMetricsTest, TheLaneCountsConnectionsThatDidNotOpen) {
               0)
         << reason;
   }
-  // Three that send nothing: one is cut for room, two wait out their 300 ms.
+  // Three that send nothing: one is cut for room, two wait out their 2 s.
   std::vector<lane::OwnedFd> silent;
   for (int i = 0; i < 3; ++i) {
     absl::StatusOr<int> fd = lane::Connect(server_->server().data_lane_address(),
@@ -184,7 +184,9 @@ TEST_F(E2eMetricsTest, TheLaneCountsConnectionsThatDidNotOpen) {
     ASSERT_TRUE(fd.ok()) << fd.status();
     silent.emplace_back(*fd);
   }
-  for (int i = 0; i < 200 && Sample(text, "kvcached_lane_connections_opening") != 2; ++i) {
+  for (int i = 0; i < 200 && (Sample(text, "kvcached_lane_connections_opening") != 2 ||
+                              Sample(text, R"(kvcached_lane_connections_refused_total{reason="displaced"})") != 1);
+       ++i) {
     absl::SleepFor(absl::Milliseconds(5));
     text = Scrape();
   }

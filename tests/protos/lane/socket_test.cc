@@ -60,10 +60,16 @@ TEST(LaneKeepaliveTest, SetsTheProbesAndTheTimeoutOfUnacknowledgedBytes) {
   EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPCNT), 3);
   EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 3500);
 
-  ASSERT_TRUE(SetKeepalive(connected.get(), {}).ok());  // the defaults: 30 s, 10 s
+  ASSERT_TRUE(SetKeepalive(connected.get(), {}).ok());  // the defaults: 30 s, 20 s
   EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPIDLE), 30);
-  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPINTVL), 4);
-  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 40000);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPINTVL), 7);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 50000);
+  // The kernel's most, both ways.
+  const Keepalive longest{.time = absl::Seconds(32767), .timeout = absl::Seconds(32767)};
+  ASSERT_TRUE(longest.Validate().ok());
+  ASSERT_TRUE(SetKeepalive(connected.get(), longest).ok());
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_KEEPIDLE), 32767);
+  EXPECT_EQ(IntOption(connected.get(), IPPROTO_TCP, TCP_USER_TIMEOUT), 65534000);
 
   EXPECT_FALSE(SetKeepalive(-1, {}).ok());
   const absl::Status no_time = Keepalive{.time = absl::ZeroDuration()}.Validate();
@@ -71,6 +77,11 @@ TEST(LaneKeepaliveTest, SetsTheProbesAndTheTimeoutOfUnacknowledgedBytes) {
   EXPECT_NE(no_time.message().find("keepalive_time"), std::string::npos) << no_time;
   const absl::Status no_timeout = Keepalive{.timeout = absl::Seconds(-1)}.Validate();
   EXPECT_NE(no_timeout.message().find("keepalive_timeout"), std::string::npos) << no_timeout;
+  for (const Keepalive& too_long : {Keepalive{.time = absl::Seconds(32768)},
+                                    Keepalive{.timeout = absl::InfiniteDuration()}}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(too_long.Validate())) << too_long.Validate();
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(Keepalive{.time = absl::Microseconds(10)}.Validate()));
   EXPECT_TRUE(Keepalive{}.Validate().ok());
 }
 
