@@ -10,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_format.h"
 #include "kvcache_client.h"
 
@@ -174,6 +177,32 @@ int Check(const absl::Status& status, const char* what) {
   if (status.ok()) return 0;
   std::fprintf(stderr, "demo: %s failed: %s\n", what, status.ToString().c_str());
   return 1;
+}
+
+// A Snapshot sent twice with one request_id, as the client's retry after a
+// lost answer sends it: the server answers the second from its request log,
+// so there is one snapshot, not two.
+absl::Status ShowRetries(kvcache::Client& client, const std::string& cache_id) {
+  kvcache::v1::SnapshotRequest request;
+  request.set_cache_id(cache_id);
+  absl::BitGen random;  // a new id each run: one id names one request
+  request.set_request_id(absl::StrFormat("demo-%016x", absl::Uniform<uint64_t>(random)));
+  kvcache::v1::SnapshotInfo first, second;
+  for (kvcache::v1::SnapshotInfo* answer : {&first, &second}) {
+    grpc::ClientContext context;
+    const grpc::Status status = client.stub().Snapshot(&context, request, answer);
+    if (!status.ok()) return absl::InternalError(status.error_message());
+  }
+  if (second.snapshot_id() != first.snapshot_id()) {
+    return absl::InternalError("a retried Snapshot made a second snapshot");
+  }
+  auto stats = client.GetStats();
+  if (!stats.ok()) return stats.status();
+  absl::PrintF(
+      "a Snapshot sent twice with one request_id (a retry after a lost answer) made one "
+      "snapshot: %s both times (%d request(s) answered from the request log)\n",
+      first.snapshot_id(), stats->requests_replayed());
+  return client.ReleaseSnapshot(first.snapshot_id());
 }
 
 // A snapshot leased for one second that no one names again runs out and is
@@ -433,6 +462,7 @@ int main(int argc, char** argv) {
       snapshot->snapshot_id().c_str(), snapshot->to_offset(), snapshot->size_bytes(),
       snapshot->ttl_seconds());
   if (Check(ShowLeases(*client, id), "leases")) return 1;
+  if (Check(ShowRetries(*client, id), "retries")) return 1;
 
   if (Check(Generate(*client, id, offset, 0, 40), "branch")) return 1;
   absl::PrintF("decoded a 40-token branch: offset %d\n", offset);

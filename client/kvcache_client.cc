@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "call_metadata.h"
 #include "fetch_transport.h"
 #include "fetch_view.h"
@@ -31,15 +33,50 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// gRPC's retry policy for the calls that are safe to repeat: reads only.
+// gRPC's retry policy, for the calls that are safe to send again: reads,
+// calls whose repeat changes nothing more (Restore to the same offset,
+// SetPinned, RenewLease, SaveSnapshot over the same name, PublishPrefix of
+// the same tokens, EvictSnapshots), and every call that carries a
+// request_id, which the server answers once (kvcache.proto, "Retries").
+// Streams are retried only before their first answer arrives (gRPC's rule),
+// so a Fetch or ExportSnapshot is never sent again half-read. Update and
+// ImportSnapshot are not listed: Update carries expected_offset for the
+// caller to resume from, an import's bytes are not kept. Nor is
+// PullSnapshot, which keeps no answer to replay.
 constexpr char kServiceConfig[] = R"({
   "methodConfig": [{
     "name": [
+      {"service": "kvcache.v1.KvCacheService", "method": "CreateCache"},
       {"service": "kvcache.v1.KvCacheService", "method": "GetCache"},
       {"service": "kvcache.v1.KvCacheService", "method": "ListCaches"},
+      {"service": "kvcache.v1.KvCacheService", "method": "DeleteCache"},
+      {"service": "kvcache.v1.KvCacheService", "method": "Trim"},
+      {"service": "kvcache.v1.KvCacheService", "method": "Snapshot"},
+      {"service": "kvcache.v1.KvCacheService", "method": "Restore"},
+      {"service": "kvcache.v1.KvCacheService", "method": "MergeSnapshots"},
+      {"service": "kvcache.v1.KvCacheService", "method": "SplitSnapshot"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ReleaseSnapshot"},
       {"service": "kvcache.v1.KvCacheService", "method": "ListSnapshots"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ExtractRow"},
+      {"service": "kvcache.v1.KvCacheService", "method": "FilterRows"},
+      {"service": "kvcache.v1.KvCacheService", "method": "MergeCaches"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ExtendCache"},
+      {"service": "kvcache.v1.KvCacheService", "method": "BeginSpeculation"},
+      {"service": "kvcache.v1.KvCacheService", "method": "CommitSpeculation"},
+      {"service": "kvcache.v1.KvCacheService", "method": "AbortSpeculation"},
       {"service": "kvcache.v1.KvCacheService", "method": "GetStats"},
-      {"service": "kvcache.v1.KvCacheService", "method": "Fetch"}
+      {"service": "kvcache.v1.KvCacheService", "method": "RenewLease"},
+      {"service": "kvcache.v1.KvCacheService", "method": "SetPinned"},
+      {"service": "kvcache.v1.KvCacheService", "method": "EvictSnapshots"},
+      {"service": "kvcache.v1.KvCacheService", "method": "SaveSnapshot"},
+      {"service": "kvcache.v1.KvCacheService", "method": "LoadSnapshot"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ListSaved"},
+      {"service": "kvcache.v1.KvCacheService", "method": "DeleteSaved"},
+      {"service": "kvcache.v1.KvCacheService", "method": "PublishPrefix"},
+      {"service": "kvcache.v1.KvCacheService", "method": "LookupPrefix"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ListPrefixes"},
+      {"service": "kvcache.v1.KvCacheService", "method": "Fetch"},
+      {"service": "kvcache.v1.KvCacheService", "method": "ExportSnapshot"}
     ],
     "retryPolicy": {
       "maxAttempts": 4,
@@ -50,6 +87,25 @@ constexpr char kServiceConfig[] = R"({
     }
   }]
 })";
+
+// A fresh id for a request that creates, changes or consumes something, so
+// that gRPC's retry of it (kServiceConfig) is answered once by the server.
+// 128 random bits: unique without any coordination between clients.
+std::string NewRequestId() {
+  thread_local absl::BitGen random;
+  return absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(random),
+                         absl::Uniform<uint64_t>(random));
+}
+
+// `request` as sent: with a new request_id where its type has one and the
+// caller set none.
+template <typename Request>
+Request WithRequestId(Request request) {
+  if constexpr (requires { request.request_id(); }) {
+    if (request.request_id().empty()) request.set_request_id(NewRequestId());
+  }
+  return request;
+}
 
 template <typename Response, typename Call>
 absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
@@ -183,9 +239,11 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
   return absl::UnavailableError(absl::StrCat("no kvcached answers at ", options_.address));
 }
 
-#define KV_UNARY(Method, request)                                                       \
-  [&](grpc::ClientContext* context, auto* response) {                                   \
-    return stub_->Method(context, request, response);                                   \
+// The call of one unary RPC; the request is stamped once, so every attempt
+// gRPC makes of it carries the same request_id.
+#define KV_UNARY(Method, request)                                                  \
+  [&, sent = WithRequestId(request)](grpc::ClientContext* context, auto* response) { \
+    return stub_->Method(context, sent, response);                                 \
   }
 
 absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds) {

@@ -241,6 +241,10 @@ int Stats(kvcache::Client& client) {
                     : (" of " + Bytes(stats->max_saved_bytes())).c_str());
   }
   std::printf("prefixes      %s\n", PrefixTotals(*stats).c_str());
+  std::printf("request log   %llu answers kept for retries (%s), %llu retries answered from it\n",
+              (unsigned long long)stats->request_log_entries(),
+              Bytes(stats->request_log_bytes()).c_str(),
+              (unsigned long long)stats->requests_replayed());
   return 0;
 }
 

@@ -307,6 +307,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   if (config.engine.default_ttl > absl::ZeroDuration()) {
     LogInfo("leases: %s by default", absl::FormatDuration(config.engine.default_ttl));
   }
+  RETURN_IF_ERROR(config.request_log.Validate());
   // The lane listens first, so GetStats can name its port.
   ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
   if (lane_on) {
@@ -334,7 +335,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                               .device_name = device.name,
                               .transfer_path = path,
                               .data_lane_address = server->advertised_lane_address(),
-                              .replica_name = config.replica_name};
+                              .replica_name = config.replica_name,
+                              .request_log = config.request_log};
   server->metrics_registry_ = std::make_shared<prometheus::Registry>();
   if (!config.kv_events.endpoint.empty()) {
     ASSIGN_OR_RETURN(server->kv_events_,

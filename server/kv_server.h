@@ -21,6 +21,7 @@
 #include "service/handlers.h"
 #include "lane/socket.h"
 #include "service/lane_limits.h"
+#include "service/request_log.h"
 #include "service/rpc_observer.h"
 #include "transport_security.h"
 
@@ -71,6 +72,9 @@ struct ServerConfig {
   // A gRPC connection must finish its TLS handshake and send its HTTP/2
   // settings within this of its connect (gRPC's own default: 2 minutes).
   absl::Duration grpc_handshake_timeout = absl::Seconds(10);
+  // How long and how many answers each tenant keeps for requests sent again
+  // with the same request_id (service/request_log.h).
+  service::RequestLogLimits request_log;
   // How often the lease reaper looks for leases that ran out (lease_reaper.h).
   absl::Duration lease_check_interval = absl::Milliseconds(250);
   // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere

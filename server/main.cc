@@ -86,6 +86,11 @@ ABSL_FLAG(uint64_t, metadata_bytes, 0,
           "most host memory caches and snapshots may hold outside the pool (page tables, layer "
           "objects, ids); past it a new cache or snapshot is RESOURCE_EXHAUSTED. "
           "0 = an eighth of --pool_bytes, at least 64 MiB");
+ABSL_FLAG(absl::Duration, request_log_window, absl::Minutes(10),
+          "how long the answer to a request with a request_id is kept, so the same request "
+          "sent again (a client's retry) is answered without being run twice");
+ABSL_FLAG(uint64_t, request_log_bytes, 8 << 20,
+          "most bytes of kept answers per tenant (oldest dropped first)");
 ABSL_FLAG(absl::Duration, lease_check_interval, absl::Milliseconds(250),
           "how often expired leases are looked for");
 ABSL_FLAG(std::string, tokens_file, "",
@@ -231,6 +236,8 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.disk_bytes = absl::GetFlag(FLAGS_disk_bytes);
   config.engine.metadata_bytes = absl::GetFlag(FLAGS_metadata_bytes);
   config.lease_check_interval = absl::GetFlag(FLAGS_lease_check_interval);
+  config.request_log = {.window = absl::GetFlag(FLAGS_request_log_window),
+                        .max_bytes = absl::GetFlag(FLAGS_request_log_bytes)};
   config.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   config.tls = {.cert_file = absl::GetFlag(FLAGS_tls_cert),
                 .key_file = absl::GetFlag(FLAGS_tls_key),

@@ -4,7 +4,10 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/hash/hash.h"
 #include "absl/strings/str_format.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "core/status_macros.h"
 #include "core/tensor_size.h"
 #include "service/convert.h"
@@ -13,7 +16,36 @@
 namespace kvcache::service {
 
 Handlers::Handlers(engine::Engine& engine, ServiceOptions options)
-    : engine_(engine), options_(std::move(options)) {}
+    : engine_(engine), options_(std::move(options)), request_log_(options_.request_log) {}
+
+absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& request_id,
+                                  const google::protobuf::Message& without_id,
+                                  google::protobuf::Message* response,
+                                  absl::FunctionRef<absl::Status()> run) {
+  RETURN_IF_ERROR(CheckIdLength("request_id", request_id));
+  // Deterministic, so the same request always has the same fingerprint.
+  std::string request_bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&request_bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    without_id.SerializeToCodedStream(&coded);
+  }
+  ASSIGN_OR_RETURN(std::optional<std::string> earlier,
+                   request_log_.Begin(request_id, method, absl::HashOf(request_bytes), absl::Now()));
+  if (earlier.has_value()) {
+    response->Clear();
+    if (!response->ParseFromString(*earlier)) {
+      return absl::InternalError(absl::StrCat("request_id: the kept answer to ", method,
+                                              " does not parse"));
+    }
+    return absl::OkStatus();
+  }
+  const absl::Status status = run();
+  request_log_.Finish(request_id, status.ok(), status.ok() ? response->SerializeAsString() : "",
+                      absl::Now());
+  return status;
+}
 
 absl::Status Handlers::CreateCache(const v1::CreateCacheRequest& request,
                                    v1::CacheInfo* response) {
@@ -317,6 +349,10 @@ absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response)
   response->set_tenant_max_disk_bytes(stats.account.limits.disk_pages * page_bytes);
   response->set_saved_bytes(stats.saved_bytes);
   response->set_max_saved_bytes(stats.max_saved_bytes);
+  const RequestLogCounts log = request_log_.Counts(absl::Now());
+  response->set_request_log_entries(log.entries);
+  response->set_request_log_bytes(log.bytes);
+  response->set_requests_replayed(log.replayed);
   return absl::OkStatus();
 }
 

@@ -13,6 +13,9 @@
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "absl/functional/function_ref.h"
+#include "absl/strings/string_view.h"
+#include "service/request_log.h"
 #include "service/unary_rpcs.h"
 #include "service/update_view.h"
 
@@ -30,6 +33,9 @@ struct ServiceOptions {
   std::string data_lane_address;
   // kvcached --replica_name; empty when it has none.
   std::string replica_name;
+  // How long and how many answers are kept for requests sent again with
+  // their request_id (request_log.h).
+  RequestLogLimits request_log;
 };
 
 // What a Fetch sends: the state it reads, frozen, and the chunks to cut from it.
@@ -65,6 +71,24 @@ class Handlers {
   absl::Status Name(const v1::Request& request, v1::Response* response);
   KV_FOR_EACH_UNARY_RPC(KV_DECLARE_HANDLER)
 #undef KV_DECLARE_HANDLER
+
+  // Runs a unary RPC's handler. A request that carries a request_id is run
+  // once: sent again with that id it gets the first run's answer
+  // (request_log.h). Every unary call goes through here.
+  template <typename Request, typename Response>
+  absl::Status Answer(absl::Status (Handlers::*handler)(const Request&, Response*),
+                      absl::string_view method, const Request& request, Response* response) {
+    if constexpr (requires { request.request_id(); }) {
+      if (!request.request_id().empty()) {
+        Request without_id = request;
+        without_id.clear_request_id();
+        return AnswerOnce(method, request.request_id(), without_id, response,
+                          [&] { return (this->*handler)(request, response); });
+      }
+    }
+    return (this->*handler)(request, response);
+  }
+  RequestLogCounts RequestLogCountsNow() { return request_log_.Counts(absl::Now()); }
 
   // One message of an Update stream: keys and values for an attention layer,
   // a state for a recurrent one. `known` (may be null) is the spec a stream
@@ -118,8 +142,15 @@ class Handlers {
   absl::Status CheckFetchLayers(const v1::FetchRequest& request, const engine::CacheSpec& spec,
                                 std::vector<uint32_t>& layers) const;
 
+  // Answer's half for a request with a request_id; `without_id` is the
+  // request with its id cleared, to tell a retry from another request.
+  absl::Status AnswerOnce(absl::string_view method, const std::string& request_id,
+                          const google::protobuf::Message& without_id,
+                          google::protobuf::Message* response, absl::FunctionRef<absl::Status()> run);
+
   engine::Engine& engine_;
   const ServiceOptions options_;
+  RequestLog request_log_;
 };
 
 }  // namespace kvcache::service

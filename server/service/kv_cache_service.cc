@@ -58,7 +58,8 @@ absl::StatusOr<Admitted> KvCacheService::Admit(const grpc::CallbackServerContext
     if (!call.ok()) return FinishUnary(context, call.status());                                   \
     const absl::StatusOr<Handlers*> handlers = HandlersFor(*call, *request);                      \
     const absl::Status status =                                                                   \
-        handlers.ok() ? (*handlers)->Name(*request, response) : handlers.status();                \
+        handlers.ok() ? (*handlers)->Answer(&Handlers::Name, #Name, *request, response)          \
+                      : handlers.status();                                                        \
     if (status.ok()) Scope(*call, response);                                                      \
     call->Answering();                                                                            \
     return new AnsweredUnary(*std::move(call), status);                                           \

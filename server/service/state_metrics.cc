@@ -76,6 +76,7 @@ struct TenantSample {
   std::string label;
   const Tenant* tenant;
   engine::EngineStats stats;
+  RequestLogCounts request_log;
 };
 
 // One family with a sample per tenant.
@@ -131,6 +132,14 @@ void CollectTenants(const std::vector<TenantSample>& tenants, FamilyBuilder& out
             [](T t) { return double(t.tenant->lane_connections.load()); });
   PerTenant(out, tenants, "kvcached_lane_connections_total", "Data-lane connections admitted",
             kCounter, [](T t) { return double(t.tenant->lane_connections_admitted.load()); });
+  PerTenant(out, tenants, "kvcached_request_log_entries",
+            "Answers kept for requests sent again with their request_id", kGauge,
+            [](T t) { return double(t.request_log.entries); });
+  PerTenant(out, tenants, "kvcached_request_log_bytes", "Bytes those answers hold", kGauge,
+            [](T t) { return double(t.request_log.bytes); });
+  PerTenant(out, tenants, "kvcached_requests_replayed_total",
+            "Requests answered from the request log instead of run again", kCounter,
+            [](T t) { return double(t.request_log.replayed); });
   for (const bool received : {true, false}) {
     out.Family(received ? "kvcached_received_bytes_total" : "kvcached_sent_bytes_total",
                received ? "Bytes of Update and import requests, by transport"
@@ -168,7 +177,8 @@ std::vector<MetricFamily> StateMetrics::Collect() const {
   for (const Tenant* tenant : tenants_.All()) {
     tenants.push_back({.label = tenant->name.empty() ? "anonymous" : tenant->name,
                        .tenant = tenant,
-                       .stats = tenant->parts.engine->Stats()});
+                       .stats = tenant->parts.engine->Stats(),
+                       .request_log = tenant->parts.handlers->RequestLogCountsNow()});
   }
   std::sort(tenants.begin(), tenants.end(),
             [](const TenantSample& a, const TenantSample& b) { return a.label < b.label; });
