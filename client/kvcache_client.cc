@@ -33,16 +33,16 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// gRPC's retry policy, for the calls that are safe to send again: reads,
-// calls whose repeat changes nothing more (Restore to the same offset,
-// SetPinned, RenewLease, SaveSnapshot over the same name, PublishPrefix of
-// the same tokens, EvictSnapshots), and every call that carries a
-// request_id, which the server answers once (kvcache.proto, "Retries").
-// Streams are retried only before their first answer arrives (gRPC's rule),
-// so a Fetch or ExportSnapshot is never sent again half-read. Update and
-// ImportSnapshot are not listed: Update carries expected_offset for the
-// caller to resume from, an import's bytes are not kept. Nor is
-// PullSnapshot, which keeps no answer to replay.
+// gRPC's retry policy, for the calls that are safe to send again: reads;
+// every call that carries a request_id, which the server answers once
+// (kvcache.proto, "Retries"); and calls whose repeat does nothing more
+// (Restore to the same offset, SetPinned, RenewLease, SaveSnapshot over the
+// same name, PublishPrefix of the same tokens). Streams are retried only
+// before their first answer arrives (gRPC's rule), so a Fetch or
+// ExportSnapshot is never sent again half-read. Not listed: Update (its
+// expected_offset lets the caller resume), ImportSnapshot (its bytes are not
+// kept), PullSnapshot (no answer kept to replay) and EvictSnapshots (a
+// repeat would move more pages).
 constexpr char kServiceConfig[] = R"({
   "methodConfig": [{
     "name": [
@@ -67,7 +67,6 @@ constexpr char kServiceConfig[] = R"({
       {"service": "kvcache.v1.KvCacheService", "method": "GetStats"},
       {"service": "kvcache.v1.KvCacheService", "method": "RenewLease"},
       {"service": "kvcache.v1.KvCacheService", "method": "SetPinned"},
-      {"service": "kvcache.v1.KvCacheService", "method": "EvictSnapshots"},
       {"service": "kvcache.v1.KvCacheService", "method": "SaveSnapshot"},
       {"service": "kvcache.v1.KvCacheService", "method": "LoadSnapshot"},
       {"service": "kvcache.v1.KvCacheService", "method": "ListSaved"},

@@ -122,11 +122,11 @@ class UpdateTransport;
 }  // namespace internal
 
 // A unary call that gets UNAVAILABLE is sent again, up to four attempts in
-// all (gRPC's retry policy). Each call that changes something carries a
-// fresh random request_id, the same in every attempt, so where only the
-// answer was lost the server answers the retry from its request log rather
-// than doing the work twice (kvcache.proto, "Retries"). Update,
-// ImportSnapshot and PullSnapshot are never sent twice.
+// all (gRPC's retry policy). Each call whose repeat would do more work
+// carries a fresh random request_id, the same in every attempt, so where
+// only the answer was lost the server answers the retry from its request log
+// rather than doing the work twice (kvcache.proto, "Retries"). Update,
+// ImportSnapshot, PullSnapshot and EvictSnapshots are never sent twice.
 class Client {
  public:
   static std::unique_ptr<Client> Connect(const ClientOptions& options);

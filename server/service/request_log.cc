@@ -74,13 +74,17 @@ RequestLogCounts RequestLog::Counts(absl::Time now) {
 
 void RequestLog::Prune(absl::Time now) {
   while (!answered_.empty() && now - answered_.front().at >= limits_.window) DropOldest();
-  while (bytes_ > limits_.max_bytes) DropOldest();
+  while (bytes_ > limits_.max_bytes && !answered_.empty()) DropOldest();
 }
 
 void RequestLog::DropOldest() {
+  // Every answered id is in entries_ until this drops it (running ids are
+  // never in answered_).
   const auto it = entries_.find(answered_.front().request_id);
-  bytes_ -= CostOf(it->first, it->second);
-  entries_.erase(it);
+  if (it != entries_.end()) {
+    bytes_ -= CostOf(it->first, it->second);
+    entries_.erase(it);
+  }
   answered_.pop_front();
 }
 

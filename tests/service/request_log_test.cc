@@ -4,8 +4,11 @@
 // window and the byte bound drop the oldest answers first.
 #include "service/request_log.h"
 
+#include <atomic>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -119,6 +122,34 @@ TEST(RequestLogTest, AnAnswerLargerThanTheBoundIsNotKept) {
   log.Finish("huge", true, std::string(5000, 'h'), kStart);
   ExpectRun(log, "huge");  // runs again rather than evicting everything
   ExpectReplay(log, "small", "s");
+}
+
+TEST(RequestLogTest, OfManyThreadsSendingOneIdAtOnceOneRuns) {
+  RequestLog log({});
+  std::atomic<int> ran{0}, told_to_retry{0}, replayed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) {
+        const std::string id = absl::StrCat("id", i);
+        const auto claim = log.Begin(id, "CreateCache", 1, kStart);
+        if (!claim.ok()) {
+          EXPECT_EQ(claim.status().code(), absl::StatusCode::kUnavailable);
+          ++told_to_retry;
+        } else if (claim->has_value()) {
+          EXPECT_EQ(**claim, id);
+          ++replayed;
+        } else {
+          ++ran;
+          log.Finish(id, true, id, kStart);
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(ran.load(), 200);
+  EXPECT_EQ(ran + told_to_retry + replayed, 8 * 200);
+  EXPECT_EQ(log.Counts(kStart).entries, 200u);
 }
 
 TEST(RequestLogTest, LimitsAreChecked) {

@@ -153,6 +153,54 @@ TEST_P(RequestReplayTest, ASpeculationIsBegunAndCommittedOnce) {
             Code::kNotFound);
 }
 
+TEST_P(RequestReplayTest, ADeleteAndACommitAnswerTheirRetryAsTheFirstTime) {
+  v1::CacheInfo scratch;
+  ASSERT_TRUE(handlers_->CreateCache(CreateRequest(""), &scratch).ok());
+  v1::DeleteCacheRequest remove;
+  remove.set_cache_id(scratch.cache_id());
+  remove.set_request_id("delete-1");
+  v1::DeleteCacheResponse removed;
+  ASSERT_TRUE(Send(&Handlers::DeleteCache, "DeleteCache", remove, &removed).ok());
+  EXPECT_TRUE(Send(&Handlers::DeleteCache, "DeleteCache", remove, &removed).ok());
+  EXPECT_EQ(engine_->GetCache(scratch.cache_id()).status().code(), Code::kNotFound);
+
+  v1::BeginSpeculationRequest begin;
+  begin.set_cache_id(cache_);
+  v1::BeginSpeculationResponse begun;
+  ASSERT_TRUE(handlers_->BeginSpeculation(begin, &begun).ok());
+  v1::CommitSpeculationRequest commit;
+  commit.set_speculation_id(begun.speculation_id());
+  commit.set_accepted(0);
+  commit.set_request_id("commit-1");
+  v1::CacheInfo committed, committed_again;
+  ASSERT_TRUE(Send(&Handlers::CommitSpeculation, "CommitSpeculation", commit, &committed).ok());
+  ASSERT_TRUE(
+      Send(&Handlers::CommitSpeculation, "CommitSpeculation", commit, &committed_again).ok());
+  EXPECT_EQ(committed_again.SerializeAsString(), committed.SerializeAsString());
+  EXPECT_EQ(OffsetOf(cache_), 10u);
+}
+
+TEST_P(RequestReplayTest, ARetriedPublishAnswersAsTheFirstDidNotAsAlreadyPublished) {
+  v1::SnapshotRequest take;
+  take.set_cache_id(cache_);
+  v1::SnapshotInfo snapshot;
+  ASSERT_TRUE(handlers_->Snapshot(take, &snapshot).ok());
+  v1::PublishPrefixRequest publish;
+  publish.set_snapshot_id(snapshot.snapshot_id());
+  for (uint32_t token = 0; token < 10; ++token) publish.add_tokens(100 + token);
+  publish.set_request_id("publish-1");
+  v1::PublishPrefixResponse first, second;
+  ASSERT_TRUE(Send(&Handlers::PublishPrefix, "PublishPrefix", publish, &first).ok());
+  ASSERT_TRUE(Send(&Handlers::PublishPrefix, "PublishPrefix", publish, &second).ok());
+  EXPECT_FALSE(first.already_published());
+  EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
+  // The same publish under a new id is a new call, and finds its own entry.
+  publish.set_request_id("publish-2");
+  v1::PublishPrefixResponse third;
+  ASSERT_TRUE(Send(&Handlers::PublishPrefix, "PublishPrefix", publish, &third).ok());
+  EXPECT_TRUE(third.already_published());
+}
+
 TEST_P(RequestReplayTest, AnIdReusedForAnotherRequestIsRefusedAndChangesNothing) {
   v1::TrimRequest trim;
   trim.set_cache_id(cache_);
