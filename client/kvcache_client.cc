@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <cstring>
 
 #include "absl/random/random.h"
@@ -106,6 +108,25 @@ Request WithRequestId(Request request) {
   return request;
 }
 
+// HTTP/2 pings every keepalive_time, on idle channels too and without end
+// (gRPC's client stops after two pings without data unless told otherwise).
+void SetKeepalive(const ClientOptions& options, grpc::ChannelArguments& args) {
+  if (options.keepalive_time <= absl::ZeroDuration()) return;
+  const auto ms = [](absl::Duration d) {
+    return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT32_MAX));
+  };
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ms(options.keepalive_time));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(options.keepalive_timeout));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+}
+
+// The lane's TCP keepalive, as the channel's; none where pings are off.
+std::optional<lane::Keepalive> LaneKeepalive(const ClientOptions& options) {
+  if (options.keepalive_time <= absl::ZeroDuration()) return std::nullopt;
+  return lane::Keepalive{.time = options.keepalive_time, .timeout = options.keepalive_timeout};
+}
+
 template <typename Response, typename Call>
 absl::StatusOr<Response> Unary(const Client& client, Call&& call) {
   client.AwaitFirstConnect();
@@ -172,6 +193,7 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetServiceConfigJSON(kServiceConfig);
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  SetKeepalive(options, args);
   if (options.max_reconnect_backoff > absl::ZeroDuration()) {
     const int ms = static_cast<int>(absl::ToInt64Milliseconds(options.max_reconnect_backoff));
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms);
@@ -214,7 +236,7 @@ Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> chan
             if (!stats.ok()) return stats.status();
             return stats->data_lane_address();
           },
-          LaneTls(options), options.tls_server_name)),
+          LaneTls(options), options.tls_server_name, LaneKeepalive(options))),
       grpc_fetch_(internal::GrpcFetchTransport(*stub_, options.deadline)),
       lane_fetch_(internal::LaneFetchTransport(*lanes_)) {}
 

@@ -69,6 +69,16 @@ struct ClientOptions {
   // calls fail fast from the start. ShardedClient sets zero (a replica that
   // is down must fail fast so creates go to the next).
   absl::Duration first_connect_wait = absl::Seconds(3);
+  // A connection silent this long is pinged (HTTP/2 PING on gRPC, even while
+  // no call runs; TCP keepalive on the data lane), and dropped when no answer
+  // comes within keepalive_timeout: a worker whose server's host went away
+  // (no reset ever comes) notices in about time + timeout rather than at
+  // each call's deadline, and its calls fail fast and are retried, or go to
+  // another replica. kvcached accepts pings as often as every 10 s (less
+  // where its own --keepalive_time is shorter); more often it answers with
+  // GOAWAY. Zero: no pings.
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
 };
 
 // A recurrent layer's new state (UpdateRequest.state, ollama RecurrentCache):
@@ -265,6 +275,8 @@ class Client {
   absl::StatusOr<v1::CacheInfo> AbortSpeculation(const std::string& speculation_id);
 
   v1::KvCacheService::Stub& stub() { return *stub_; }
+  // The gRPC channel, e.g. to watch its connectivity state.
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
   // Waits for the channel's first connection (ClientOptions::first_connect_wait);
   // every call of this class does so itself, a caller of stub() may.
   void AwaitFirstConnect() const;

@@ -353,7 +353,7 @@ LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration
                    uint64_t max_payload, std::string token,
                    std::function<absl::StatusOr<std::string>()> ask_server,
                    absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls,
-                   std::string tls_server_name)
+                   std::string tls_server_name, std::optional<lane::Keepalive> keepalive)
     : setting_(std::move(setting)),
       grpc_address_(std::move(grpc_address)),
       timeout_(timeout),
@@ -361,15 +361,22 @@ LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration
       token_(std::move(token)),
       tls_(std::move(tls)),
       tls_server_name_(std::move(tls_server_name)),
+      keepalive_(keepalive),
       ask_server_(std::move(ask_server)) {}
 
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::ConnectWith(
     const std::string& address, absl::string_view preamble) const {
   if (!tls_.ok()) return tls_.status();
+  if (keepalive_.has_value()) {
+    if (absl::Status valid = keepalive_->Validate(); !valid.ok()) return valid;
+  }
   const lane::TlsContext* tls = tls_->get();
   absl::StatusOr<int> fd = lane::Connect(address, timeout_, tls == nullptr ? preamble : "");
   if (!fd.ok()) return fd.status();
   lane::OwnedFd owned(*fd);
+  if (keepalive_.has_value()) {
+    if (absl::Status set = lane::SetKeepalive(owned.get(), *keepalive_); !set.ok()) return set;
+  }
   std::unique_ptr<lane::TlsSession> session;
   if (tls != nullptr) {
     std::string host = tls_server_name_.empty() ? HostOf(address) : tls_server_name_;

@@ -44,6 +44,7 @@ class LanePool {
   // server gives in Stats, found by `ask_server`; gRPC where it has none or
   // it cannot be reached) or host:port.
   // `token`: sent in each connection's AUTH frame where not empty.
+  // `keepalive`: each connection's TCP keepalive (none: the kernel's).
   // `tls`: connections run TLS with it (null: plaintext; an error: none can
   // be made, for that reason); the server's certificate must name
   // `tls_server_name`, or where that is empty the lane address's host.
@@ -51,7 +52,8 @@ class LanePool {
            uint64_t max_payload, std::string token,
            std::function<absl::StatusOr<std::string>()> ask_server,
            absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls = nullptr,
-           std::string tls_server_name = "");
+           std::string tls_server_name = "",
+           std::optional<lane::Keepalive> keepalive = std::nullopt);
 
   // Whether Update and Fetch go over the lane (resolves "auto" once).
   bool enabled();
@@ -81,6 +83,7 @@ class LanePool {
   const std::string token_;
   const absl::StatusOr<std::shared_ptr<const lane::TlsContext>> tls_;
   const std::string tls_server_name_;
+  const std::optional<lane::Keepalive> keepalive_;  // TCP keepalive of each connection
   std::function<absl::StatusOr<std::string>()> ask_server_;
   // The server closed a KVLANE02 connection unanswered (and no connect failed since).
   std::atomic<bool> first_version_only_{false};

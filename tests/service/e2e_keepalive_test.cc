@@ -97,6 +97,62 @@ TEST_F(E2eKeepaliveTest, AWorkerWhoseHostWentAwayIsDroppedAndItsQuotaComesBack) 
   EXPECT_TRUE(alice.DeleteCache(cache->cache_id()).ok());
 }
 
+TEST_F(E2eKeepaliveTest, AClientNoticesThatItsServerWentAwayWithoutMakingACall) {
+  server_ = TestServer::Start(
+      {.data_lane = false,
+       .keepalive = {.time = absl::Milliseconds(500), .timeout = absl::Milliseconds(500)}});
+  ASSERT_NE(server_, nullptr);
+  std::unique_ptr<LoopbackProxy> proxy = LoopbackProxy::Start(server_->server().port());
+  ASSERT_NE(proxy, nullptr);
+  std::unique_ptr<Client> pinging = Client::Connect({.address = proxy->address(),
+                                                     .dedicated_connection = true,
+                                                     .keepalive_time = absl::Seconds(1),
+                                                     .keepalive_timeout = absl::Milliseconds(500)});
+  std::unique_ptr<Client> silent = Client::Connect({.address = proxy->address(),
+                                                    .dedicated_connection = true,
+                                                    .keepalive_time = absl::ZeroDuration()});
+  ASSERT_TRUE(pinging->GetStats().ok());
+  ASSERT_TRUE(silent->GetStats().ok());
+  // Idle pings the server answers keep the connection (it allows them this often).
+  absl::SleepFor(absl::Milliseconds(2500));
+  ASSERT_EQ(pinging->channel()->GetState(false), GRPC_CHANNEL_READY);
+
+  // The server's host goes away: no reset, no answer.
+  proxy->Freeze();
+  const absl::Time frozen = absl::Now();
+  while (pinging->channel()->GetState(false) == GRPC_CHANNEL_READY &&
+         absl::Now() - frozen < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const absl::Duration noticed_after = absl::Now() - frozen;
+  EXPECT_NE(pinging->channel()->GetState(false), GRPC_CHANNEL_READY)
+      << "a client that pings did not notice in 10 s";
+  // Pinged within 1 s of the last bytes, dropped 0.5 s later.
+  EXPECT_GE(noticed_after, absl::Milliseconds(400));
+  EXPECT_LT(noticed_after, absl::Seconds(5));
+  // One without pings has nothing to tell it.
+  EXPECT_EQ(silent->channel()->GetState(false), GRPC_CHANNEL_READY);
+}
+
+TEST(E2eKeepaliveClientTest, KeepaliveValuesTheKernelCannotTakeRefuseEachLaneConnection) {
+  std::unique_ptr<TestServer> server = TestServer::Start({});
+  ASSERT_NE(server, nullptr);
+  const engine::CacheSpec spec = MakeSpec({StandardLayerSpec(1, 8)});
+  absl::StatusOr<v1::CacheInfo> cache = server->client().CreateCache(ToWireSpec(spec));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  std::unique_ptr<Client> bad = Client::Connect({.address = server->server().address(),
+                                                 .data_lane = server->server().data_lane_address(),
+                                                 .keepalive_time = absl::Seconds(40000)});
+  v1::FetchRequest fetch;
+  fetch.set_cache_id(cache->cache_id());
+  const absl::Status fetched = bad->FetchAll(fetch).status();
+  EXPECT_EQ(fetched.code(), absl::StatusCode::kInvalidArgument) << fetched;
+  EXPECT_THAT(fetched.message(), HasSubstr("keepalive_time"));
+  EXPECT_TRUE(bad->GetStats().ok());  // gRPC takes them
+  ASSERT_TRUE(server->client().DeleteCache(cache->cache_id()).ok());
+  server->CleanUpAndCheck();
+}
+
 TEST_F(E2eKeepaliveTest, AConnectionThatNeverSpeaksHttp2IsClosedAfterTheHandshakeTimeout) {
   server_ = TestServer::Start({.grpc_handshake_timeout = absl::Milliseconds(500)});
   ASSERT_NE(server_, nullptr);
