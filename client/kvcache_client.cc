@@ -43,8 +43,7 @@ absl::Status FromGrpc(const grpc::Status& status) {
 // before their first answer arrives (gRPC's rule), so a Fetch or
 // ExportSnapshot is never sent again half-read. Not listed: Update (its
 // expected_offset lets the caller resume), ImportSnapshot (its bytes are not
-// kept), PullSnapshot (no answer kept to replay) and EvictSnapshots (a
-// repeat would move more pages).
+// kept) and EvictSnapshots (a repeat would move more pages).
 constexpr char kServiceConfig[] = R"({
   "methodConfig": [{
     "name": [
@@ -76,6 +75,7 @@ constexpr char kServiceConfig[] = R"({
       {"service": "kvcache.v1.KvCacheService", "method": "PublishPrefix"},
       {"service": "kvcache.v1.KvCacheService", "method": "LookupPrefix"},
       {"service": "kvcache.v1.KvCacheService", "method": "ListPrefixes"},
+      {"service": "kvcache.v1.KvCacheService", "method": "PullSnapshot"},
       {"service": "kvcache.v1.KvCacheService", "method": "Fetch"},
       {"service": "kvcache.v1.KvCacheService", "method": "ExportSnapshot"}
     ],

@@ -136,7 +136,7 @@ class UpdateTransport;
 // carries a fresh random request_id, the same in every attempt, so where
 // only the answer was lost the server answers the retry from its request log
 // rather than doing the work twice (kvcache.proto, "Retries"). Update,
-// ImportSnapshot, PullSnapshot and EvictSnapshots are never sent twice.
+// ImportSnapshot and EvictSnapshots are never sent twice.
 class Client {
  public:
   static std::unique_ptr<Client> Connect(const ClientOptions& options);

@@ -18,10 +18,9 @@ namespace kvcache::service {
 Handlers::Handlers(engine::Engine& engine, ServiceOptions options)
     : engine_(engine), options_(std::move(options)), request_log_(options_.request_log) {}
 
-absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& request_id,
-                                  const google::protobuf::Message& without_id,
-                                  google::protobuf::Message* response,
-                                  absl::FunctionRef<absl::Status()> run) {
+absl::StatusOr<std::optional<std::string>> Handlers::BeginOnce(
+    absl::string_view method, const std::string& request_id,
+    const google::protobuf::Message& without_id) {
   RETURN_IF_ERROR(CheckIdLength("request_id", request_id));
   // Deterministic, so the same request always has the same fingerprint.
   std::string request_bytes;
@@ -31,8 +30,20 @@ absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& r
     coded.SetSerializationDeterministic(true);
     without_id.SerializeToCodedStream(&coded);
   }
-  ASSIGN_OR_RETURN(std::optional<std::string> earlier,
-                   request_log_.Begin(request_id, method, absl::HashOf(request_bytes), absl::Now()));
+  return request_log_.Begin(request_id, method, absl::HashOf(request_bytes), absl::Now());
+}
+
+void Handlers::FinishOnce(const std::string& request_id, const absl::Status& status,
+                          const google::protobuf::Message& response) {
+  request_log_.Finish(request_id, status.ok(), status.ok() ? response.SerializeAsString() : "",
+                      absl::Now());
+}
+
+absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& request_id,
+                                  const google::protobuf::Message& without_id,
+                                  google::protobuf::Message* response,
+                                  absl::FunctionRef<absl::Status()> run) {
+  ASSIGN_OR_RETURN(std::optional<std::string> earlier, BeginOnce(method, request_id, without_id));
   if (earlier.has_value()) {
     response->Clear();
     if (!response->ParseFromString(*earlier)) {
@@ -42,8 +53,7 @@ absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& r
     return absl::OkStatus();
   }
   const absl::Status status = run();
-  request_log_.Finish(request_id, status.ok(), status.ok() ? response->SerializeAsString() : "",
-                      absl::Now());
+  FinishOnce(request_id, status, *response);
   return status;
 }
 

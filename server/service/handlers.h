@@ -88,6 +88,14 @@ class Handlers {
     }
     return (this->*handler)(request, response);
   }
+  // Answer's two halves, for a call answered later than its handler returns
+  // (PullSnapshot's reactor): the earlier answer to send again, or nullopt
+  // to run the call and then FinishOnce with the same id.
+  absl::StatusOr<std::optional<std::string>> BeginOnce(absl::string_view method,
+                                                       const std::string& request_id,
+                                                       const google::protobuf::Message& without_id);
+  void FinishOnce(const std::string& request_id, const absl::Status& status,
+                  const google::protobuf::Message& response);
   RequestLogCounts RequestLogCountsNow() { return request_log_.Counts(absl::Now()); }
 
   // One message of an Update stream: keys and values for an attention layer,

@@ -21,6 +21,7 @@ PullReactor::PullReactor(Admitted admitted, grpc::CallbackServerContext* context
     Answer(checked);
     return;
   }
+  if (!request.request_id().empty() && AnsweredBefore(request)) return;
   if (!peers->BeginPull()) {
     Answer(absl::ResourceExhaustedError(
         absl::StrCat("snapshot_id: ", Peers::kMaxPulls,
@@ -56,6 +57,25 @@ absl::Status PullReactor::Check(const v1::PullSnapshotRequest& request, Peers* p
         "--etcd_endpoints)");
   }
   return absl::OkStatus();
+}
+
+bool PullReactor::AnsweredBefore(const v1::PullSnapshotRequest& request) {
+  v1::PullSnapshotRequest without_id = request;
+  without_id.clear_request_id();
+  absl::StatusOr<std::optional<std::string>> earlier =
+      admitted_.handlers().BeginOnce("PullSnapshot", request.request_id(), without_id);
+  if (!earlier.ok()) {
+    Answer(earlier.status());
+    return true;
+  }
+  if (earlier->has_value()) {
+    Answer(response_->ParseFromString(**earlier)
+               ? absl::OkStatus()
+               : absl::InternalError("request_id: the kept answer to PullSnapshot does not parse"));
+    return true;
+  }
+  request_id_ = request.request_id();  // this pull runs; Answer logs how it ended
+  return false;
 }
 
 void PullReactor::Start(absl::StatusOr<std::shared_ptr<grpc::Channel>> owner) {
@@ -106,6 +126,7 @@ void PullReactor::Pulled(const grpc::Status& status) {
 }
 
 void PullReactor::Answer(const absl::Status& status) {
+  if (!request_id_.empty()) admitted_.handlers().FinishOnce(request_id_, status, *response_);
   admitted_.Answering();
   Finish(ToGrpcStatus(status));
 }

@@ -49,6 +49,9 @@ class PullReactor final : public grpc::ServerUnaryReactor {
 
   absl::Status Check(const v1::PullSnapshotRequest& request, Peers* peers,
                      const std::string& self) const;
+  // True when the request's id was answered before (or cannot be used):
+  // the call is answered now, as the request log says.
+  bool AnsweredBefore(const v1::PullSnapshotRequest& request);
   void Start(absl::StatusOr<std::shared_ptr<grpc::Channel>> owner);
   void Pulled(const grpc::Status& status);
   void Answer(const absl::Status& status);
@@ -61,6 +64,7 @@ class PullReactor final : public grpc::ServerUnaryReactor {
   v1::ImportSnapshotRequest options_;
   v1::ExportSnapshotRequest export_request_;
   std::string owner_name_;
+  std::string request_id_;  // set while a pull with an id runs: its answer is kept
   grpc::ClientContext peer_context_;  // cancelled with the call (OnCancel)
   std::unique_ptr<v1::KvCacheService::Stub> stub_;
   Reader reader_{*this};

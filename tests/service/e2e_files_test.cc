@@ -402,6 +402,40 @@ TEST_F(E2ePullTest, WhatCannotBePulledIsRefusedByNameAndChangesNothing) {
   EXPECT_TRUE(puller_->client().PullSnapshot(original.snapshot_id()).ok());
 }
 
+TEST_F(E2ePullTest, APullSentAgainWithItsRequestIdMakesOneCopy) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::SnapshotInfo original = FillSnapshot(owner_->client(), rng_, 40);
+  v1::PullSnapshotRequest request;
+  request.set_snapshot_id(original.snapshot_id());
+  request.set_request_id("pull-1");
+  const auto pull = [&](const v1::PullSnapshotRequest& sent) {
+    grpc::ClientContext context;
+    v1::LoadSnapshotResponse response;
+    const grpc::Status status = puller_->client().stub().PullSnapshot(&context, sent, &response);
+    return std::make_pair(status, response);
+  };
+  const auto [first_status, first] = pull(request);
+  ASSERT_TRUE(first_status.ok()) << first_status.error_message();
+  const auto [again_status, again] = pull(request);
+  ASSERT_TRUE(again_status.ok()) << again_status.error_message();
+  EXPECT_EQ(again.SerializeAsString(), first.SerializeAsString());
+  EXPECT_EQ(Snapshots(*puller_), 1u);
+  // The id on another request is refused, and pulls nothing.
+  request.set_pinned(true);
+  const auto [reused_status, reused] = pull(request);
+  EXPECT_EQ(reused_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(reused_status.error_message(), HasSubstr("request_id"));
+  EXPECT_EQ(Snapshots(*puller_), 1u);
+  // A failed pull keeps nothing: the id then serves a pull that works.
+  v1::PullSnapshotRequest failing;
+  failing.set_snapshot_id(absl::StrCat("owner:", kUnknownId));
+  failing.set_request_id("pull-2");
+  EXPECT_EQ(pull(failing).first.error_code(), grpc::StatusCode::NOT_FOUND);
+  failing.set_snapshot_id(original.snapshot_id());
+  EXPECT_TRUE(pull(failing).first.ok());
+  EXPECT_EQ(Snapshots(*puller_), 2u);
+}
+
 TEST_F(E2ePullTest, APullCarriesTheCallersTokenSoOtherTenantsSnapshotsStayOutOfReach) {
   constexpr char kAlice[] = "alice-token-0123456789abcdef";
   constexpr char kBob[] = "bob-token-0123456789abcdef";
