@@ -15,6 +15,7 @@
 #include "fetch_view.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "lane_client.h"
+#include "retry_policy.h"
 #include "update_encoding.h"
 #include "update_transport.h"
 
@@ -35,62 +36,8 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// gRPC's retry policy, for the calls that are safe to send again: reads;
-// every call that carries a request_id, which the server answers once
-// (kvcache.proto, "Retries"); and calls whose repeat does nothing more
-// (Restore to the same offset, SetPinned, RenewLease, SaveSnapshot over the
-// same name, PublishPrefix of the same tokens). Streams are retried only
-// before their first answer arrives (gRPC's rule), so a Fetch or
-// ExportSnapshot is never sent again half-read. Not listed: Update (its
-// expected_offset lets the caller resume), ImportSnapshot (its bytes are not
-// kept) and EvictSnapshots (a repeat would move more pages).
-constexpr char kServiceConfig[] = R"({
-  "methodConfig": [{
-    "name": [
-      {"service": "kvcache.v1.KvCacheService", "method": "CreateCache"},
-      {"service": "kvcache.v1.KvCacheService", "method": "GetCache"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ListCaches"},
-      {"service": "kvcache.v1.KvCacheService", "method": "DeleteCache"},
-      {"service": "kvcache.v1.KvCacheService", "method": "Trim"},
-      {"service": "kvcache.v1.KvCacheService", "method": "Snapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "Restore"},
-      {"service": "kvcache.v1.KvCacheService", "method": "MergeSnapshots"},
-      {"service": "kvcache.v1.KvCacheService", "method": "SplitSnapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ReleaseSnapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ListSnapshots"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ExtractRow"},
-      {"service": "kvcache.v1.KvCacheService", "method": "FilterRows"},
-      {"service": "kvcache.v1.KvCacheService", "method": "MergeCaches"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ExtendCache"},
-      {"service": "kvcache.v1.KvCacheService", "method": "BeginSpeculation"},
-      {"service": "kvcache.v1.KvCacheService", "method": "CommitSpeculation"},
-      {"service": "kvcache.v1.KvCacheService", "method": "AbortSpeculation"},
-      {"service": "kvcache.v1.KvCacheService", "method": "GetStats"},
-      {"service": "kvcache.v1.KvCacheService", "method": "RenewLease"},
-      {"service": "kvcache.v1.KvCacheService", "method": "SetPinned"},
-      {"service": "kvcache.v1.KvCacheService", "method": "SaveSnapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "LoadSnapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ListSaved"},
-      {"service": "kvcache.v1.KvCacheService", "method": "DeleteSaved"},
-      {"service": "kvcache.v1.KvCacheService", "method": "PublishPrefix"},
-      {"service": "kvcache.v1.KvCacheService", "method": "LookupPrefix"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ListPrefixes"},
-      {"service": "kvcache.v1.KvCacheService", "method": "PullSnapshot"},
-      {"service": "kvcache.v1.KvCacheService", "method": "Fetch"},
-      {"service": "kvcache.v1.KvCacheService", "method": "ExportSnapshot"}
-    ],
-    "retryPolicy": {
-      "maxAttempts": 4,
-      "initialBackoff": "0.05s",
-      "maxBackoff": "1s",
-      "backoffMultiplier": 2,
-      "retryableStatusCodes": ["UNAVAILABLE"]
-    }
-  }]
-})";
-
 // A fresh id for a request that creates, changes or consumes something, so
-// that gRPC's retry of it (kServiceConfig) is answered once by the server.
+// that a retry of it (retry_policy.h) is answered once by the server.
 // 128 random bits: unique without any coordination between clients.
 std::string NewRequestId() {
   thread_local absl::BitGen random;
@@ -191,7 +138,7 @@ std::unique_ptr<Client> Client::Connect(const ClientOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  args.SetServiceConfigJSON(kServiceConfig);
+  args.SetServiceConfigJSON(internal::RetryServiceConfig());
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   SetKeepalive(options, args);
   if (options.max_reconnect_backoff > absl::ZeroDuration()) {
@@ -481,17 +428,31 @@ absl::StatusOr<std::string> Client::ExportSnapshot(const v1::ExportSnapshotReque
   return file;
 }
 
-// Chunks below gRPC's default 4 MiB message cap.
+// Chunks below gRPC's default 4 MiB message cap. gRPC keeps too little of a
+// client stream to retry one, so the file is sent again from here, with the
+// same request_id, which the server answers once.
 absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
     absl::string_view file, const v1::ImportSnapshotRequest& options) {
-  constexpr size_t kChunkBytes = 1 << 20;
   AwaitFirstConnect();
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  const absl::Time deadline = absl::Now() + options_.deadline;
+  const v1::ImportSnapshotRequest first = WithRequestId(options);
   v1::LoadSnapshotResponse response;
+  const grpc::Status status = internal::RetryUnavailable(deadline, [&] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    return SendImport(context, file, first, &response);
+  });
+  if (!status.ok()) return FromGrpc(status);
+  return response;
+}
+
+grpc::Status Client::SendImport(grpc::ClientContext& context, absl::string_view file,
+                                const v1::ImportSnapshotRequest& first,
+                                v1::LoadSnapshotResponse* response) {
+  constexpr size_t kChunkBytes = 1 << 20;
   std::unique_ptr<grpc::ClientWriter<v1::ImportSnapshotRequest>> writer =
-      stub_->ImportSnapshot(&context, &response);
-  v1::ImportSnapshotRequest request = options;
+      stub_->ImportSnapshot(&context, response);
+  v1::ImportSnapshotRequest request = first;
   size_t sent = 0;
   do {  // at least one message, so that the options arrive with an empty file
     const size_t size = std::min(kChunkBytes, file.size() - sent);
@@ -501,8 +462,7 @@ absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
     request.Clear();
   } while (sent < file.size());
   writer->WritesDone();
-  if (grpc::Status status = writer->Finish(); !status.ok()) return FromGrpc(status);
-  return response;
+  return writer->Finish();
 }
 
 absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,

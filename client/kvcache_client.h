@@ -135,8 +135,9 @@ class UpdateTransport;
 // all (gRPC's retry policy). Each call whose repeat would do more work
 // carries a fresh random request_id, the same in every attempt, so where
 // only the answer was lost the server answers the retry from its request log
-// rather than doing the work twice (kvcache.proto, "Retries"). Update,
-// ImportSnapshot and EvictSnapshots are never sent twice.
+// rather than doing the work twice (kvcache.proto, "Retries").
+// ImportSnapshot is sent again the same way, its whole file from the start.
+// Update and EvictSnapshots are never sent twice.
 class Client {
  public:
   static std::unique_ptr<Client> Connect(const ClientOptions& options);
@@ -291,6 +292,10 @@ class Client {
   Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
   // Where this call's Fetch goes (ClientOptions::data_lane).
   internal::FetchTransport& fetch_transport();
+  // One attempt of ImportSnapshot: the whole file as one stream.
+  grpc::Status SendImport(grpc::ClientContext& context, absl::string_view file,
+                          const v1::ImportSnapshotRequest& first,
+                          v1::LoadSnapshotResponse* response);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

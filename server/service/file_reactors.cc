@@ -57,12 +57,14 @@ void ImportReactor::OnReadDone(bool ok) {
       Answer(grpc::Status(grpc::StatusCode::CANCELLED, "the import was cancelled"));
       return;
     }
-    Answer(ToGrpcStatus(handlers_.ImportFile(options_, file_, response_)));  // all sent
+    Answer(ToGrpcStatus(Import()));  // all sent
     return;
   }
   if (first_) {
     options_ = request_;
     options_.clear_data();
+    options_.clear_request_id();
+    request_id_ = request_.request_id();
     first_ = false;
   }
   if (file_.size() + request_.data().size() > max_file_bytes_) {
@@ -74,6 +76,14 @@ void ImportReactor::OnReadDone(bool ok) {
   file_.append(request_.data());
   admitted_.CountReceived(Transport::kGrpc, request_.data().size());
   StartRead(&request_);
+}
+
+// With a request_id the import runs once: the options and the whole file
+// name it, so a stream sent again answers as the first did.
+absl::Status ImportReactor::Import() {
+  const auto import = [this] { return handlers_.ImportFile(options_, file_, response_); };
+  if (request_id_.empty()) return import();
+  return handlers_.AnswerOnce("ImportSnapshot", request_id_, options_, file_, response_, import);
 }
 
 }  // namespace kvcache::service

@@ -51,13 +51,17 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSnapshotReq
     Finish(status);
   }
 
+  // Makes the snapshot from the whole file (once, with a request_id).
+  absl::Status Import();
+
   const Admitted admitted_;
   Handlers& handlers_;
   grpc::CallbackServerContext* context_;
   v1::LoadSnapshotResponse* response_;
   const uint64_t max_file_bytes_;  // Handlers::MaxImportBytes
   v1::ImportSnapshotRequest request_;
-  v1::ImportSnapshotRequest options_;  // the first message, without its data
+  v1::ImportSnapshotRequest options_;  // the first message, without its data or id
+  std::string request_id_;             // the first message's
   bool first_ = true;
   std::string file_;
 };

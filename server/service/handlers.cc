@@ -20,7 +20,7 @@ Handlers::Handlers(engine::Engine& engine, ServiceOptions options)
 
 absl::StatusOr<std::optional<std::string>> Handlers::BeginOnce(
     absl::string_view method, const std::string& request_id,
-    const google::protobuf::Message& without_id) {
+    const google::protobuf::Message& without_id, absl::string_view payload) {
   RETURN_IF_ERROR(CheckIdLength("request_id", request_id));
   // Deterministic, so the same request always has the same fingerprint.
   std::string request_bytes;
@@ -30,7 +30,8 @@ absl::StatusOr<std::optional<std::string>> Handlers::BeginOnce(
     coded.SetSerializationDeterministic(true);
     without_id.SerializeToCodedStream(&coded);
   }
-  return request_log_.Begin(request_id, method, absl::HashOf(request_bytes), absl::Now());
+  return request_log_.Begin(request_id, method, absl::HashOf(request_bytes, payload),
+                            absl::Now());
 }
 
 void Handlers::FinishOnce(const std::string& request_id, const absl::Status& status,
@@ -41,9 +42,10 @@ void Handlers::FinishOnce(const std::string& request_id, const absl::Status& sta
 
 absl::Status Handlers::AnswerOnce(absl::string_view method, const std::string& request_id,
                                   const google::protobuf::Message& without_id,
-                                  google::protobuf::Message* response,
+                                  absl::string_view payload, google::protobuf::Message* response,
                                   absl::FunctionRef<absl::Status()> run) {
-  ASSIGN_OR_RETURN(std::optional<std::string> earlier, BeginOnce(method, request_id, without_id));
+  ASSIGN_OR_RETURN(std::optional<std::string> earlier,
+                   BeginOnce(method, request_id, without_id, payload));
   if (earlier.has_value()) {
     response->Clear();
     if (!response->ParseFromString(*earlier)) {

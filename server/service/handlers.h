@@ -82,18 +82,25 @@ class Handlers {
       if (!request.request_id().empty()) {
         Request without_id = request;
         without_id.clear_request_id();
-        return AnswerOnce(method, request.request_id(), without_id, response,
+        return AnswerOnce(method, request.request_id(), without_id, /*payload=*/{}, response,
                           [&] { return (this->*handler)(request, response); });
       }
     }
     return (this->*handler)(request, response);
   }
-  // Answer's two halves, for a call answered later than its handler returns
-  // (PullSnapshot's reactor): the earlier answer to send again, or nullopt
-  // to run the call and then FinishOnce with the same id.
+  // Answer's half for a request with a request_id; `without_id` is the
+  // request with its id cleared, and `payload` what else belongs to it (an
+  // ImportSnapshot stream's file), to tell a retry from another request.
+  absl::Status AnswerOnce(absl::string_view method, const std::string& request_id,
+                          const google::protobuf::Message& without_id, absl::string_view payload,
+                          google::protobuf::Message* response, absl::FunctionRef<absl::Status()> run);
+  // AnswerOnce's two halves, for a call answered later than its handler
+  // returns (PullSnapshot's reactor): the earlier answer to send again, or
+  // nullopt to run the call and then FinishOnce with the same id.
   absl::StatusOr<std::optional<std::string>> BeginOnce(absl::string_view method,
                                                        const std::string& request_id,
-                                                       const google::protobuf::Message& without_id);
+                                                       const google::protobuf::Message& without_id,
+                                                       absl::string_view payload = {});
   void FinishOnce(const std::string& request_id, const absl::Status& status,
                   const google::protobuf::Message& response);
   RequestLogCounts RequestLogCountsNow() { return request_log_.Counts(absl::Now()); }
@@ -150,11 +157,6 @@ class Handlers {
   absl::Status CheckFetchLayers(const v1::FetchRequest& request, const engine::CacheSpec& spec,
                                 std::vector<uint32_t>& layers) const;
 
-  // Answer's half for a request with a request_id; `without_id` is the
-  // request with its id cleared, to tell a retry from another request.
-  absl::Status AnswerOnce(absl::string_view method, const std::string& request_id,
-                          const google::protobuf::Message& without_id,
-                          google::protobuf::Message* response, absl::FunctionRef<absl::Status()> run);
 
   engine::Engine& engine_;
   const ServiceOptions options_;

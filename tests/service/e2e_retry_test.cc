@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -30,8 +31,9 @@ using ::testing::Each;
 using ::testing::SizeIs;
 using Code = absl::StatusCode;
 
-// Forwards CreateCache and Trim to kvcached; while answers are to be lost,
-// drops the answer of each that the server did and says UNAVAILABLE instead.
+// Forwards CreateCache, Trim and ImportSnapshot to kvcached; while answers
+// are to be lost, drops the answer of each that the server did and says
+// UNAVAILABLE instead.
 class AnswerLosingProxy final : public v1::KvCacheService::Service {
  public:
   explicit AnswerLosingProxy(const std::string& backend)
@@ -65,6 +67,23 @@ class AnswerLosingProxy final : public v1::KvCacheService::Service {
                     v1::TrimResponse* response) override {
     return Forward(request->request_id(), [&](grpc::ClientContext* context) {
       return backend_->Trim(context, *request, response);
+    });
+  }
+  grpc::Status ImportSnapshot(grpc::ServerContext*,
+                              grpc::ServerReader<v1::ImportSnapshotRequest>* reader,
+                              v1::LoadSnapshotResponse* response) override {
+    v1::ImportSnapshotRequest message;
+    std::vector<v1::ImportSnapshotRequest> messages;
+    while (reader->Read(&message)) messages.push_back(message);
+    if (messages.empty()) return grpc::Status(grpc::StatusCode::INTERNAL, "no message");
+    return Forward(messages.front().request_id(), [&](grpc::ClientContext* context) {
+      std::unique_ptr<grpc::ClientWriter<v1::ImportSnapshotRequest>> writer =
+          backend_->ImportSnapshot(context, response);
+      for (const v1::ImportSnapshotRequest& each : messages) {
+        if (!writer->Write(each)) break;
+      }
+      writer->WritesDone();
+      return writer->Finish();
     });
   }
 
@@ -178,6 +197,88 @@ TEST_F(E2eRetryTest, WhenEveryAnswerIsLostTheCallFailsAfterItsAttemptsHavingMade
   ASSERT_THAT(ids, SizeIs(4));  // the client's policy: four attempts
   EXPECT_THAT(ids, Each(ids[0]));
   EXPECT_EQ(CachesOnServer(), 1u);  // made once; the caller may find it by listing
+}
+
+// A file of a snapshot of a cache with a few tokens, and that snapshot's id.
+std::pair<std::string, std::string> ExportedFile(Client& client) {
+  absl::StatusOr<v1::CacheInfo> cache = client.CreateCache(ToWireSpec(TwoLayers()));
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  RefCache reference(TwoLayers());
+  std::mt19937_64 rng(11);
+  EXPECT_TRUE(StepBoth(client, cache->cache_id(), reference, 6, rng).ok());
+  absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
+  EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+  EXPECT_TRUE(client.DeleteCache(cache->cache_id()).ok());
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(snapshot->snapshot_id());
+  absl::StatusOr<std::string> file = client.ExportSnapshot(request);
+  EXPECT_TRUE(file.ok()) << file.status();
+  return {file.value_or(""), snapshot->snapshot_id()};
+}
+
+size_t SnapshotsOn(Client& client) {
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> snapshots = client.ListSnapshots();
+  EXPECT_TRUE(snapshots.ok()) << snapshots.status();
+  return snapshots.ok() ? snapshots->size() : 0;
+}
+
+TEST_F(E2eRetryTest, ALostImportAnswerIsSentAgainAndMakesOneSnapshot) {
+  const auto [file, exported] = ExportedFile(server_->client());
+  proxy_->LoseAnswers(2);
+  const absl::StatusOr<v1::LoadSnapshotResponse> imported = through_proxy_->ImportSnapshot(file);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  const std::vector<std::string> ids = proxy_->ids_seen();
+  ASSERT_THAT(ids, SizeIs(3));
+  EXPECT_EQ(ids[0].size(), 32u);
+  EXPECT_THAT(ids, Each(ids[0]));
+  EXPECT_EQ(SnapshotsOn(server_->client()), 2u);  // the exported one and one import
+  const absl::StatusOr<v1::Stats> stats = server_->client().GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->requests_replayed(), 2u);
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(imported->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(exported).ok());
+}
+
+TEST_F(E2eRetryTest, AnImportsIdNamesItsBytesAndOptions) {
+  const auto [file, exported] = ExportedFile(server_->client());
+  v1::ImportSnapshotRequest options;
+  options.set_request_id("import-1");
+  absl::StatusOr<v1::LoadSnapshotResponse> first = server_->client().ImportSnapshot(file, options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<v1::LoadSnapshotResponse> again = server_->client().ImportSnapshot(file, options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->snapshot().snapshot_id(), first->snapshot().snapshot_id());
+  std::string other_bytes = file;
+  other_bytes.back() ^= 1;  // the same length, another file
+  const absl::StatusOr<v1::LoadSnapshotResponse> other =
+      server_->client().ImportSnapshot(other_bytes, options);
+  EXPECT_EQ(other.status().code(), Code::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(other.status().message(), "request_id")) << other.status();
+  v1::ImportSnapshotRequest pinned = options;
+  pinned.set_pinned(true);
+  const absl::StatusOr<v1::LoadSnapshotResponse> other_options =
+      server_->client().ImportSnapshot(file, pinned);
+  EXPECT_EQ(other_options.status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(SnapshotsOn(server_->client()), 2u);  // neither refusal made one
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(first->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(exported).ok());
+}
+
+TEST_F(E2eRetryTest, AFailedImportRunsAgainWhenSentAgain) {
+  const auto [file, exported] = ExportedFile(server_->client());
+  v1::ImportSnapshotRequest options;
+  options.set_request_id("import-2");
+  const absl::StatusOr<v1::LoadSnapshotResponse> truncated =
+      server_->client().ImportSnapshot(absl::string_view(file).substr(0, file.size() / 2), options);
+  EXPECT_EQ(truncated.status().code(), Code::kDataLoss) << truncated.status();
+  EXPECT_EQ(SnapshotsOn(server_->client()), 1u);
+  // Only successes are kept, so the id is free for the whole file.
+  const absl::StatusOr<v1::LoadSnapshotResponse> whole =
+      server_->client().ImportSnapshot(file, options);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(SnapshotsOn(server_->client()), 2u);
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(whole->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(server_->client().ReleaseSnapshot(exported).ok());
 }
 
 constexpr char kAlice[] = "alice-token-0123456789abcdef";
