@@ -154,6 +154,16 @@ absl::Status SetConnectionLiveness(const ServerConfig& config, grpc::ServerBuild
   return absl::OkStatus();
 }
 
+absl::Status SetConnectionLimits(const ServerConfig& config, grpc::ServerBuilder& builder) {
+  const uint32_t streams = config.grpc_max_streams_per_connection;
+  if (streams < 1 || streams > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grpc_max_streams_per_connection: ", streams, " is not from 1 to ", INT32_MAX));
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(streams));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfig* tenant) {
@@ -360,6 +370,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
                    GrpcServerCredentials(config.tls));
   grpc::ServerBuilder builder;
   RETURN_IF_ERROR(SetConnectionLiveness(config, builder));
+  RETURN_IF_ERROR(SetConnectionLimits(config, builder));
   builder.AddListeningPort(config.listen, credentials, &server->port_);
   RETURN_IF_ERROR(server->ObserveCalls(config.metrics_listen, config.access_log, builder));
   builder.RegisterService(server->service_.get());

@@ -72,6 +72,11 @@ struct ServerConfig {
   // A gRPC connection must finish its TLS handshake and send its HTTP/2
   // settings within this of its connect (gRPC's own default: 2 minutes).
   absl::Duration grpc_handshake_timeout = absl::Seconds(10);
+  // The most calls one gRPC connection may have open at once (HTTP/2's
+  // SETTINGS_MAX_CONCURRENT_STREAMS; gRPC's own default has no bound). A
+  // client's calls past it wait for one of its others to end, so one
+  // connection cannot make the server hold state for unbounded calls.
+  uint32_t grpc_max_streams_per_connection = 1024;
   // How long and how many answers each tenant keeps for requests sent again
   // with the same request_id (service/request_log.h).
   service::RequestLogLimits request_log;

@@ -45,6 +45,8 @@ ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
           "this");
 ABSL_FLAG(absl::Duration, grpc_handshake_timeout, absl::Seconds(10),
           "how long a gRPC connection may take for its TLS handshake and HTTP/2 settings");
+ABSL_FLAG(uint32_t, grpc_max_streams_per_connection, 1024,
+          "the most calls one gRPC connection may have open at once; its further calls wait");
 ABSL_FLAG(std::string, replica_name, "",
           "this replica's name in a fleet (1-63 letters, digits, '-', '_', '.'; a StatefulSet "
           "pod's name): every id it makes begins with \"NAME:\", so clients of many replicas "
@@ -218,6 +220,7 @@ absl::StatusOr<kvcache::ServerConfig> ConfigFromFlags() {
   config.keepalive = {.time = absl::GetFlag(FLAGS_keepalive_time),
                       .timeout = absl::GetFlag(FLAGS_keepalive_timeout)};
   config.grpc_handshake_timeout = absl::GetFlag(FLAGS_grpc_handshake_timeout);
+  config.grpc_max_streams_per_connection = absl::GetFlag(FLAGS_grpc_max_streams_per_connection);
   config.replica_name = absl::GetFlag(FLAGS_replica_name);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.access_log = absl::GetFlag(FLAGS_access_log);

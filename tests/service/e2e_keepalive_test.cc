@@ -3,7 +3,9 @@
 // vanished mid-stream is dropped by the server's pings, its stream ends and
 // its tenant's in-flight quota comes back, keeping what was acknowledged; a
 // TCP connection that never sends HTTP/2 is closed after the handshake
-// timeout; bad values refuse the start naming the flag.
+// timeout; one connection's calls past grpc_max_streams_per_connection wait
+// for one of its others to end; bad values refuse the start naming the flag.
+#include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 
 #include <filesystem>
@@ -174,6 +176,34 @@ TEST_F(E2eKeepaliveTest, AConnectionThatNeverSpeaksHttp2IsClosedAfterTheHandshak
   EXPECT_TRUE(server_->client().GetStats().ok());
 }
 
+TEST(E2eStreamLimitTest, ACallPastItsConnectionsStreamLimitWaitsForAnotherToEnd) {
+  std::unique_ptr<TestServer> server =
+      TestServer::Start({.data_lane = false, .grpc_max_streams_per_connection = 2});
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<Client> client = server->ConnectTo(server->server().address());
+  ASSERT_TRUE(client->GetStats().ok());  // connected: the server's settings are known
+  const auto stats_within = [&](absl::Duration wait) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + wait));
+    v1::Stats stats;
+    return client->stub().GetStats(&context, v1::GetStatsRequest(), &stats).error_code();
+  };
+  grpc::ClientContext first_context, second_context;
+  auto first = client->stub().Update(&first_context);
+  auto second = client->stub().Update(&second_context);
+  // Neither writes: each stays open, waiting for its first message.
+  EXPECT_EQ(stats_within(absl::Milliseconds(500)), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Another connection is not held back by this one's streams.
+  EXPECT_TRUE(server->client().GetStats().ok());
+  EXPECT_TRUE(second->WritesDone());
+  EXPECT_TRUE(second->Finish().ok());
+  EXPECT_EQ(stats_within(absl::Seconds(5)), grpc::StatusCode::OK);
+  EXPECT_TRUE(first->WritesDone());
+  EXPECT_TRUE(first->Finish().ok());
+  client.reset();
+  server->CleanUpAndCheck();
+}
+
 TEST(E2eKeepaliveStartTest, BadValuesRefuseTheStartNamingTheFlag) {
   struct Bad {
     lane::Keepalive keepalive;
@@ -189,6 +219,9 @@ TEST(E2eKeepaliveStartTest, BadValuesRefuseTheStartNamingTheFlag) {
     config.grpc_handshake_timeout = bad.handshake;
     ExpectStartRefused(config, bad.field);
   }
+  ServerConfig no_streams;
+  no_streams.grpc_max_streams_per_connection = 0;
+  ExpectStartRefused(no_streams, "grpc_max_streams_per_connection");
 }
 
 }  // namespace

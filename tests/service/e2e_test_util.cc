@@ -48,6 +48,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerSetup& setup) {
   config.lane_limits = setup.lane_limits;
   config.keepalive = setup.keepalive;
   config.grpc_handshake_timeout = setup.grpc_handshake_timeout;
+  config.grpc_max_streams_per_connection = setup.grpc_max_streams_per_connection;
   config.metrics_listen = setup.metrics_listen;
   config.access_log = setup.access_log;
   config.kv_events = setup.kv_events;

@@ -60,9 +60,11 @@ struct ServerSetup {
   ClientOptions client_tls;
   // Lane connections: how many, how many opening, for how long (ServerConfig::lane_limits).
   service::LaneLimits lane_limits;
-  // The server's --keepalive_time, --keepalive_timeout and --grpc_handshake_timeout.
+  // The server's --keepalive_time, --keepalive_timeout, --grpc_handshake_timeout
+  // and --grpc_max_streams_per_connection.
   lane::Keepalive keepalive;
   absl::Duration grpc_handshake_timeout = absl::Seconds(10);
+  uint32_t grpc_max_streams_per_connection = 1024;
   // The server's --metrics_listen (empty: no endpoint) and --access_log.
   std::string metrics_listen;
   bool access_log = false;
