@@ -436,14 +436,17 @@ absl::StatusOr<v1::LoadSnapshotResponse> Client::ImportSnapshot(
   AwaitFirstConnect();
   const absl::Time deadline = absl::Now() + options_.deadline;
   const v1::ImportSnapshotRequest first = WithRequestId(options);
-  v1::LoadSnapshotResponse response;
+  v1::LoadSnapshotResponse answer;
   const grpc::Status status = internal::RetryUnavailable(deadline, [&] {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
-    return SendImport(context, file, first, &response);
+    v1::LoadSnapshotResponse response;  // a failed attempt's leaves nothing behind
+    grpc::Status sent = SendImport(context, file, first, &response);
+    if (sent.ok()) answer = std::move(response);
+    return sent;
   });
   if (!status.ok()) return FromGrpc(status);
-  return response;
+  return answer;
 }
 
 grpc::Status Client::SendImport(grpc::ClientContext& context, absl::string_view file,
@@ -465,22 +468,23 @@ grpc::Status Client::SendImport(grpc::ClientContext& context, absl::string_view 
   return writer->Finish();
 }
 
-absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
-                                                      const v1::ExportSnapshotRequest& request,
-                                                      Client& to,
-                                                      const v1::ImportSnapshotRequest& to_options) {
-  from.AwaitFirstConnect();
-  to.AwaitFirstConnect();
+namespace {
+
+// One attempt of CopySnapshot: the export read through and written into the
+// import as it arrives. The status is the side's that failed first.
+grpc::Status CopyOnce(Client& from, const v1::ExportSnapshotRequest& request,
+                      absl::Time export_deadline, Client& to,
+                      const v1::ImportSnapshotRequest& first, absl::Time import_deadline,
+                      v1::LoadSnapshotResponse* response) {
   grpc::ClientContext export_context;
-  export_context.set_deadline(absl::ToChronoTime(absl::Now() + from.options().deadline));
+  export_context.set_deadline(absl::ToChronoTime(export_deadline));
   std::unique_ptr<grpc::ClientReader<v1::FileChunk>> reader =
       from.stub().ExportSnapshot(&export_context, request);
   grpc::ClientContext import_context;
-  import_context.set_deadline(absl::ToChronoTime(absl::Now() + to.options().deadline));
-  v1::LoadSnapshotResponse response;
+  import_context.set_deadline(absl::ToChronoTime(import_deadline));
   std::unique_ptr<grpc::ClientWriter<v1::ImportSnapshotRequest>> writer =
-      to.stub().ImportSnapshot(&import_context, &response);
-  v1::ImportSnapshotRequest piece = to_options;
+      to.stub().ImportSnapshot(&import_context, response);
+  v1::ImportSnapshotRequest piece = first;
   v1::FileChunk chunk;
   bool import_open = true;
   while (import_open && reader->Read(&chunk)) {
@@ -491,13 +495,40 @@ absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
   if (!import_open) export_context.TryCancel();
   const grpc::Status exported = reader->Finish();
   if (!exported.ok() && import_open) {
-    import_context.TryCancel();
+    import_context.TryCancel();  // a half-sent file must not be imported
     writer->Finish();
-    return FromGrpc(exported);
+    return exported;
   }
   writer->WritesDone();
-  if (grpc::Status status = writer->Finish(); !status.ok()) return FromGrpc(status);
-  return response;
+  return writer->Finish();
+}
+
+}  // namespace
+
+// A copy that loses either connection runs again from the start, as
+// ImportSnapshot does: the export is a read, and every attempt's import
+// carries the same request_id, which the importer answers once.
+absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
+                                                      const v1::ExportSnapshotRequest& request,
+                                                      Client& to,
+                                                      const v1::ImportSnapshotRequest& to_options) {
+  from.AwaitFirstConnect();
+  to.AwaitFirstConnect();
+  const absl::Time start = absl::Now();
+  const absl::Time export_deadline = start + from.options().deadline;
+  const absl::Time import_deadline = start + to.options().deadline;
+  const v1::ImportSnapshotRequest first = WithRequestId(to_options);
+  v1::LoadSnapshotResponse answer;
+  const grpc::Status status =
+      internal::RetryUnavailable(std::min(export_deadline, import_deadline), [&] {
+        v1::LoadSnapshotResponse response;
+        grpc::Status copied =
+            CopyOnce(from, request, export_deadline, to, first, import_deadline, &response);
+        if (copied.ok()) answer = std::move(response);
+        return copied;
+      });
+  if (!status.ok()) return FromGrpc(status);
+  return answer;
 }
 
 absl::StatusOr<v1::CacheInfo> Client::ExtractRow(const std::string& cache_id, uint32_t row) {

@@ -136,7 +136,8 @@ class UpdateTransport;
 // carries a fresh random request_id, the same in every attempt, so where
 // only the answer was lost the server answers the retry from its request log
 // rather than doing the work twice (kvcache.proto, "Retries").
-// ImportSnapshot is sent again the same way, its whole file from the start.
+// ImportSnapshot is sent again the same way, its whole file from the start,
+// and so is CopySnapshot (below), its export and import both.
 // Update and EvictSnapshots are never sent twice.
 class Client {
  public:
@@ -310,7 +311,9 @@ class Client {
 
 // Streams a snapshot (or saved file) out of one server and into another, a
 // chunk at a time: the bytes pass through this process but are never all
-// held here. `to_options` as for ImportSnapshot (name, pinned, ttl).
+// held here. `to_options` as for ImportSnapshot (name, pinned, ttl). Where
+// either side answers UNAVAILABLE the copy runs again from the start, its
+// import under the same request_id, so a lost answer never imports twice.
 absl::StatusOr<v1::LoadSnapshotResponse> CopySnapshot(Client& from,
                                                       const v1::ExportSnapshotRequest& request,
                                                       Client& to,

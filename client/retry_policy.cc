@@ -13,8 +13,8 @@ namespace kvcache::internal {
 // Streams are retried only before their first answer arrives (gRPC's rule),
 // so a Fetch or ExportSnapshot is never sent again half-read. Not listed:
 // Update (its expected_offset lets the caller resume), ImportSnapshot
-// (retried by hand, RetryUnavailable) and EvictSnapshots (a repeat would
-// move more pages).
+// (retried by hand, RetryUnavailable, as CopySnapshot's import is) and
+// EvictSnapshots (a repeat would move more pages).
 constexpr const char* kRetriedMethods[] = {
     "CreateCache",      "GetCache",          "ListCaches",       "DeleteCache",
     "Trim",             "Snapshot",          "Restore",          "MergeSnapshots",

@@ -1,7 +1,7 @@
 // Which calls the client sends again, and how: gRPC's retry policy for the
 // unary calls and streams it may retry by itself, and the same attempts and
-// backoff for the one stream the client retries by hand (ImportSnapshot,
-// whose bytes gRPC does not keep).
+// backoff for the streams the client retries by hand (ImportSnapshot
+// and CopySnapshot's import, whose bytes gRPC does not keep).
 #pragma once
 
 #include <string>

@@ -222,21 +222,39 @@ size_t SnapshotsOn(Client& client) {
   return snapshots.ok() ? snapshots->size() : 0;
 }
 
-TEST_F(E2eRetryTest, ALostImportAnswerIsSentAgainAndMakesOneSnapshot) {
-  const auto [file, exported] = ExportedFile(server_->client());
-  proxy_->LoseAnswers(2);
-  const absl::StatusOr<v1::LoadSnapshotResponse> imported = through_proxy_->ImportSnapshot(file);
+// After two lost answers of an import: three attempts under one id, one
+// snapshot imported beside `exported`, two answers replayed; releases both.
+void ExpectImportedOnce(TestServer& server, AnswerLosingProxy& proxy,
+                        const absl::StatusOr<v1::LoadSnapshotResponse>& imported,
+                        const std::string& exported) {
   ASSERT_TRUE(imported.ok()) << imported.status();
-  const std::vector<std::string> ids = proxy_->ids_seen();
+  const std::vector<std::string> ids = proxy.ids_seen();
   ASSERT_THAT(ids, SizeIs(3));
   EXPECT_EQ(ids[0].size(), 32u);
   EXPECT_THAT(ids, Each(ids[0]));
-  EXPECT_EQ(SnapshotsOn(server_->client()), 2u);  // the exported one and one import
-  const absl::StatusOr<v1::Stats> stats = server_->client().GetStats();
+  EXPECT_EQ(SnapshotsOn(server.client()), 2u);  // the exported one and one import
+  const absl::StatusOr<v1::Stats> stats = server.client().GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->requests_replayed(), 2u);
-  ASSERT_TRUE(server_->client().ReleaseSnapshot(imported->snapshot().snapshot_id()).ok());
-  ASSERT_TRUE(server_->client().ReleaseSnapshot(exported).ok());
+  ASSERT_TRUE(server.client().ReleaseSnapshot(imported->snapshot().snapshot_id()).ok());
+  ASSERT_TRUE(server.client().ReleaseSnapshot(exported).ok());
+}
+
+TEST_F(E2eRetryTest, ALostImportAnswerIsSentAgainAndMakesOneSnapshot) {
+  const auto [file, exported] = ExportedFile(server_->client());
+  proxy_->LoseAnswers(2);
+  ExpectImportedOnce(*server_, *proxy_, through_proxy_->ImportSnapshot(file), exported);
+}
+
+// A copy streams the export into the import again from the start, with the
+// import's first request_id.
+TEST_F(E2eRetryTest, ACopyWhoseImportAnswerIsLostRunsAgainAndMakesOneSnapshot) {
+  const auto [file, exported] = ExportedFile(server_->client());
+  proxy_->LoseAnswers(2);
+  v1::ExportSnapshotRequest request;
+  request.set_snapshot_id(exported);
+  ExpectImportedOnce(*server_, *proxy_, CopySnapshot(server_->client(), request, *through_proxy_, {}),
+                     exported);
 }
 
 TEST_F(E2eRetryTest, AnImportsIdNamesItsBytesAndOptions) {
