@@ -19,6 +19,11 @@ namespace kvcache::lane {
 inline constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '2'};
 inline constexpr char kMagicV1[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '1'};
 inline constexpr size_t kHeaderBytes = 8;
+// The longest AUTH frame a server reads: a LaneAuth holds one bearer token,
+// a few KiB at most (gRPC's metadata, where the same token travels, is
+// limited to 8 KiB in all). Before a connection has authenticated nothing
+// longer is read, so strangers cannot make the server hold large frames.
+inline constexpr uint32_t kMaxAuthFrameBytes = 8 << 10;
 
 struct FrameHeader {
   uint32_t length = 0;  // payload bytes

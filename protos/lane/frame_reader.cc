@@ -65,13 +65,15 @@ absl::Status FrameReader::Fill(size_t bytes) {
     // as far as the buffer has room for them where they land.
     const size_t promised = static_cast<size_t>(std::min<uint64_t>(promised_, capacity_ - end_));
     const size_t awaited = std::min(std::max(need, promised), kLowWaterCap);
-    size_t want = std::min(capacity_ - end_, std::max(need, kGreedyRead));
+    // Reading ahead only for a peer whose frames are taken whole (HeaderCheck).
+    size_t want = std::min(capacity_ - end_, header_check_ ? need : std::max(need, kGreedyRead));
     int flags = 0;
     if (awaited >= kLowWaterFloor) {
       absl::Status ready = AwaitReadable(awaited);
       if (!ready.ok()) return ready;
       flags = MSG_DONTWAIT;
-      want = capacity_ - end_;  // whatever else is there, the next frame's start too
+      // Whatever else is there, the next frame's start too.
+      if (!header_check_) want = capacity_ - end_;
     } else {
       SetLowWater(1);  // a blocking recv returns once this much is there
     }
@@ -89,7 +91,8 @@ absl::Status FrameReader::Fill(size_t bytes) {
 
 absl::Status FrameReader::FillThroughTls(size_t bytes) {
   while (end_ - start_ < bytes) {
-    absl::StatusOr<size_t> got = tls_->Read(buffer_.get() + end_, capacity_ - end_);
+    const size_t want = header_check_ ? start_ + bytes - end_ : capacity_ - end_;
+    absl::StatusOr<size_t> got = tls_->Read(buffer_.get() + end_, want);
     if (!got.ok()) return got.status();
     if (*got == 0) return Closed();
     Received(*got);
@@ -186,6 +189,9 @@ absl::StatusOr<Frame> FrameReader::Next() {
   consumed_ = 0;
   if (absl::Status status = Fill(kHeaderBytes); !status.ok()) return status;
   const FrameHeader header = DecodeHeader(buffer_.get() + start_);
+  if (header_check_) {
+    if (absl::Status checked = header_check_(header); !checked.ok()) return checked;
+  }
   if (header.length > max_payload_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data lane: a frame of ", header.length, " bytes is over the limit of ", max_payload_,
@@ -206,7 +212,7 @@ absl::StatusOr<std::optional<Frame>> FrameReader::Poll() {
     end_ -= start_;
     start_ = 0;
   }
-  if (!HasBufferedFrame() && end_ < capacity_) {
+  if (!HasBufferedFrame() && end_ < capacity_ && !header_check_) {
     if (absl::Status status = ReadAvailable(); !status.ok()) return status;
   }
   // A frame only partly here (or one past the space left) waits for Next.

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -23,6 +24,14 @@ class FrameReader {
   // (which must outlive the reader) the socket carries TLS records: where
   // the kernel decrypts them, reads are as in plaintext; else OpenSSL reads.
   FrameReader(int fd, uint64_t max_payload, TlsSession* tls = nullptr);
+
+  // Asked of each frame's header before any of its payload is read: a
+  // failure is what Next (or Poll) returns, the payload left unread. While
+  // one is set, reads take only the bytes the frame needs, none ahead: a
+  // peer not yet trusted (before it authenticates) makes the reader hold no
+  // more than one small frame. Empty: every frame within max_payload.
+  using HeaderCheck = std::function<absl::Status(const FrameHeader&)>;
+  void set_header_check(HeaderCheck check) { header_check_ = std::move(check); }
 
   // Whether a whole frame is already buffered (Next will not block).
   bool HasBufferedFrame() const;
@@ -69,6 +78,7 @@ class FrameReader {
   int fd_;
   TlsSession* tls_;  // null for plaintext and where the kernel decrypts
   uint64_t max_payload_;
+  HeaderCheck header_check_;
   int receive_timeout_ms_;  // the socket's SO_RCVTIMEO when the reader was made; -1: none
   std::unique_ptr<std::byte[]> buffer_;
   size_t capacity_ = 0;

@@ -78,6 +78,9 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
     if (value.size() < kMinTokenBytes) {
       return LineError(line, absl::StrCat("token: shorter than ", kMinTokenBytes, " bytes"));
     }
+    if (value.size() > kMaxTokenBytes) {
+      return LineError(line, absl::StrCat("token: longer than ", kMaxTokenBytes, " bytes"));
+    }
     tenant.token_digest = DigestToken(value);
     return true;
   }
@@ -172,8 +175,7 @@ TokenDirectory::TokenDirectory(const std::vector<TenantConfig>& tenants) {
   for (const TenantConfig& tenant : tenants) digests_.push_back(tenant.token_digest);
 }
 
-int TokenDirectory::Find(absl::string_view token) const {
-  const TokenDigest presented = DigestToken(token);
+int TokenDirectory::FindDigest(const TokenDigest& presented) const {
   int found = -1;
   for (size_t i = 0; i < digests_.size(); ++i) {
     // Every digest is compared in full and no loop ends early.

@@ -22,6 +22,9 @@
 namespace kvcache {
 
 inline constexpr size_t kMinTokenBytes = 16;
+// A token must fit a data-lane AUTH frame (lane::kMaxAuthFrameBytes) and a
+// gRPC metadata entry; a longer one could never be presented.
+inline constexpr size_t kMaxTokenBytes = 4 << 10;
 inline constexpr size_t kMaxTenantNameBytes = 64;
 
 using TokenDigest = std::array<unsigned char, 32>;
@@ -68,7 +71,9 @@ class TokenDirectory {
  public:
   explicit TokenDirectory(const std::vector<TenantConfig>& tenants);
   // The index in `tenants` of the token's tenant; -1 when none.
-  int Find(absl::string_view token) const;
+  int Find(absl::string_view token) const { return FindDigest(DigestToken(token)); }
+  // The same for a token known by its digest.
+  int FindDigest(const TokenDigest& presented) const;
 
  private:
   std::vector<TokenDigest> digests_;

@@ -70,10 +70,13 @@ void FetchChunkFraming::Write(uint8_t* out) const {
   std::copy(middle_.begin(), middle_.end(), out + keys_offset_ + key_bytes_);
 }
 
-FetchCall::FetchCall(Handlers& handlers, const absl::StatusOr<v1::FetchRequest>& request)
-    : handlers_(handlers) {
-  absl::StatusOr<FetchPlan> plan =
-      request.ok() ? handlers_.PlanFetch(*request) : absl::StatusOr<FetchPlan>(request.status());
+FetchCall::FetchCall(Handlers& handlers, const absl::StatusOr<v1::FetchRequest>& request,
+                     const Admitted* caller)
+    : handlers_(handlers), caller_(caller) {
+  absl::Status admitted = caller_ != nullptr ? caller_->StillAdmitted() : absl::OkStatus();
+  absl::StatusOr<FetchPlan> plan = !admitted.ok()  ? absl::StatusOr<FetchPlan>(admitted)
+                                   : request.ok() ? handlers_.PlanFetch(*request)
+                                                  : absl::StatusOr<FetchPlan>(request.status());
   if (!plan.ok()) {
     status_ = plan.status();
     return;
@@ -82,8 +85,19 @@ FetchCall::FetchCall(Handlers& handlers, const absl::StatusOr<v1::FetchRequest>&
   framings_.resize(plan_.chunks.size());
 }
 
+bool FetchCall::has_next() {
+  if (!pending()) return false;
+  if (caller_ != nullptr) {
+    if (absl::Status admitted = caller_->StillAdmitted(); !admitted.ok()) {
+      (void)Fail(admitted);
+      return false;
+    }
+  }
+  return true;
+}
+
 bool FetchCall::next_is_tokens() const {
-  return has_next() && plan_.chunks[next_].form == FetchPlan::Form::kTokens;
+  return pending() && plan_.chunks[next_].form == FetchPlan::Form::kTokens;
 }
 
 const FetchChunkFraming& FetchCall::FramingAt(size_t index) {

@@ -29,6 +29,7 @@
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 
 namespace kvcache::service {
 
@@ -68,13 +69,18 @@ class FetchCall {
  public:
   // Plans `request`. One that cannot be planned, or did not parse (an
   // error in place of the request), makes a call with no chunks whose
-  // Finish says why.
-  FetchCall(Handlers& handlers, const absl::StatusOr<v1::FetchRequest>& request);
+  // Finish says why. `caller`: the admission the call runs under, asked
+  // before planning and before each chunk whether its token still holds
+  // (null: nothing to ask); it must outlive the call.
+  FetchCall(Handlers& handlers, const absl::StatusOr<v1::FetchRequest>& request,
+            const Admitted* caller = nullptr);
   FetchCall(const FetchCall&) = delete;
   FetchCall& operator=(const FetchCall&) = delete;
 
-  // Whether a chunk is left to send: none once one failed or Finish ran.
-  bool has_next() const { return status_.ok() && next_ < plan_.chunks.size(); }
+  // Whether a chunk is left to send: none once one failed or Finish ran,
+  // nor once the caller's token was revoked (the call then ends
+  // UNAUTHENTICATED: a chunk's bytes never go to a revoked caller).
+  bool has_next();
   // Whether the next chunk is keys and values (NextFraming, MappedNext,
   // ReadNext), else a message of its own (FillNext).
   bool next_is_tokens() const;
@@ -105,7 +111,11 @@ class FetchCall {
   // Records the first failure; the call sends nothing after it.
   absl::Status Fail(absl::Status status);
 
+  // Whether a chunk is left, asking no one.
+  bool pending() const { return status_.ok() && next_ < plan_.chunks.size(); }
+
   Handlers& handlers_;
+  const Admitted* caller_;
   FetchPlan plan_;
   size_t next_ = 0;
   // Framings of the chunks, made once each when first asked for.

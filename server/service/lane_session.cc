@@ -7,11 +7,15 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "core/tokens_file.h"
 
 namespace kvcache::service {
 namespace {
 
 constexpr size_t kChunkBatchBytes = 512 << 10;
+// A LaneAuth of the longest token the tokens file takes: its tag and length first.
+static_assert(kMaxTokenBytes + 1 + 2 <= lane::kMaxAuthFrameBytes,
+              "an AUTH frame must hold the longest token");
 // Acknowledgements queued before they go out even with more frames waiting
 // (about 1 KiB).
 constexpr int kMostUnsentAcks = 64;
@@ -20,7 +24,22 @@ constexpr int kMostUnsentAcks = 64;
 
 LaneSession::LaneSession(Tenants& tenants, int fd, uint64_t max_message_bytes,
                          lane::TlsSession* tls)
-    : tenants_(tenants), reader_(fd, max_message_bytes, tls), writer_(fd, tls) {}
+    : tenants_(tenants), reader_(fd, max_message_bytes, tls), writer_(fd, tls) {
+  if (tenants_.authenticates()) reader_.set_header_check(&LaneSession::CheckOpeningFrame);
+}
+
+absl::Status LaneSession::CheckOpeningFrame(const lane::FrameHeader& header) {
+  if (header.kind != v1::LANE_FRAME_AUTH) {
+    return absl::UnauthenticatedError(
+        "data lane: the server has tenants; the first frame must be AUTH with a bearer token");
+  }
+  if (header.length > lane::kMaxAuthFrameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data lane: an AUTH frame of ", header.length,
+                     " bytes is over the limit of ", lane::kMaxAuthFrameBytes, " (one bearer token)"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LaneSession::Run() {
   const absl::Status status = Serve();
@@ -47,8 +66,9 @@ absl::Status LaneSession::Serve() {
   while (true) {
     absl::StatusOr<lane::Frame> frame = NextFrame();
     if (!frame.ok()) {
-      // A frame too long is answered; a closed or failed socket is not.
-      if (absl::IsInvalidArgument(frame.status())) {
+      // A frame refused from its header is answered; a closed or failed
+      // socket is not.
+      if (absl::IsInvalidArgument(frame.status()) || absl::IsUnauthenticated(frame.status())) {
         QueueStatus(frame.status());
         (void)writer_.Send();
       } else if (!writer_.empty()) {
@@ -62,6 +82,11 @@ absl::Status LaneSession::Serve() {
       return status;
     }
     ReportBytes();
+    if (revoked_) {
+      if (!writer_.empty()) (void)writer_.Send();
+      return absl::UnauthenticatedError(
+          "data lane: the connection's token was revoked; closed its connection");
+    }
     if (broke_announcement_) {
       // The client waits for the announced bytes; only the connection's end wakes it.
       return absl::AbortedError(
@@ -109,6 +134,9 @@ absl::Status LaneSession::OnFrame(const lane::Frame& frame) {
     return OnAuth(frame.payload);
   }
   if (!admitted_.ok()) RETURN_IF_ERROR(AdmitWithoutToken());
+  // A token revoked since the last frame: refused and the connection closed
+  // (Serve), whatever the frame.
+  RETURN_IF_ERROR(admitted_.StillAdmitted());
   switch (frame.header.kind) {
     case v1::LANE_FRAME_UPDATE:
       updating_ = true;
@@ -147,8 +175,9 @@ absl::Status LaneSession::OnAuth(absl::Span<const std::byte> payload) {
         "LaneAuth: malformed (not the wire format of kvcache.v1.LaneAuth)");
   }
   ASSIGN_OR_RETURN(admitted_, tenants_.AdmitLane(auth.token()));
+  reader_.set_header_check(nullptr);
   opened_.store(true, std::memory_order_release);
-  update_.emplace(admitted_.handlers());
+  update_.emplace(admitted_.handlers(), &admitted_);
   QueueStatus(absl::OkStatus());
   return writer_.Send();
 }
@@ -159,7 +188,7 @@ absl::Status LaneSession::AdmitWithoutToken() {
         "data lane: the server has tenants; the first frame must be AUTH with a bearer token");
   }
   ASSIGN_OR_RETURN(admitted_, tenants_.AdmitLane(""));
-  update_.emplace(admitted_.handlers());
+  update_.emplace(admitted_.handlers(), &admitted_);
   return absl::OkStatus();
 }
 
@@ -171,6 +200,7 @@ void LaneSession::OnUpdate(absl::Span<const std::byte> payload) {
   const absl::StatusOr<EncodedAck> ack = update_->Apply(pieces);
   if (!ack.ok()) {
     QueueStatus(ack.status());
+    revoked_ = absl::IsUnauthenticated(ack.status());
     return;
   }
   writer_.AddHeader(v1::LANE_FRAME_UPDATE_ACK, static_cast<uint32_t>(ack->bytes().size()));
@@ -192,7 +222,7 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
     request = absl::InvalidArgumentError(
         "FetchRequest: malformed (not the wire format of kvcache.v1.FetchRequest)");
   }
-  FetchCall call(admitted_.handlers(), request);
+  FetchCall call(admitted_.handlers(), request, &admitted_);
   bool announced = false;
   const absl::Status sent = SendChunks(call, announced);
   // The call's status comes after its pages are let go (FetchCall::Finish).
@@ -200,6 +230,7 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
   // A socket that failed cannot carry the status either.
   if (absl::IsUnavailable(sent) || absl::IsDeadlineExceeded(sent)) return sent;
   broke_announcement_ = announced && !status.ok();
+  revoked_ = absl::IsUnauthenticated(status);
   QueueStatus(status);
   return writer_.Send();
 }

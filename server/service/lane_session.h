@@ -53,6 +53,9 @@ class LaneSession {
   absl::Status OnFrame(const lane::Frame& frame);
   // An AUTH frame: the connection's tenant, answered by a STATUS.
   absl::Status OnAuth(absl::Span<const std::byte> payload);
+  // Until the connection authenticates: only an AUTH frame of at most
+  // lane::kMaxAuthFrameBytes is read, judged by its header alone.
+  static absl::Status CheckOpeningFrame(const lane::FrameHeader& header);
   // The anonymous tenant's admission where the server has no tokens, else
   // UNAUTHENTICATED: a call came before an AUTH frame.
   absl::Status AdmitWithoutToken();
@@ -87,6 +90,7 @@ class LaneSession {
   int unsent_acks_ = 0;    // acknowledgements queued in writer_ (at most, once a STATUS is)
   bool announces_lengths_ = false;  // the client opened with KVLANE02
   bool broke_announcement_ = false;  // a Fetch failed after its FETCH_LENGTH
+  bool revoked_ = false;  // a call was refused for a revoked token: the connection ends
 };
 
 }  // namespace kvcache::service

@@ -19,7 +19,7 @@ absl::StatusOr<v1::FetchRequest> ParseFetchRequest(const grpc::ByteBuffer& raw_r
 }  // namespace
 
 UpdateReactor::UpdateReactor(Admitted admitted)
-    : admitted_(std::move(admitted)), call_(admitted_.handlers()) {
+    : admitted_(std::move(admitted)), call_(admitted_.handlers(), &admitted_) {
   StartRead(&request_);
 }
 
@@ -96,7 +96,7 @@ void UpdateReactor::Start(Next next) ABSL_NO_THREAD_SAFETY_ANALYSIS {
 }
 
 FetchReactor::FetchReactor(Admitted admitted, const grpc::ByteBuffer& request)
-    : admitted_(std::move(admitted)), call_(admitted_.handlers(), ParseFetchRequest(request)) {
+    : admitted_(std::move(admitted)), call_(admitted_.handlers(), ParseFetchRequest(request), &admitted_) {
   WriteNext();
 }
 

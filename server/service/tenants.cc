@@ -50,8 +50,22 @@ Admitted& Admitted::operator=(Admitted&& other) noexcept {
     tenant_ = std::exchange(other.tenant_, nullptr);
     gauge_.store(other.gauge_.exchange(nullptr));
     alive_ = std::exchange(other.alive_, nullptr);
+    tenants_ = std::exchange(other.tenants_, nullptr);
+    token_ = other.token_;
+    checked_generation_.store(other.checked_generation_.load(std::memory_order_relaxed),
+                              std::memory_order_relaxed);
+    revoked_.store(other.revoked_.load(std::memory_order_relaxed), std::memory_order_relaxed);
   }
   return *this;
+}
+
+absl::Status Admitted::StillAdmitted() const {
+  if (tenants_ == nullptr) return absl::OkStatus();
+  if (!revoked_.load(std::memory_order_relaxed) &&
+      checked_generation_.load(std::memory_order_relaxed) == tenants_->generation()) {
+    return absl::OkStatus();
+  }
+  return tenants_->Recheck(*this);
 }
 
 void Admitted::Answering() const {
@@ -131,6 +145,7 @@ absl::Status Tenants::Apply(std::vector<TenantConfig> configs) {
     active_.push_back(&tenant);
   }
   tokens_ = std::make_unique<TokenDirectory>(configs);
+  generation_.fetch_add(1, std::memory_order_release);
   LogInfo("tokens_file %s: %d tenants", path_, configs.size());
   return absl::OkStatus();
 }
@@ -139,26 +154,52 @@ const char* TransportName(Transport transport) {
   return transport == Transport::kGrpc ? "grpc" : "lane";
 }
 
-absl::StatusOr<Tenant*> Tenants::Authenticate(absl::string_view token) const {
-  if (!authenticates()) return anonymous_;
+absl::StatusOr<Tenants::Credential> Tenants::Authenticate(absl::string_view token) const {
+  if (!authenticates()) return Credential{.tenant = anonymous_};
   if (token.empty()) {
     return absl::UnauthenticatedError("authorization: no bearer token (kvcached --tokens_file)");
   }
+  Credential credential{.digest = DigestToken(token)};
   absl::ReaderMutexLock lock(&mutex_);
-  const int index = tokens_->Find(token);
+  const int index = tokens_->FindDigest(credential.digest);
   if (index < 0) return absl::UnauthenticatedError("authorization: unknown bearer token");
-  return active_[index];
+  credential.tenant = active_[index];
+  credential.generation = generation_.load(std::memory_order_relaxed);
+  return credential;
 }
 
-absl::StatusOr<Admitted> Tenants::Admit(Tenant* tenant, std::atomic<uint32_t> Tenant::*gauge,
+absl::Status Tenants::Recheck(const Admitted& admitted) const {
+  if (!admitted.revoked_.load(std::memory_order_relaxed)) {
+    absl::ReaderMutexLock lock(&mutex_);
+    const int index = tokens_->FindDigest(admitted.token_);
+    if (index >= 0 && active_[index] == admitted.tenant_) {
+      admitted.checked_generation_.store(generation_.load(std::memory_order_relaxed),
+                                         std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
+    admitted.revoked_.store(true, std::memory_order_relaxed);
+  }
+  return absl::UnauthenticatedError(
+      "authorization: the bearer token was revoked (the tokens file was re-read without it for "
+      "this tenant); nothing more is served on this call or connection");
+}
+
+absl::StatusOr<Admitted> Tenants::Admit(const Credential& credential,
+                                        std::atomic<uint32_t> Tenant::*gauge,
                                         std::atomic<uint32_t> Tenant::*limit,
                                         const char* limit_name) {
+  Tenant* tenant = credential.tenant;
   const uint32_t most = (tenant->*limit).load(std::memory_order_relaxed);
   const uint32_t before = (tenant->*gauge).fetch_add(1, std::memory_order_relaxed);
   Admitted admitted(tenant, &(tenant->*gauge));
   if (most != 0 && before >= most) {
     return absl::ResourceExhaustedError(
         absl::StrCat(limit_name, ": tenant ", tenant->name, " has ", most, " already (its quota)"));
+  }
+  if (authenticates()) {
+    admitted.tenants_ = this;
+    admitted.token_ = credential.digest;
+    admitted.checked_generation_.store(credential.generation, std::memory_order_relaxed);
   }
   return admitted;
 }
@@ -171,24 +212,25 @@ absl::StatusOr<Admitted> Tenants::AdmitCall(absl::string_view authorization) {
     }
     token = absl::StripLeadingAsciiWhitespace(authorization.substr(kBearer.size()));
   }
-  absl::StatusOr<Tenant*> tenant = Authenticate(token);
-  if (!tenant.ok()) return tenant.status();
+  absl::StatusOr<Credential> credential = Authenticate(token);
+  if (!credential.ok()) return credential.status();
   absl::StatusOr<Admitted> admitted =
-      Admit(*tenant, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
+      Admit(*credential, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
             "max_requests_in_flight");
   if (admitted.ok()) {
-    (*tenant)->calls_admitted.fetch_add(1, std::memory_order_relaxed);
+    credential->tenant->calls_admitted.fetch_add(1, std::memory_order_relaxed);
     admitted->CountAlive(&calls_alive_);
   }
   return admitted;
 }
 
 absl::StatusOr<Admitted> Tenants::AdmitLane(absl::string_view token) {
-  absl::StatusOr<Tenant*> tenant = Authenticate(token);
-  if (!tenant.ok()) return tenant.status();
-  absl::StatusOr<Admitted> admitted = Admit(*tenant, &Tenant::lane_connections,
-                                            &Tenant::max_lane_connections, "max_lane_connections");
-  if (admitted.ok()) (*tenant)->lane_connections_admitted.fetch_add(1, std::memory_order_relaxed);
+  absl::StatusOr<Credential> credential = Authenticate(token);
+  if (!credential.ok()) return credential.status();
+  absl::StatusOr<Admitted> admitted =
+      Admit(*credential, &Tenant::lane_connections, &Tenant::max_lane_connections,
+            "max_lane_connections");
+  if (admitted.ok()) credential->tenant->lane_connections_admitted.fetch_add(1, std::memory_order_relaxed);
   return admitted;
 }
 

@@ -12,7 +12,15 @@
 // tenant of the file; others are UNAUTHENTICATED. Reload (on SIGHUP) re-reads
 // the file: new tokens and quotas apply to the next call; a tenant left out
 // can no longer call, but keeps what it holds (leases still run) and gets it
-// back if it returns; calls and connections under way are not dropped.
+// back if it returns.
+//
+// A reload reaches what is under way too. From the moment it lands, a token
+// left out or moved to another tenant admits nothing more: the next Update
+// message of a stream (gRPC or lane), the next chunk of a Fetch, and the
+// next frame of a lane connection are refused UNAUTHENTICATED, and a lane
+// connection is then closed. What had passed that check before completes:
+// an Update message being applied (it applies atomically), a unary call
+// (admitted whole when it arrived), a file import or pull under way.
 #pragma once
 
 #include <array>
@@ -73,6 +81,8 @@ struct Tenant {
 
 // A call or lane connection admitted for a tenant; it counts against the
 // tenant's limit until this goes.
+class Tenants;
+
 class Admitted {
  public:
   Admitted() = default;
@@ -82,6 +92,10 @@ class Admitted {
   ~Admitted() { Release(); }
 
   bool ok() const { return tenant_ != nullptr; }
+  // OK while the token it was admitted with still names its tenant; after a
+  // reload that dropped or moved that token, UNAUTHENTICATED from then on
+  // (tenants.h says what that ends). One atomic load while no reload came.
+  absl::Status StillAdmitted() const;
   // The call is about to answer: it stops counting against the tenant's
   // limit now, before the client can see the answer, so a client that waits
   // for each answer before its next call never meets its own last call (gRPC
@@ -101,8 +115,17 @@ class Admitted {
   }
 
  private:
+  friend class Tenants;
   void Release();
   Tenant* tenant_ = nullptr;
+  // Where it was admitted by a token, and which: StillAdmitted asks again
+  // after each reload (null: no tokens file, nothing to revoke).
+  const Tenants* tenants_ = nullptr;
+  TokenDigest token_{};
+  // The tokens file's generation the token was last found in; revoked_ once
+  // it was not (for good: a connection is not let back in by a later reload).
+  mutable std::atomic<uint64_t> checked_generation_{0};
+  mutable std::atomic<bool> revoked_{false};
   // Taken once, by Answering or Release, whichever comes first.
   mutable std::atomic<std::atomic<uint32_t>*> gauge_{nullptr};
   std::atomic<uint32_t>* alive_ = nullptr;  // CountAlive's; released by Release
@@ -118,6 +141,9 @@ class Tenants {
 
   // Whether calls need a token (a tokens file is in use).
   bool authenticates() const { return !path_.empty(); }
+  // Counts the tokens files applied; a call admitted under an older one asks
+  // again (Admitted::StillAdmitted).
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // Re-reads the tokens file. A file that does not parse changes nothing
   // (INVALID_ARGUMENT naming the line).
   absl::Status Reload();
@@ -159,9 +185,20 @@ class Tenants {
 
  private:
   Tenants() = default;
-  absl::StatusOr<Tenant*> Authenticate(absl::string_view token) const;
-  absl::StatusOr<Admitted> Admit(Tenant* tenant, std::atomic<uint32_t> Tenant::*gauge,
+  friend class Admitted;
+  // Who a token names: its tenant, its digest and the generation it was
+  // found in.
+  struct Credential {
+    Tenant* tenant = nullptr;
+    TokenDigest digest{};
+    uint64_t generation = 0;
+  };
+  absl::StatusOr<Credential> Authenticate(absl::string_view token) const;
+  absl::StatusOr<Admitted> Admit(const Credential& credential, std::atomic<uint32_t> Tenant::*gauge,
                                  std::atomic<uint32_t> Tenant::*limit, const char* limit_name);
+  // Whether `admitted`'s token still names its tenant in the tokens file in
+  // force; records the generation it was found in.
+  absl::Status Recheck(const Admitted& admitted) const;
   absl::Status Apply(std::vector<TenantConfig> configs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
 
   std::string path_;  // empty: the anonymous tenant only
@@ -172,6 +209,7 @@ class Tenants {
   // Those the tokens file names now, in its order, and their tokens.
   std::vector<Tenant*> active_ ABSL_GUARDED_BY(mutex_);
   std::unique_ptr<TokenDirectory> tokens_ ABSL_GUARDED_BY(mutex_);
+  std::atomic<uint64_t> generation_{0};  // written under mutex_
   Tenant* anonymous_ = nullptr;
   std::atomic<uint32_t> calls_alive_{0};
 };

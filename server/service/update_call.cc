@@ -81,6 +81,12 @@ EncodedAck::EncodedAck(const v1::UpdateResponse& response) {
 
 absl::StatusOr<EncodedAck> UpdateCall::Apply(MessagePieces pieces) {
   if (!status_.ok()) return status_;
+  if (caller_ != nullptr) {
+    if (absl::Status admitted = caller_->StillAdmitted(); !admitted.ok()) {
+      status_ = admitted;
+      return admitted;
+    }
+  }
   absl::Status status = message_.Parse(pieces);
   if (status.ok()) status = handlers_.Update(message_.view(), &known_spec_, &response_);
   message_.Clear();  // the engine has copied the tensors: nothing points into the pieces

@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "service/handlers.h"
+#include "service/tenants.h"
 #include "service/update_view.h"
 
 namespace kvcache::service {
@@ -59,12 +60,17 @@ class EncodedAck {
 
 class UpdateCall {
  public:
-  explicit UpdateCall(Handlers& handlers) : handlers_(handlers) {}
+  // `caller`: the admission the call runs under, asked before each message
+  // whether its token still holds (null: nothing to ask); it must outlive
+  // the call.
+  explicit UpdateCall(Handlers& handlers, const Admitted* caller = nullptr)
+      : handlers_(handlers), caller_(caller) {}
 
   // Parses and applies one UpdateRequest (`pieces` need live only until it
   // returns); its acknowledgement, or the failure that ends the call. Once a
   // message failed, the call reads no more: each later Apply returns that
-  // failure again.
+  // failure again. A caller whose token was revoked (tenants.h) fails the
+  // message UNAUTHENTICATED before anything of it is read.
   absl::StatusOr<EncodedAck> Apply(MessagePieces pieces);
   bool failed() const { return !status_.ok(); }
   // The call's status, once its messages end: its first failure, else OK.
@@ -74,6 +80,7 @@ class UpdateCall {
 
  private:
   Handlers& handlers_;
+  const Admitted* caller_;
   ParsedUpdate message_;
   KnownSpec known_spec_;  // of the cache last written to
   v1::UpdateResponse response_;  // reused: every message sets both fields

@@ -220,6 +220,28 @@ TEST_P(FrameReaderTest, ABrokenPromiseWaitsUntilThePeerCloses) {
   EXPECT_TRUE(absl::IsOutOfRange(reader.Next().status()));
 }
 
+// A header check refuses a frame from its 8 header bytes: the payload is
+// never read (it is still in the socket), and frames it lets through are
+// read as ever; without the check the same frame would be read whole.
+TEST_P(FrameReaderTest, AHeaderCheckRefusesAFrameBeforeItsPayloadIsRead) {
+  FrameReader reader(near_.get(), 64 << 20);
+  reader.set_header_check([](const FrameHeader& header) {
+    return header.length <= 16 ? absl::OkStatus()
+                               : absl::UnauthenticatedError("too long before AUTH");
+  });
+  const std::string small = Framed(v1::LANE_FRAME_AUTH, "token");
+  const std::string large = Framed(v1::LANE_FRAME_UPDATE, std::string(1 << 20, 'x'));
+  std::thread feeder([&] { Feed(small + large.substr(0, 16 << 10)); });
+  absl::StatusOr<Frame> first = reader.Next();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(PayloadOf(*first), "token");
+  const absl::StatusOr<Frame> refused = reader.Next();
+  feeder.join();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  EXPECT_EQ(reader.bytes_received(), small.size() + kHeaderBytes)
+      << "read past the refused frame's header";
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, FrameReaderTest,
                          ::testing::Values(Transport::kUnixPair, Transport::kTcpLoopback),
                          TransportName);
