@@ -201,6 +201,10 @@ absl::StatusOr<service::TenantParts> KvCacheServer::MakeTenant(const TenantConfi
     };
     options.max_pinned_bytes = tighter(options.max_pinned_bytes, tenant->quotas.max_pinned_bytes);
     options.metadata_bytes = tighter(options.metadata_bytes, tenant->quotas.max_metadata_bytes);
+    if (tenant->quotas.max_metadata_bytes != 0 &&
+        options.metadata_bytes == tenant->quotas.max_metadata_bytes) {
+      options.metadata_quota_of = tenant->name;  // its quota, not the flag, is what binds
+    }
     options.max_caches = tenant->quotas.max_caches;
     options.max_snapshots = tenant->quotas.max_snapshots;
     // The pool is shared, so one tenant's idle snapshots make room for another's work.

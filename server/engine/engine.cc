@@ -29,7 +29,8 @@ Engine::Engine(gpu::PagePool& pool, EngineOptions options)
       clock_(options_.clock != nullptr ? *options_.clock : LeaseClock::System()),
       metadata_(options_.metadata_bytes != 0
                     ? options_.metadata_bytes
-                    : DefaultMetadataBytes(pool.stats().max_pages * pool.page_bytes())),
+                    : DefaultMetadataBytes(pool.stats().max_pages * pool.page_bytes()),
+                options_.metadata_quota_of),
       pool_tables_(metadata_.Reserve(PoolTablesBytes(pool.stats().max_pages))),
       snapshots_(clock_,
                  SnapshotRegistryOptions{.default_ttl = options_.default_ttl,

@@ -53,6 +53,9 @@ struct EngineOptions {
   // Most host memory caches and snapshots may hold outside the pool
   // (engine/metadata_budget.h); 0: DefaultMetadataBytes of the pool's budget.
   uint64_t metadata_bytes = 0;
+  // The tenant whose own quota metadata_bytes is (named in its refusals);
+  // empty: the server's --metadata_bytes.
+  std::string metadata_quota_of;
   // What every cache, snapshot and speculation id begins with: the replica's
   // name and a colon (kvcached --replica_name), or nothing.
   std::string id_prefix;

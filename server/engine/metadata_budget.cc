@@ -73,10 +73,16 @@ absl::StatusOr<MetadataCharge> MetadataBudget::Charge(uint64_t bytes, const char
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
     if (max_bytes_ != 0 && used + bytes > max_bytes_) {
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("%s: %s needs %d bytes of host memory for its tables and %d of %d are in "
-                          "use; release caches or snapshots, or raise --metadata_bytes",
-                          kMetadataBudgetName, what, bytes, used, max_bytes_));
+      // Raising the server's flag would not help a tenant held by its own quota.
+      const std::string limit =
+          quota_of_.empty()
+              ? std::string(kMetadataBudgetName)
+              : absl::StrFormat("max_%s: tenant %s's quota", kMetadataBudgetName, quota_of_);
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s: %s needs %d bytes of host memory for its tables and %d of %d are in use; release "
+          "caches or snapshots%s",
+          limit, what, bytes, used, max_bytes_,
+          quota_of_.empty() ? ", or raise --metadata_bytes" : ""));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return MetadataCharge(this, bytes);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "engine/cache.h"
@@ -46,8 +47,11 @@ class MetadataCharge {
 
 class MetadataBudget {
  public:
-  // 0: no limit (still counted).
-  explicit MetadataBudget(uint64_t max_bytes) : max_bytes_(max_bytes) {}
+  // 0: no limit (still counted). `quota_of`: the tenant whose own
+  // max_metadata_bytes (tokens file) is the limit, named in refusals; empty
+  // where the limit is the server's --metadata_bytes.
+  explicit MetadataBudget(uint64_t max_bytes, std::string quota_of = "")
+      : max_bytes_(max_bytes), quota_of_(std::move(quota_of)) {}
   MetadataBudget(const MetadataBudget&) = delete;
   MetadataBudget& operator=(const MetadataBudget&) = delete;
 
@@ -62,6 +66,7 @@ class MetadataBudget {
  private:
   friend class MetadataCharge;
   const uint64_t max_bytes_;
+  const std::string quota_of_;
   std::atomic<uint64_t> used_{0};
 };
 

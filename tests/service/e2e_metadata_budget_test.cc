@@ -1,6 +1,8 @@
 // The metadata budget through a whole server: caches and snapshots past
 // --metadata_bytes are RESOURCE_EXHAUSTED naming it and change nothing;
 // GetStats reports what is charged and the budget; deleting gives room back.
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,6 +38,7 @@ TEST(E2eMetadataBudgetTest, HandlesPastTheBudgetAreRefusedNamingIt) {
   ASSERT_FALSE(caches.empty());
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(refused.message(), HasSubstr("metadata_bytes"));
+  EXPECT_THAT(refused.message(), HasSubstr("raise --metadata_bytes"));
   auto full = client.GetStats();
   ASSERT_TRUE(full.ok());
   EXPECT_EQ(full->caches(), caches.size()) << "a refused cache was created";
@@ -68,6 +71,36 @@ TEST(E2eMetadataBudgetTest, HandlesPastTheBudgetAreRefusedNamingIt) {
   EXPECT_EQ(after->metadata_bytes(), before->metadata_bytes()) << "charges not returned";
   EXPECT_TRUE(client.CreateCache(spec).ok()) << "deleting gave no room back";
   server->CleanUpAndCheck();
+}
+
+// A tenant held by its own max_metadata_bytes is told so: raising the
+// server's flag would not help it.
+TEST(E2eMetadataBudgetTest, ATenantsOwnQuotaIsNamedInItsRefusals) {
+  const std::string dir = ::testing::TempDir() + "/kvcached-metadata-" +
+                          std::to_string(std::random_device()());
+  std::filesystem::create_directories(dir);
+  constexpr char kToken[] = "alice-token-0123456789abcdef";
+  std::ofstream(dir + "/tokens") << "tenant=alice token=" << kToken
+                                 << " max_metadata_bytes=60000\n";
+  // A small pool, so that its page tables (reserved in every tenant's
+  // budget) leave room for caches.
+  auto server = TestServer::Start(
+      {.budget_bytes = 1 << 20, .tokens_file = dir + "/tokens", .token = kToken});
+  ASSERT_NE(server, nullptr);
+  std::vector<std::string> caches;
+  absl::Status refused;
+  while (refused.ok() && caches.size() < 256) {
+    auto cache = server->client().CreateCache(ProtoSpec(2, 1, 8));
+    if (cache.ok()) caches.push_back(cache->cache_id());
+    refused = cache.status();
+  }
+  EXPECT_FALSE(caches.empty()) << refused;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_metadata_bytes: tenant alice's quota"));
+  EXPECT_THAT(refused.message(), HasSubstr("of 60000 are in use"));
+  EXPECT_THAT(refused.message(), ::testing::Not(HasSubstr("--metadata_bytes")));
+  server->CleanUpAndCheck();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
