@@ -91,6 +91,8 @@ absl::Status Handlers::Update(const UpdateView& request, KnownSpec* known,
   // Not copied unless the speculation names it (no allocation per message).
   const std::string* cache_id = &request.cache_id;
   engine::SpeculationInfo speculation;
+  // Every id's length before any lookup (validation.h).
+  RETURN_IF_ERROR(CheckIdLength("cache_id", request.cache_id));
   RETURN_IF_ERROR(CheckIdLength("speculation_id", request.speculation_id));
   if (!request.speculation_id.empty()) {
     // The speculation first: an unknown one, or one named with another

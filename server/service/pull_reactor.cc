@@ -4,8 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/client_text.h"
+#include "core/status_macros.h"
 #include "ids/replica_id.h"
 #include "service/status_mapping.h"
+#include "service/validation.h"
 
 namespace kvcache::service {
 
@@ -38,14 +41,15 @@ PullReactor::PullReactor(Admitted admitted, grpc::CallbackServerContext* context
 
 absl::Status PullReactor::Check(const v1::PullSnapshotRequest& request, Peers* peers,
                                 const std::string& self) const {
+  // The id rules of every call first (validation.h): a length past the
+  // limit is refused before anything else is read of it.
+  RETURN_IF_ERROR(RequireId("snapshot_id", request.snapshot_id()));
+  RETURN_IF_ERROR(CheckIdLength("request_id", request.request_id()));
   const absl::string_view owner = ids::ReplicaOf(request.snapshot_id());
-  if (request.snapshot_id().empty()) {
-    return absl::InvalidArgumentError("snapshot_id: required");
-  }
   if (absl::Status name = ids::CheckReplicaName(owner, "snapshot_id"); !name.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("snapshot_id: \"", request.snapshot_id().substr(0, 100),
-                     "\" names no replica (ids of a fleet are <replica>:<hex>)"));
+        absl::StrCat("snapshot_id: ", Quoted(request.snapshot_id()),
+                     " names no replica (ids of a fleet are <replica>:<hex>)"));
   }
   if (owner == self) {
     return absl::InvalidArgumentError(

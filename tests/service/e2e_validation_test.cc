@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/client_text.h"
@@ -341,6 +342,61 @@ TEST(E2eContractTest, UnparsableRequestsAreInvalidArgumentNamingTheirType) {
       CallWithBytes(address, absl::StrCat("/", service->full_name(), "/GetCache"), not_utf8);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("kvcache.v1.GetCacheRequest"));
+  server->CleanUpAndCheck();
+}
+
+// Every string field of every request whose name ends in _id or _ids keeps
+// the id rules: past kMaxIdBytes it is INVALID_ARGUMENT naming the field,
+// refused before any lookup (the request's other ids are well-formed ids
+// nobody holds, so a lookup first would answer NOT_FOUND), and the status
+// quotes at most kMaxQuotedBytes of it. Found from the schema, so an RPC
+// added later is held to the rules without being listed here.
+TEST(E2eContractTest, EveryIdFieldOfEveryRequestKeepsTheIdRules) {
+  std::unique_ptr<TestServer> server = TestServer::Start(ServerSetup{});
+  ASSERT_NE(server, nullptr);
+  const std::string address = server->server().address();
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::KvCacheService::service_full_name());
+  const auto is_id = [](const google::protobuf::FieldDescriptor& field) {
+    return field.type() == google::protobuf::FieldDescriptor::TYPE_STRING &&
+           (absl::EndsWith(field.name(), "_id") || absl::EndsWith(field.name(), "_ids"));
+  };
+  const std::string long_id(10240, 'c');
+  const std::string unquoted(kMaxQuotedBytes + 1, 'c');
+  int checked = 0;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor& method = *service->method(i);
+    const google::protobuf::Descriptor& type = *method.input_type();
+    for (int f = 0; f < type.field_count(); ++f) {
+      const google::protobuf::FieldDescriptor& tested = *type.field(f);
+      if (!is_id(tested)) continue;
+      std::unique_ptr<google::protobuf::Message> request(
+          google::protobuf::MessageFactory::generated_factory()->GetPrototype(&type)->New());
+      const google::protobuf::Reflection& reflection = *request->GetReflection();
+      for (int o = 0; o < type.field_count(); ++o) {
+        const google::protobuf::FieldDescriptor& field = *type.field(o);
+        if (!is_id(field)) continue;
+        const std::string& value = &field == &tested ? long_id : std::string(kUnknownId);
+        if (field.is_repeated()) {
+          reflection.AddString(request.get(), &field, value);
+        } else {
+          reflection.SetString(request.get(), &field, value);
+        }
+      }
+      const grpc::Status status =
+          CallWithBytes(address, absl::StrCat("/", service->full_name(), "/", method.name()),
+                        request->SerializeAsString());
+      const std::string call = absl::StrCat(method.name(), ".", tested.name());
+      ++checked;
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+          << call << ": " << status.error_message();
+      EXPECT_THAT(status.error_message(), HasSubstr(tested.name())) << call;
+      EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr(unquoted))) << call;
+      EXPECT_LT(status.error_message().size(), 300u) << call;
+    }
+  }
+  EXPECT_GT(checked, 40);
   server->CleanUpAndCheck();
 }
 
