@@ -97,14 +97,16 @@ absl::StatusOr<LoadedSnapshot> Engine::LoadSnapshot(const std::string& name, boo
   absl::StatusOr<LoadedSnapshot> loaded =
       ImportSnapshot(decoded.file, decoded.checksum_verified, pinned, ttl);
   if (!loaded.ok()) {
+    // The file, then what in it is wrong: the name itself was fine.
     return absl::Status(loaded.status().code(),
-                        absl::StrCat("name ", Quoted(name), ": ", loaded.status().message()));
+                        absl::StrCat("saved file ", Quoted(name), " (", name, kSavedFileSuffix,
+                                     "): ", loaded.status().message()));
   }
   return loaded;
 }
 
 absl::StatusOr<std::vector<SavedFileInfo>> Engine::ListSaved() const {
-  ASSIGN_OR_RETURN(const SavedFileStore* store, SavedFiles());
+  ASSIGN_OR_RETURN(SavedFileStore * store, SavedFiles());
   return store->List();
 }
 
@@ -114,7 +116,7 @@ absl::Status Engine::DeleteSaved(const std::string& name) {
 }
 
 absl::StatusOr<std::string> Engine::ReadSaved(const std::string& name) const {
-  ASSIGN_OR_RETURN(const SavedFileStore* store, SavedFiles());
+  ASSIGN_OR_RETURN(SavedFileStore * store, SavedFiles());
   return store->ReadBytes(name);
 }
 

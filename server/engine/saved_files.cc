@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/client_text.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -118,6 +119,67 @@ absl::Status SavedFileStore::IndexDirectory() {
   return absl::OkStatus();
 }
 
+absl::Status SavedFileStore::AdoptFromDisk(absl::string_view name) {
+  const std::string path = PathOf(name);
+  const absl::Status not_found =
+      absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
+  struct stat info;
+  if (::stat(path.c_str(), &info) != 0) {
+    return errno == ENOENT ? not_found : FileErrorStatus(errno, "stat", path, data_dir_);
+  }
+  if (!S_ISREG(info.st_mode)) return not_found;
+  const auto size = static_cast<uint64_t>(info.st_size);
+  absl::MutexLock lock(&mu_);
+  // Indexed meanwhile, or being written (its write indexes it): nothing to adopt.
+  if (files_.contains(name)) return absl::OkStatus();
+  if (busy_names_.contains(name)) return not_found;
+  const std::string found =
+      absl::StrCat("the file ", name, kSavedFileSuffix, " found in the data dir is ", size,
+                   " bytes");
+  if (quota_bytes_ != 0 && used_bytes_ + reserved_bytes_ + size > quota_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_saved_bytes: ", found, " and would pass the quota of ", quota_bytes_, " (",
+        used_bytes_, " bytes in these saved files, ", reserved_bytes_, " being written)"));
+  }
+  if (!budget_.TryCharge(size)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "disk_bytes: ", found, " and would pass the data dir's budget of ", budget_.max_bytes()));
+  }
+  used_bytes_ += size;
+  files_.emplace(std::string(name), SavedFileInfo{.name = std::string(name),
+                                                  .size_bytes = size,
+                                                  .modified = absl::TimeFromTimespec(info.st_mtim)});
+  LogInfo("saved files: indexed %s%s, put in %s while the server ran", name, kSavedFileSuffix,
+          data_dir_);
+  return absl::OkStatus();
+}
+
+void SavedFileStore::AdoptNewFiles() {
+  std::vector<std::string> unindexed;
+  {
+    std::error_code error;
+    absl::MutexLock lock(&mu_);
+    for (const auto& entry : std::filesystem::directory_iterator(data_dir_, error)) {
+      const std::string file_name = entry.path().filename().string();
+      if (!absl::EndsWith(file_name, kSavedFileSuffix)) continue;
+      std::string name = file_name.substr(0, file_name.size() - kSavedFileSuffix.size());
+      if (ValidateSavedFileName(name).ok() && !files_.contains(name)) {
+        unindexed.push_back(std::move(name));
+      }
+    }
+  }
+  for (const std::string& name : unindexed) {
+    absl::Status adopted = AdoptFromDisk(name);
+    uint64_t held_back = 0;
+    // A file over the quota stays refused at each List: said a few times a minute.
+    if (!adopted.ok() && !absl::IsNotFound(adopted) &&
+        refusals_logged_.Allow(absl::Now(), held_back)) {
+      LogError("saved files: not indexed: %s (%d such lines held back)", adopted.ToString(),
+               held_back);
+    }
+  }
+}
+
 std::string SavedFileStore::PathOf(absl::string_view name) const {
   return absl::StrCat(data_dir_, "/", name, kSavedFileSuffix);
 }
@@ -147,12 +209,12 @@ absl::StatusOr<SavedFileInfo> SavedFileStore::WriteBytes(absl::string_view name,
   return Commit(name, {&piece, 1}, bytes.size());
 }
 
-absl::StatusOr<std::string> SavedFileStore::ReadBytes(absl::string_view name) const {
+absl::StatusOr<std::string> SavedFileStore::ReadBytes(absl::string_view name) {
   RETURN_IF_ERROR(ValidateSavedFileName(name));
   return ReadExisting(name);
 }
 
-absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) const {
+absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) {
   RETURN_IF_ERROR(ValidateSavedFileName(name));
   ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> mapped,
                    OpenExisting<std::shared_ptr<const MappedFile>>(name, MappedFile::Open));
@@ -168,23 +230,26 @@ absl::StatusOr<DecodedSafetensors> SavedFileStore::Load(absl::string_view name) 
 // Reads outside the mutex: a rename replaces the file whole, so a read sees
 // the old file or the new one.
 template <typename Contents, typename Reader>
-absl::StatusOr<Contents> SavedFileStore::OpenExisting(absl::string_view name, Reader read) const {
+absl::StatusOr<Contents> SavedFileStore::OpenExisting(absl::string_view name, Reader read) {
   const absl::Status not_found =
       absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
+  bool indexed = false;
   {
     absl::MutexLock lock(&mu_);
-    if (!files_.contains(name)) return not_found;
+    indexed = files_.contains(name);
   }
+  if (!indexed) RETURN_IF_ERROR(AdoptFromDisk(name));
   absl::StatusOr<Contents> contents = read(PathOf(name), data_dir_);
   if (absl::IsNotFound(contents.status())) return not_found;  // deleted meanwhile
   return contents;
 }
 
-absl::StatusOr<std::string> SavedFileStore::ReadExisting(absl::string_view name) const {
+absl::StatusOr<std::string> SavedFileStore::ReadExisting(absl::string_view name) {
   return OpenExisting<std::string>(name, ReadWholeFile);
 }
 
-std::vector<SavedFileInfo> SavedFileStore::List() const {
+std::vector<SavedFileInfo> SavedFileStore::List() {
+  AdoptNewFiles();
   absl::MutexLock lock(&mu_);
   std::vector<SavedFileInfo> infos;
   infos.reserve(files_.size());
@@ -201,12 +266,12 @@ absl::Status SavedFileStore::Delete(absl::string_view name) {
   RETURN_IF_ERROR(ValidateSavedFileName(name));
   AcquireName(name);
   absl::Cleanup release = [&] { ReleaseName(name); };
+  bool indexed = false;
   {
     absl::MutexLock lock(&mu_);
-    if (!files_.contains(name)) {
-      return absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
-    }
+    indexed = files_.contains(name);
   }
+  if (!indexed) RETURN_IF_ERROR(AdoptFromDisk(name));
   const std::string path = PathOf(name);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return FileErrorStatus(errno, "unlink", path, data_dir_);

@@ -5,7 +5,10 @@
 // over "<name>.safetensors", and the directory is fsynced. A crash at any point
 // leaves the old file or the new one, never a mix; Open removes the leftover
 // temporaries and lists what the directory holds, so saved files survive a
-// restart. Saving an existing name replaces it atomically.
+// restart. Saving an existing name replaces it atomically. A file put in the
+// directory while the server runs is indexed when a call first names it
+// (LoadSnapshot, ExportSnapshot, DeleteSaved) and by every List (ListSaved),
+// charged then as an import of it would be.
 //
 // Threads: writes (Save, WriteBytes, Delete) of one name take turns; the store's
 // mutex is held only to check and update its index, never across file I/O, so
@@ -33,6 +36,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/disk_budget.h"
+#include "core/log.h"
 #include "engine/prompt_cache.h"
 #include "engine/safetensors.h"
 
@@ -81,13 +85,14 @@ class SavedFileStore {
   absl::StatusOr<SavedFileInfo> Save(absl::string_view name, const PromptCacheFile& file);
   // The decoded file, and whether its checksum was verified (files from mlx-lm
   // have none). Its tensors borrow the mapped file, which it keeps alive.
-  absl::StatusOr<DecodedSafetensors> Load(absl::string_view name) const;
-  std::vector<SavedFileInfo> List() const;  // sorted by name
+  absl::StatusOr<DecodedSafetensors> Load(absl::string_view name);
+  // Sorted by name; files put in the directory since it was indexed included.
+  std::vector<SavedFileInfo> List();
   absl::Status Delete(absl::string_view name);
 
   // Whole-file bytes for Export/Import: ReadBytes returns the file as stored;
   // WriteBytes verifies `bytes` (VerifySafetensors) before anything changes.
-  absl::StatusOr<std::string> ReadBytes(absl::string_view name) const;
+  absl::StatusOr<std::string> ReadBytes(absl::string_view name);
   absl::StatusOr<SavedFileInfo> WriteBytes(absl::string_view name, absl::string_view bytes);
 
   uint64_t used_bytes() const;
@@ -109,10 +114,19 @@ class SavedFileStore {
       SavedFileSharing sharing);
   std::string PathOf(absl::string_view name) const;
   absl::Status IndexDirectory();
-  absl::StatusOr<std::string> ReadExisting(absl::string_view name) const;
-  // read(path, data_dir) of an indexed name; NOT_FOUND naming it if absent.
+  // Indexes "<name>.safetensors" found in the directory though the index
+  // lacks it: a file someone put there while the server runs (an mlx-lm
+  // prompt cache copied in). It is charged as an import of its size would
+  // be (RESOURCE_EXHAUSTED naming max_saved_bytes or disk_bytes past them,
+  // the file left where it is); NOT_FOUND naming it where there is none.
+  absl::Status AdoptFromDisk(absl::string_view name);
+  // AdoptFromDisk of every such file; those refused are logged and skipped.
+  void AdoptNewFiles();
+  absl::StatusOr<std::string> ReadExisting(absl::string_view name);
+  // read(path, data_dir) of a name indexed, or adopted from the directory;
+  // NOT_FOUND naming it if absent.
   template <typename Contents, typename Reader>
-  absl::StatusOr<Contents> OpenExisting(absl::string_view name, Reader read) const;
+  absl::StatusOr<Contents> OpenExisting(absl::string_view name, Reader read);
 
   // Writes `pieces` (size_bytes in all) as `name`, crash-safely, within budget.
   absl::StatusOr<SavedFileInfo> Commit(absl::string_view name, absl::Span<const iovec> pieces,
@@ -137,6 +151,7 @@ class SavedFileStore {
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;                  // growth of writes in flight
   absl::flat_hash_set<std::string> busy_names_ ABSL_GUARDED_BY(mu_);  // being written
   absl::CondVar name_released_;
+  LogLimiter refusals_logged_{3, absl::Minutes(1)};  // files found but refused (AdoptNewFiles)
 };
 
 }  // namespace kvcache::engine

@@ -333,6 +333,59 @@ TEST_F(SavedFileStoreTest, LoadRefusesAFileDamagedOnDisk) {
   EXPECT_NE(loaded.message().find("1.kvcached_checksum"), absl::string_view::npos) << loaded;
 }
 
+// Files copied into the directory while the store runs (an operator moving
+// mlx-lm prompt caches in): found by the first call that names them and by
+// List, charged as an import would be, refused past the quota (left on
+// disk, unindexed), and refused as damaged like any saved file.
+TEST_F(SavedFileStoreTest, FilesCopiedInWhileRunningAreFoundAndCharged) {
+  const PromptCacheFile file = MakeFile(8192, 1);
+  const uint64_t size = EncodedSize(file);
+  store_.reset();
+  DiskBudget shared(0);
+  absl::StatusOr<std::unique_ptr<SavedFileStore>> opened =
+      SavedFileStore::Open(dir_, shared, {.quota_bytes = 2 * size + size / 2});
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  SavedFileStore& store = **opened;
+  ASSERT_TRUE(store.Save("a", file).ok());
+  const auto copy_in = [&](const std::string& name) {
+    fs::copy_file(dir_ + "/a.safetensors", dir_ + "/" + name + ".safetensors");
+  };
+  copy_in("loaded");
+  absl::StatusOr<DecodedSafetensors> loaded = store.Load("loaded");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(SameFile(loaded->file, file));
+  EXPECT_EQ(store.used_bytes(), 2 * size);
+  EXPECT_EQ(shared.used(), 2 * size);
+
+  copy_in("over");  // past the quota: refused naming it, the file left alone
+  const absl::Status over = store.Load("over").status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  EXPECT_NE(over.message().find("max_saved_bytes"), absl::string_view::npos) << over;
+  EXPECT_NE(over.message().find("over.safetensors"), absl::string_view::npos) << over;
+  EXPECT_EQ(store.used_bytes(), 2 * size);
+  EXPECT_TRUE(fs::exists(dir_ + "/over.safetensors"));
+  fs::remove(dir_ + "/over.safetensors");
+
+  ASSERT_TRUE(store.Delete("loaded").ok());
+  copy_in("listed");
+  std::vector<std::string> listed;
+  for (const SavedFileInfo& info : store.List()) listed.push_back(info.name);
+  EXPECT_EQ(listed, (std::vector<std::string>{"a", "listed"}));
+  EXPECT_EQ(shared.used(), 2 * size);
+
+  ASSERT_TRUE(store.Delete("listed").ok());
+  {
+    std::ofstream damaged(dir_ + "/damaged.safetensors", std::ios::binary);
+    damaged << "not a safetensors file";
+  }
+  const absl::Status refused = store.Load("damaged").status();
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("saved file \"damaged\""), absl::string_view::npos) << refused;
+  EXPECT_EQ(store.Load("never-there").status().code(), absl::StatusCode::kNotFound);
+  opened->reset();
+  EXPECT_EQ(shared.used(), 0u);
+}
+
 TEST_F(SavedFileStoreTest, ConcurrentSavesOfOneNameLeaveOneCompleteFile) {
   constexpr int kThreads = 6;
   std::vector<PromptCacheFile> contents;
