@@ -392,6 +392,9 @@ TEST(E2eContractTest, EveryIdFieldOfEveryRequestKeepsTheIdRules) {
       EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
           << call << ": " << status.error_message();
       EXPECT_THAT(status.error_message(), HasSubstr(tested.name())) << call;
+      EXPECT_THAT(status.error_message(),
+                  HasSubstr(absl::StrCat("10240 bytes; an id has at most ", kMaxIdBytes)))
+          << call << ": " << status.error_message();
       EXPECT_THAT(status.error_message(), ::testing::Not(HasSubstr(unquoted))) << call;
       EXPECT_LT(status.error_message().size(), 300u) << call;
     }
