@@ -15,12 +15,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "fetch_transport.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
-#include "lane/frame_writer.h"
-#include "lane/socket.h"
-#include "lane/tls.h"
 #include "update_transport.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
+#include "wire/lane/frame_writer.h"
+#include "wire/lane/socket.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache::internal {
 

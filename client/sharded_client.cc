@@ -19,9 +19,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "etcd/etcd_membership.h"
-#include "ids/replica_id.h"
 #include "rendezvous.h"
+#include "wire/etcd/etcd_membership.h"
+#include "wire/ids/replica_id.h"
 
 namespace kvcache {
 namespace {

@@ -2,7 +2,7 @@
 //
 // Each cache is placed on a replica by rendezvous hashing (rendezvous.h) of
 // a placement key; the replica that made a cache or snapshot is named in its
-// id (protos/ids/replica_id.h), so every later call about it, Update and
+// id (protos/wire/ids/replica_id.h), so every later call about it, Update and
 // Fetch on the data lane included, goes to that replica's own Client
 // (Owner) with no lookup and no table to keep in step.
 //
@@ -18,7 +18,7 @@
 //
 // Replicas come from a static list or DNS (ParsePeers), their names (each
 // server's --replica_name) given or asked of each server at Connect; or from
-// etcd, where each replica lists itself under a lease (etcd/etcd_membership.h).
+// etcd, where each replica lists itself under a lease (wire/etcd/etcd_membership.h).
 // With etcd the fleet changes while the client runs: a replica that joins
 // takes its share of new caches, one that leaves takes none, and its ids
 // still go to its last address (UNAVAILABLE while it is down); a replica
@@ -38,8 +38,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "etcd/etcd_fleet.h"
 #include "kvcache_client.h"
+#include "wire/etcd/etcd_fleet.h"
 
 namespace kvcache {
 

@@ -265,7 +265,7 @@ echo "build-and-test: compose: three replicas up and SERVING (host ports from" \
 # --- the Python interop test against containers -----------------------------
 # The test starts its server itself, several times (plaintext, TLS): each
 # start becomes a container (docker/podman-kvcached.sh) on published ports.
-KVCACHED_IMAGE="$image" /usr/bin/python3 tests/service/python/interop_test.py \
+KVCACHED_IMAGE="$image" /usr/bin/python3 tests/e2e/python/interop_test.py \
   --kvcached docker/podman-kvcached.sh --proto_dir protos --protoc /usr/bin/protoc \
   --grpc_python_plugin /usr/bin/grpc_python_plugin
 echo "build-and-test: PASSED ($((SECONDS - started)) s from the build on)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvcached as a program that tests start (tests/service/python/interop_test.py
+# kvcached as a program that tests start (tests/e2e/python/interop_test.py
 # --kvcached docker/podman-kvcached.sh), run in a container of $KVCACHED_IMAGE
 # and reached through published ports only:
 #   - --listen and --data_lane_listen are the container's own (0.0.0.0 inside),

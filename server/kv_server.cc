@@ -20,15 +20,16 @@
 #include "absl/synchronization/notification.h"
 #include "core/log.h"
 #include "core/status_macros.h"
+#include "fleet/peers.h"
 #include "gpu/device.h"
 #include "gpu/quant_kernels.h"
-#include "ids/replica_id.h"
-#include "service/data_lane.h"
+#include "service/grpc/kv_cache_service.h"
 #include "service/handlers.h"
-#include "service/kv_cache_service.h"
-#include "service/peers.h"
-#include "service/state_metrics.h"
+#include "service/lane/data_lane.h"
 #include "service/tenants.h"
+#include "state_metrics.h"
+#include "wire/ids/replica_id.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 namespace {
@@ -88,7 +89,7 @@ absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
   if (config.data_lane_listen.empty()) return false;
   ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
   if (config.tls.enabled()) return true;
-  const bool loopback = IsLoopbackHost(lane_host.first);
+  const bool loopback = net::IsLoopbackHost(lane_host.first);
   if (config.allow_plaintext_lane) {
     if (!loopback) {
       LogWarning("data lane on %s carries K/V and tokens in plaintext (--allow_plaintext_lane)",

@@ -9,21 +9,21 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/disk_budget.h"
-#include "core/tokens_file.h"
 #include "engine/engine.h"
 #include "engine/lease_reaper.h"
-#include "etcd_registration.h"
+#include "fleet/etcd_registration.h"
+#include "fleet/kv_events.h"
 #include "gpu/device_options.h"
 #include "gpu/page_pool.h"
-#include "kv_events.h"
 #include "metrics_exporter.h"
 #include "prometheus/registry.h"
+#include "service/grpc/rpc_observer.h"
 #include "service/handlers.h"
-#include "lane/socket.h"
-#include "service/lane_limits.h"
+#include "service/lane/lane_limits.h"
 #include "service/request_log.h"
-#include "service/rpc_observer.h"
+#include "service/tokens_file.h"
 #include "transport_security.h"
+#include "wire/lane/socket.h"
 
 namespace grpc {
 class Server;
@@ -48,14 +48,14 @@ struct ServerConfig {
   engine::EngineOptions engine;
   // The largest message either side may send (gRPC's default is 4 MiB).
   uint64_t max_message_bytes = 64 << 20;
-  // host:port of the data lane (service/data_lane.h; port 0 picks a free
+  // host:port of the data lane (service/lane/data_lane.h; port 0 picks a free
   // one); empty: no lane, Update and Fetch over gRPC only.
   std::string data_lane_listen;
   // host:port that Stats gives clients for the lane where they reach it at
   // another address than it listens on (a container's published port, a
   // NAT); empty: the address it listens on.
   std::string data_lane_advertise;
-  // This replica's name in a fleet (protos/ids/replica_id.h): every id it
+  // This replica's name in a fleet (protos/wire/ids/replica_id.h): every id it
   // makes begins with it, and GetStats gives it. Empty: ids without a name
   // (a single server).
   std::string replica_name;
@@ -82,7 +82,7 @@ struct ServerConfig {
   service::RequestLogLimits request_log;
   // How often the lease reaper looks for leases that ran out (lease_reaper.h).
   absl::Duration lease_check_interval = absl::Milliseconds(250);
-  // Where prompt-cache files are kept (engine/saved_files.h); empty: nowhere
+  // Where prompt-cache files are kept (engine/files/saved_files.h); empty: nowhere
   // (SaveSnapshot and LoadSnapshot refuse, Export/Import of snapshots work).
   std::string data_dir;
   // Most bytes kvcached may keep there, saved files and the disk tier's
@@ -104,7 +104,7 @@ struct ServerConfig {
   // host:port of the Prometheus endpoint (metrics_exporter.h; port 0 picks
   // a free one); empty: none.
   std::string metrics_listen;
-  // A log line per gRPC call (service/rpc_observer.h); failures are logged
+  // A log line per gRPC call (service/grpc/rpc_observer.h); failures are logged
   // either way.
   bool access_log = false;
   // vLLM-style KV events of every tenant's prefix entries (kv_events.h); off
@@ -117,7 +117,7 @@ struct ServerConfig {
   // host:port clients reach the gRPC port at, as listed in etcd; empty: the
   // address it listens on, which must then name a host (not 0.0.0.0).
   std::string advertise_address;
-  // The other replicas by name, "name=host:port,..." (service/peers.h), for
+  // The other replicas by name, "name=host:port,..." (fleet/peers.h), for
   // PullSnapshot; with etcd, names not listed here are looked up there.
   std::string peers;
   // PEM CA of the peers' certificates where it is not tls.client_ca_file.
@@ -141,8 +141,6 @@ class KvCacheServer {
   std::string advertised_lane_address() const;
   // Where KV events and their replays are published; empty when off.
   std::string kv_events_endpoint() const { return kv_events_ ? kv_events_->endpoint() : ""; }
-  // Whether it is listed in etcd now (false without etcd).
-  bool listed_in_etcd() const { return etcd_ && etcd_->listed(); }
   std::string kv_events_replay_endpoint() const {
     return kv_events_ ? kv_events_->replay_endpoint() : "";
   }

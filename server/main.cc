@@ -14,9 +14,9 @@
 #include "absl/time/time.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "curve/curve_keys.h"
 #include "gpu/device.h"
 #include "kv_server.h"
+#include "wire/curve/curve_keys.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to listen on (host:port)");
 ABSL_FLAG(std::string, data_lane_listen, "127.0.0.1:50052",

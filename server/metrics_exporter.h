@@ -1,6 +1,6 @@
 // The Prometheus endpoint (--metrics_listen): GET /metrics answers with the
-// text exposition of every RPC's counts and latencies (service/rpc_observer.h)
-// and of what the server holds (service/state_metrics.h). It carries tenant
+// text exposition of every RPC's counts and latencies (service/grpc/rpc_observer.h)
+// and of what the server holds (state_metrics.h). It carries tenant
 // names and counts, never tokens, ids or data; put it on an operators'
 // network.
 #pragma once

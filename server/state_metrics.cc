@@ -1,4 +1,4 @@
-#include "service/state_metrics.h"
+#include "state_metrics.h"
 
 #include <algorithm>
 #include <string>

@@ -12,7 +12,7 @@
 
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
-#include "service/data_lane.h"
+#include "service/lane/data_lane.h"
 #include "service/tenants.h"
 
 namespace kvcache::service {

@@ -1,6 +1,5 @@
 #include "transport_security.h"
 
-#include <arpa/inet.h>
 #include <grpcpp/security/server_credentials.h>
 
 #include <fstream>
@@ -41,17 +40,6 @@ absl::StatusOr<KeyPair> ReadKeyPair(const std::string& cert_file, const char* ce
   return pair;
 }
 
-bool IsLoopback(const std::string& host) {
-  if (host == "localhost") return true;
-  in_addr v4;
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  std::string bare = host;
-  if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
-    bare = bare.substr(1, bare.size() - 2);
-  }
-  in6_addr v6;
-  return inet_pton(AF_INET6, bare.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
-}
 
 }  // namespace
 
@@ -137,7 +125,5 @@ absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const Tls
   }
   return context;
 }
-
-bool IsLoopbackHost(const std::string& host) { return IsLoopback(host); }
 
 }  // namespace kvcache

@@ -1,5 +1,5 @@
 // TLS for the gRPC port (grpc++'s credentials) and the data lane beside it
-// (OpenSSL's, lane/tls.h), from the same files: the lane is no way around
+// (OpenSSL's, wire/lane/tls.h), from the same files: the lane is no way around
 // what TLS protects, and mutual TLS asks its connections for the same
 // certificates. A plaintext lane beyond loopback needs an explicit flag.
 #pragma once
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "lane/tls.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache {
 
@@ -47,8 +47,5 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> GrpcPeerCredentials(
 
 // The data lane's TLS from the same files: null where TLS is off.
 absl::StatusOr<std::shared_ptr<const lane::TlsContext>> LaneTlsContext(const TlsConfig& tls);
-
-// Whether `host` (of a host:port) is a loopback address: 127/8, ::1, localhost.
-bool IsLoopbackHost(const std::string& host);
 
 }  // namespace kvcache

@@ -28,7 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
-#include "engine/saved_files.h"
+#include "engine/files/saved_files.h"
 #include "gpu/device.h"
 #include "gpu/page_pool.h"
 

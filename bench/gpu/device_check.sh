@@ -20,8 +20,8 @@ CARRY=.devrun
 
 pack() {
   rm -rf "$CARRY" && mkdir -p "$CARRY/bin" "$CARRY/rel" "$CARRY/lib" "$CARRY/deb" || exit 1
-  for b in tests/gpu/gpu_tests tests/engine/engine_tests tests/service/e2e_tests \
-    tests/service/kvcache_prefix_worker server/kvcached client/kvcachectl \
+  for b in tests/gpu/gpu_tests tests/engine/engine_tests tests/e2e/e2e_tests \
+    tests/e2e/kvcache_prefix_worker server/kvcached client/kvcachectl \
     bench/gpu/gpu_copy_bench bench/gpu/gpu_quant_bench; do
     strip -o "$CARRY/bin/$(basename $b)" "build/$b" || exit 1
   done
@@ -90,7 +90,7 @@ run() {
   mkdir -p build/server build/client build/tests/service
   ln -sf "$PWD/$CARRY/bin/kvcached" build/server/kvcached
   ln -sf "$PWD/$CARRY/bin/kvcachectl" build/client/kvcachectl
-  ln -sf "$PWD/$CARRY/bin/kvcache_prefix_worker" build/tests/service/kvcache_prefix_worker
+  ln -sf "$PWD/$CARRY/bin/kvcache_prefix_worker" build/tests/e2e/kvcache_prefix_worker
   local bin=$CARRY/bin rel=$CARRY/rel cores
   cores=$(nproc)
   export PATH=$PWD/$rel:$PATH  # the carried openssl and Redis

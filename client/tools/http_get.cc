@@ -1,10 +1,10 @@
-#include "http_get.h"
+#include "tools/http_get.h"
 
 #include <sys/socket.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache {
 

@@ -1,4 +1,4 @@
-#include "kv_event_replay.h"
+#include "tools/kv_event_replay.h"
 
 #include <array>
 #include <iterator>

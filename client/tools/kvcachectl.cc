@@ -52,11 +52,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "curve/curve_keys.h"
-#include "http_get.h"
-#include "kv_event_replay.h"
 #include "kvcache_client.h"
 #include "sharded_client.h"
+#include "tools/http_get.h"
+#include "tools/kv_event_replay.h"
+#include "wire/curve/curve_keys.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, peers, "",

@@ -6,7 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "engine/batch_ops.h"
+#include "engine/batch/batch_ops.h"
 #include "engine/engine_locked_cache.h"
 
 namespace kvcache::engine {

@@ -22,15 +22,15 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "engine/cache.h"
-#include "engine/cache_spec.h"
+#include "engine/files/prompt_cache.h"
+#include "engine/files/saved_files.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/cache_spec.h"
 #include "engine/lease.h"
 #include "engine/metadata_budget.h"
-#include "engine/prefix_index.h"
-#include "engine/prompt_cache.h"
-#include "engine/saved_files.h"
+#include "engine/prefix/prefix_index.h"
 #include "engine/snapshot_registry.h"
-#include "engine/speculation.h"
+#include "engine/speculation/speculation.h"
 #include "engine/tiering.h"
 #include "gpu/page_pool.h"
 
@@ -68,7 +68,7 @@ struct EngineOptions {
   // evict when this one has nothing left to move (tiering.h); null: none.
   EvictElsewhere evict_elsewhere;
   // Where the prefix index counts the blocks of its entries (KV events:
-  // engine/prefix_blocks.h), shared by every tenant's engine; null: nowhere.
+  // engine/prefix/prefix_blocks.h), shared by every tenant's engine; null: nowhere.
   PrefixBlocks* prefix_blocks = nullptr;
 };
 
@@ -83,7 +83,7 @@ struct CacheInfo {
   absl::Time expires_at = absl::InfiniteFuture();
 };
 
-// A speculation (engine/speculation.h) as the engine describes it.
+// A speculation (engine/speculation/speculation.h) as the engine describes it.
 struct SpeculationInfo {
   std::string speculation_id;
   std::string cache_id;
@@ -218,7 +218,7 @@ class Engine {
   // All snapshots, or those taken from `cache_id` when it is not empty.
   std::vector<SnapshotInfo> ListSnapshots(const std::string& cache_id = "") const;
 
-  // Batches (mlx-lm BatchKVCache / BatchRotatingKVCache; engine/batch_ops.h has
+  // Batches (mlx-lm BatchKVCache / BatchRotatingKVCache; engine/batch/batch_ops.h has
   // the model). Every cache involved must have its layers in step
   // (FAILED_PRECONDITION otherwise). Each builds the result completely before
   // anything changes, so a failed call changes nothing; the sources are only
@@ -239,7 +239,7 @@ class Engine {
   // right-aligned to the longer.
   absl::StatusOr<CacheInfo> ExtendCache(const std::string& cache_id, const std::string& other_id);
 
-  // Speculative decoding (engine/speculation.h has the semantics). One open
+  // Speculative decoding (engine/speculation/speculation.h has the semantics). One open
   // speculation per cache; while it is open the cache's live Update,
   // UpdateState, Trim, Restore, FilterRows and ExtendCache (as cache_id) are
   // FAILED_PRECONDITION, and its snapshots (registered or frozen for a
@@ -298,8 +298,8 @@ class Engine {
   // with a lease, however often calls name it.
   size_t QueuedLeaseDeadlines() const;
 
-  // Prompt-cache files (mlx-lm save_prompt_cache; engine/mlx_state.h maps
-  // the layout, engine/saved_files.h keeps the files). A snapshot as a file:
+  // Prompt-cache files (mlx-lm save_prompt_cache; engine/files/mlx_state.h maps
+  // the layout, engine/files/saved_files.h keeps the files). A snapshot as a file:
   // it must start at 0 (FAILED_PRECONDITION otherwise); `metadata` becomes
   // the file's user metadata.
   absl::StatusOr<PromptCacheFile> ExportSnapshot(
@@ -324,7 +324,7 @@ class Engine {
   // A saved file's bytes as stored.
   absl::StatusOr<std::string> ReadSaved(const std::string& name) const;
 
-  // Prefix sharing (engine/prefix_index.h has the index). `name_space`
+  // Prefix sharing (engine/prefix/prefix_index.h has the index). `name_space`
   // keeps tenants apart ("" until there are tenants).
   //
   // Publishes the first tokens.size() tokens of snapshot `snapshot_id` (which

@@ -1,13 +1,13 @@
 // Prompt-cache files: snapshots out as mlx-lm save_prompt_cache files and
-// back (engine/mlx_state.h), kept in the data dir (engine/saved_files.h) or
+// back (engine/files/mlx_state.h), kept in the data dir (engine/files/saved_files.h) or
 // handed to the caller as bytes.
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
-#include "engine/mlx_state.h"
-#include "engine/safetensors.h"
+#include "engine/files/mlx_state.h"
+#include "engine/files/safetensors.h"
 
 namespace kvcache::engine {
 namespace {

@@ -19,7 +19,7 @@
 #include "core/client_text.h"
 #include "core/status_macros.h"
 #include "engine/engine.h"
-#include "engine/speculation.h"
+#include "engine/speculation/speculation.h"
 
 namespace kvcache::engine {
 

@@ -1,4 +1,4 @@
-// Engine's prefix calls (engine.h; the index in engine/prefix_index.h).
+// Engine's prefix calls (engine.h; the index in engine/prefix/prefix_index.h).
 //
 // An entry is a registered snapshot of its own, made when the prefix is
 // published, so the publisher may release its snapshot at once and the entry

@@ -1,4 +1,4 @@
-// Engine's speculation calls (engine.h; semantics in engine/speculation.h).
+// Engine's speculation calls (engine.h; semantics in engine/speculation/speculation.h).
 // A speculation lives in its cache's entry, under the cache's mutex; the
 // engine maps its id to that entry.
 #include <utility>

@@ -3,10 +3,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
-#include "engine/host_bytes.h"
-#include "engine/layer_factory.h"
-#include "engine/page_table.h"
-#include "ids/replica_id.h"
+#include "engine/layers/host_bytes.h"
+#include "engine/layers/layer_factory.h"
+#include "engine/layers/page_table.h"
+#include "wire/ids/replica_id.h"
 
 namespace kvcache::engine {
 namespace {
@@ -119,8 +119,6 @@ uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_byte
   }
   return bytes;
 }
-
-uint64_t HandleMetadataBytes() { return kHandleBytes; }
 
 uint64_t PrefixEntryMetadataBytes(uint64_t tokens, const PrefixBlocks* ledger) {
   // A tree edge may split a node in two: at most two nodes (with their child

@@ -16,9 +16,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
-#include "engine/cache_spec.h"
-#include "engine/prefix_blocks.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/prefix/prefix_blocks.h"
 
 namespace kvcache::engine {
 
@@ -79,9 +79,6 @@ uint64_t CacheMetadataBytes(const CacheSpec& spec);
 // `page_bytes` and `page_tokens` are the pool's and the engine's.
 uint64_t SnapshotMetadataBytes(const CacheSnapshot& snapshot, uint64_t page_bytes,
                                uint32_t page_tokens);
-// A second registered name for a snapshot that is registered already (a
-// prefix lookup's handle): the registry entry and its lease, nothing shared.
-uint64_t HandleMetadataBytes();
 // What a published prefix of `tokens` adds to its snapshot's charge: the
 // tokens, once on the index's tree and once in its entry, and their nodes;
 // where a KV-event ledger counts the entry's blocks (null: none, or an entry

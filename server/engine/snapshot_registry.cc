@@ -314,11 +314,6 @@ uint64_t SnapshotRegistry::Expire() {
   }
 }
 
-absl::Time SnapshotRegistry::NextDeadline() const {
-  absl::MutexLock lock(&mutex_);
-  return deadlines_.Next();
-}
-
 size_t SnapshotRegistry::size() const {
   absl::MutexLock lock(&mutex_);
   return entries_.size();

@@ -17,7 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "engine/cache.h"
+#include "engine/layers/cache.h"
 #include "engine/lease.h"
 #include "engine/metadata_budget.h"
 
@@ -101,8 +101,6 @@ class SnapshotRegistry {
                                                const std::string& field);
   // Releases every snapshot whose lease ran out by now; returns how many.
   uint64_t Expire();
-  // The earliest deadline the reaper may find (a hint).
-  absl::Time NextDeadline() const;
 
   // For the eviction policy, under the registry's lock: each entry's
   // snapshot, whether it is pinned, and when a call last named it (a

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "engine/page_table.h"
+#include "engine/layers/page_table.h"
 
 namespace kvcache::engine {
 namespace {

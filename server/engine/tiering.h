@@ -31,7 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/cache.h"
+#include "engine/layers/cache.h"
 #include "engine/snapshot_registry.h"
 #include "gpu/page_pool.h"
 

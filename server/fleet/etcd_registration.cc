@@ -1,4 +1,4 @@
-#include "etcd_registration.h"
+#include "fleet/etcd_registration.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -13,6 +13,7 @@
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 namespace {
@@ -47,8 +48,7 @@ absl::StatusOr<bool> CheckAdvertised(absl::string_view address) {
     return absl::InvalidArgumentError(
         absl::StrCat("advertise_address: \"", address.substr(0, 64), "\" is not host:port"));
   }
-  const absl::string_view host = address.substr(0, colon);
-  return host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
+  return net::IsLoopbackHost(std::string(address.substr(0, colon)));
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Lists this replica in etcd while it serves (etcd/etcd_fleet.h), so that
+// Lists this replica in etcd while it serves (wire/etcd/etcd_fleet.h), so that
 // fleet clients watching the list place caches on it, and take it off the
 // list when it stops or can no longer keep its lease.
 //
@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "etcd/etcd_fleet.h"
+#include "wire/etcd/etcd_fleet.h"
 
 namespace prometheus {
 class Registry;

@@ -1,4 +1,4 @@
-#include "kv_event_encoding.h"
+#include "fleet/kv_event_encoding.h"
 
 #include <msgpack.h>
 

@@ -23,7 +23,7 @@
 
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "engine/prefix_blocks.h"
+#include "engine/prefix/prefix_blocks.h"
 
 namespace kvcache {
 

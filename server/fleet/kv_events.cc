@@ -1,4 +1,4 @@
-#include "kv_events.h"
+#include "fleet/kv_events.h"
 
 #include <array>
 #include <iterator>
@@ -12,8 +12,8 @@
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "curve/curve_keys.h"
-#include "transport_security.h"
+#include "wire/curve/curve_keys.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 namespace {
@@ -75,7 +75,7 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool a
                                                    "\" is not tcp://HOST:PORT or ipc://PATH"));
   }
   const std::string host = endpoint.substr(6, colon - 6);
-  if (IsLoopbackHost(host)) return absl::OkStatus();
+  if (net::IsLoopbackHost(host)) return absl::OkStatus();
   if (!allow_remote) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, ": \"", host.substr(0, 64),

@@ -1,5 +1,5 @@
 // KV events (--kv_events_endpoint): each replica publishes which prefix
-// blocks it stores and drops (engine/prefix_blocks.h) the way vLLM does
+// blocks it stores and drops (engine/prefix/prefix_blocks.h) the way vLLM does
 // (kv_event_encoding.h), so a KV-aware router sees kvcached's prefixes with
 // the code it already runs against vLLM.
 //
@@ -12,7 +12,7 @@
 // AllBlocksCleared: a restarted replica holds no prefix.
 //
 // Prefix indexes count their entries' blocks into the publisher's ledger
-// (engine/prefix_blocks.h), which queues each event here without waiting;
+// (engine/prefix/prefix_blocks.h), which queues each event here without waiting;
 // one thread encodes and sends. Past its bound (a stalled thread) new events
 // are dropped and the thread starts again: AllBlocksCleared, then every block
 // held now, so a subscriber's view is whole again without a gap in its
@@ -42,8 +42,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "engine/prefix_blocks.h"
-#include "kv_event_encoding.h"
+#include "engine/prefix/prefix_blocks.h"
+#include "fleet/kv_event_encoding.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -66,7 +66,7 @@ struct KvEventsConfig {
   // Bytes of block hashes and token ids that may wait to be sent.
   size_t max_queued_bytes = 64 << 20;
   bool allow_remote = false;
-  // CURVE (curve/curve_keys.h): the publisher's secret key (Z85), and the
+  // CURVE (wire/curve/curve_keys.h): the publisher's secret key (Z85), and the
   // public keys of the only subscribers both sockets admit. Empty key:
   // plaintext, open to whoever reaches the endpoints.
   std::string curve_secret_key;

@@ -1,4 +1,4 @@
-#include "service/peers.h"
+#include "fleet/peers.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -15,7 +15,7 @@
 #include "absl/strings/strip.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "ids/replica_id.h"
+#include "wire/ids/replica_id.h"
 
 namespace kvcache::service {
 namespace {

@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "etcd/etcd_fleet.h"
-#include "etcd/etcd_membership.h"
+#include "wire/etcd/etcd_fleet.h"
+#include "wire/etcd/etcd_membership.h"
 
 namespace grpc {
 class Channel;

@@ -1,5 +1,5 @@
 // The speculation RPCs (ollama BeginSpeculation / Commit(n)): check the ids,
-// hand over to the engine (engine/speculation.h has the semantics), describe
+// hand over to the engine (engine/speculation/speculation.h has the semantics), describe
 // the result. Drafted updates and reads go through Update and Fetch.
 #include "core/status_macros.h"
 #include "service/convert.h"

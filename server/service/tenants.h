@@ -35,10 +35,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/tokens_file.h"
 #include "engine/engine.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "service/handlers.h"
+#include "service/tokens_file.h"
 
 namespace kvcache::service {
 

@@ -1,4 +1,4 @@
-#include "core/tokens_file.h"
+#include "service/tokens_file.h"
 
 #include <openssl/crypto.h>
 #include <openssl/sha.h>

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/container/inlined_vector.h"
-#include "engine/layer.h"
+#include "engine/layers/layer.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvcache::service {

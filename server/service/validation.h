@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "service/update_view.h"
 
 namespace kvcache::service {

@@ -1,6 +1,6 @@
 // The fleet client's parts that need no server: rendezvous ordering (a
 // permutation, the same in every process, balanced, and moving only a lost
-// replica's keys) and the --peers syntax. tests/service/e2e_fleet_test.cc
+// replica's keys) and the --peers syntax. tests/e2e/e2e_fleet_test.cc
 // runs the fleet itself.
 #include "sharded_client.h"
 

@@ -11,7 +11,7 @@
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gtest/gtest.h"
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

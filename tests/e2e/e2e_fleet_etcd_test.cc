@@ -14,7 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "etcd_process.h"
 #include "fleet_test_util.h"
-#include "http_get.h"
+#include "tools/http_get.h"
 
 namespace kvcache::testing {
 namespace {

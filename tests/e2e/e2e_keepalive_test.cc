@@ -18,8 +18,8 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lane/socket.h"
 #include "loopback_proxy.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

@@ -24,13 +24,13 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "curve/curve_keys.h"
 #include "e2e_test_util.h"
+#include "fleet/kv_events.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kv_events.h"
 #include "nlohmann/json.hpp"
 #include "service_test_util.h"
+#include "wire/curve/curve_keys.h"
 
 namespace kvcache::testing {
 namespace {

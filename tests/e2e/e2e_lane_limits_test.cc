@@ -1,4 +1,4 @@
-// The data lane's bounds on connections (service/lane_limits.h) end to end:
+// The data lane's bounds on connections (service/lane/lane_limits.h) end to end:
 // peers that connect and never authenticate hold at most lane_max_opening
 // connections and cannot keep a tenant's worker off the lane; past
 // lane_max_connections a new connection is told why; bad limits refuse the
@@ -16,10 +16,10 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
-#include "lane/socket.h"
-#include "service/data_lane.h"
+#include "service/lane/data_lane.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

@@ -21,10 +21,10 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "http_get.h"
-#include "lane/socket.h"
 #include "nlohmann/json.hpp"
 #include "service_test_util.h"
+#include "tools/http_get.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

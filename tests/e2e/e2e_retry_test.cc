@@ -20,9 +20,9 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "http_get.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service_test_util.h"
+#include "tools/http_get.h"
 
 namespace kvcache::testing {
 namespace {

@@ -24,10 +24,10 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
-#include "lane/frame_writer.h"
-#include "lane/socket.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
+#include "wire/lane/frame_writer.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

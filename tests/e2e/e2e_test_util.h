@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
 #include "kv_server.h"

@@ -1,5 +1,5 @@
 // TLS on the gRPC port and the data lane (server/transport_security.h,
-// protos/lane/tls.h) with certificates the test makes with Debian's openssl
+// protos/wire/lane/tls.h) with certificates the test makes with Debian's openssl
 // (never committed keys): a client that trusts the CA works, over streams
 // and over the lane; one that trusts another CA, or speaks plaintext, gets
 // nothing on either; mutual TLS refuses a client without a certificate of
@@ -24,9 +24,9 @@
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lane/socket.h"
 #include "reference_quantized.h"
-#include "service/data_lane.h"
+#include "service/lane/data_lane.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::testing {
 namespace {

@@ -17,10 +17,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "etcd/etcd_fleet.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
 #include "fleet_test_util.h"
 #include "gtest/gtest.h"
+#include "wire/etcd/etcd_fleet.h"
 
 namespace kvcache::testing {
 

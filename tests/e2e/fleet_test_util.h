@@ -33,9 +33,9 @@
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gtest/gtest.h"
-#include "ids/replica_id.h"
 #include "rendezvous.h"
 #include "sharded_client.h"
+#include "wire/ids/replica_id.h"
 #include "wire_driver.h"
 
 namespace kvcache::testing {

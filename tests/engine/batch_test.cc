@@ -1,5 +1,5 @@
 // The batch operations' semantics (mlx-lm BatchKVCache / BatchRotatingKVCache,
-// engine/batch_ops.h) against expectations written out by hand: every value
+// engine/batch/batch_ops.h) against expectations written out by hand: every value
 // names its cache, row and position (batch_test_util.h), so each expected row
 // below reads as "zeros, then row r of cache t from position p on".
 #include <string>

@@ -1,5 +1,5 @@
-// Targeted tests of chunked and recurrent layers (engine/chunked_layer.h,
-// engine/recurrent_layer.h): the front trim and its page releases, every
+// Targeted tests of chunked and recurrent layers (engine/layers/chunked_layer.h,
+// engine/layers/recurrent_layer.h): the front trim and its page releases, every
 // refusal (and that it changes nothing), state sizes, zero-copy snapshots of
 // states, and wrong-kind updates (mixed layouts: mixed_layers_test.cc). Each
 // result is also checked against the CPU reference where one applies.

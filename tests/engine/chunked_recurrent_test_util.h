@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
 #include "engine/engine.h"
-#include "engine/layer.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/layer.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
 #include "reference_model.h"

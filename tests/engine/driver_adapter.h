@@ -1,7 +1,7 @@
 // What the random driver (driver_core.h) asks of the thing it drives, in
 // transport-neutral terms: the engine called directly (engine_adapter.h), or a
 // whole server through the client library over gRPC or the data lane
-// (tests/service/wire_adapter.h). Each call answers what the engine or the
+// (tests/e2e/wire_adapter.h). Each call answers what the engine or the
 // wire answers; the driver compares it with the reference model.
 #pragma once
 
@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
 #include "reference_model.h"

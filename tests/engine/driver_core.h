@@ -10,7 +10,7 @@
 // restores, merges, splits, releases, recreation, batch operations, the
 // snapshot way to speculate, speculation rounds and the page check. The
 // engine's RandomDriver (random_driver.h) and the wire's WireDriver
-// (tests/service/wire_driver.h) add the reads, whose forms differ: the engine
+// (tests/e2e/wire_driver.h) add the reads, whose forms differ: the engine
 // reads views range by range and can hold one across other calls; the wire
 // reads chunked Fetch streams, dequantized and packed.
 #pragma once
@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "driver_adapter.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "reference_model.h"
 #include "reference_speculation.h"
 
@@ -99,7 +99,7 @@ void PrintSpeculationStats(const DriverConfig& config, const DriverStats& stats)
 void ExpectSpeculationCoverage(const std::string& name, const DriverStats& stats);
 
 // Whether `id` is one the server makes: 32 lowercase hex digits, after the
-// replica's "<name>:" where it runs with one (protos/ids/replica_id.h).
+// replica's "<name>:" where it runs with one (protos/wire/ids/replica_id.h).
 bool IsServerId(const std::string& id);
 
 class DriverCore {

@@ -14,7 +14,7 @@
 //                      cache should: the two must take the same pool bytes
 //
 // The pool's used-page count is not compared: the shadow starts without the
-// live layers' append right (engine/token_store.h), so its first write may copy
+// live layers' append right (engine/layers/token_store.h), so its first write may copy
 // the page the two share where the live cache writes in place.
 //
 // The snapshot way is speculative decoding without BeginSpeculation, as ollama

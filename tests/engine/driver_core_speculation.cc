@@ -1,4 +1,4 @@
-// DriverCore's speculation rounds (engine/speculation.h), for the engine and
+// DriverCore's speculation rounds (engine/speculation/speculation.h), for the engine and
 // the wire alike, mirrored by RefSpeculation (reference_speculation.h):
 // BeginSpeculation (isolated sometimes), k in 1..8 drafted tokens on every
 // layer through update streams whose parts carry speculation_id (attention

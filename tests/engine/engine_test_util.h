@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
 #include "engine/engine.h"
+#include "engine/layers/cache.h"
 #include "gtest/gtest.h"
 #include "reference_model.h"
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "chunked_recurrent_test_util.h"
-#include "engine/cache.h"
+#include "engine/layers/cache.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
 #include "hybrid_test_fixture.h"

@@ -1,10 +1,10 @@
-// Snapshots written as mlx-lm prompt caches (engine/mlx_state.h) and read
+// Snapshots written as mlx-lm prompt caches (engine/files/mlx_state.h) and read
 // back: every class's tensors and meta_state as mlx-lm's save_prompt_cache
 // would write them (checked against plain models of mlx-lm's caches, built
 // from the same token history), a cache rebuilt from the file reading the
 // same bytes and writing the same file again, and every hostile file refused
 // with nothing taken from the pool.
-#include "engine/mlx_state.h"
+#include "engine/files/mlx_state.h"
 
 #include <cstring>
 #include <map>

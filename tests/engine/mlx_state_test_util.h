@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/cache.h"
 #include "engine/engine.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
+#include "engine/layers/cache.h"
 #include "gtest/gtest.h"
 #include "reference_model.h"
 

@@ -1,7 +1,7 @@
 // The CPU reference of the batch operations: a port of mlx-lm's BatchKVCache
 // extract / filter / extend / merge (and BatchRotatingKVCache's) over the
 // reference model's token lists, written from mlx-lm's algorithms and the
-// contract in engine/batch_ops.h, not from the engine's code:
+// contract in engine/batch/batch_ops.h, not from the engine's code:
 //
 //   extract(r)   mlx: keys[r:r+1, :, padding:_idx]         -> row r's tokens from its padding on
 //   filter(rows) mlx: keys[rows]; then keys[..., d:, :]    -> d = min padding of the kept rows

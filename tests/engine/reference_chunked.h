@@ -1,6 +1,6 @@
 // The CPU reference of a chunked layer: a port of mlx-lm ChunkedKVCache
 // (chunk_size, start_position, maybe_trim_front, update_and_fetch, trim), with
-// the snapshot rules of server/engine/chunked_layer.h written again from their
+// the snapshot rules of server/engine/layers/chunked_layer.h written again from their
 // statement, not from the engine's code:
 //
 //   Update          maybe_trim_front (llama4 calls it before every forward),

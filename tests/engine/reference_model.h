@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::testing {
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
+#include "engine/layers/cache.h"
 #include "engine_test_util.h"
 #include "reference_model.h"
 #include "support/ref_quantizer.h"

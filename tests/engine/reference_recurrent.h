@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "reference_model.h"
 
 namespace kvcache::testing {

@@ -1,5 +1,5 @@
 // The CPU reference of a speculation, written from the contract's rules
-// (engine/speculation.h) and ollama's speculativeKVCache / isolatedKVCache /
+// (engine/speculation/speculation.h) and ollama's speculativeKVCache / isolatedKVCache /
 // speculativeRotatingKVCache (shared/reference/000), not from the engine's
 // code. It works on RefLayer clones, so it holds for every reference kind:
 //

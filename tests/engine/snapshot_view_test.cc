@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "chunked_recurrent_test_util.h"
-#include "engine/cache.h"
-#include "engine/layer.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/layer.h"
 #include "engine_test_util.h"
 #include "gpu/device.h"
 #include "gtest/gtest.h"

@@ -1,4 +1,4 @@
-// The rules of speculation (engine/speculation.h), one test each:
+// The rules of speculation (engine/speculation/speculation.h), one test each:
 // ids, one open speculation per cache, live changes refused while it is open
 // (snapshots and reads allowed), unknown and ended ids, accepted beyond the
 // drafted tokens, drafted layers out of step, a recurrent layer without a state

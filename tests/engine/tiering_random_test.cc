@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "chunked_recurrent_test_util.h"
 #include "engine/engine.h"
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 #include "engine_test_util.h"
 #include "gtest/gtest.h"
 #include "speculation_test_util.h"

@@ -1,7 +1,7 @@
-// The peer list (service/peers.h): name=host:port entries with replica
+// The peer list (fleet/peers.h): name=host:port entries with replica
 // names, each once, and never this replica's own name; lookups in it, and
 // an etcd list that is not there yet.
-#include "service/peers.h"
+#include "fleet/peers.h"
 
 #include <grpcpp/security/credentials.h>
 

@@ -6,9 +6,9 @@
 #include <fstream>
 #include <string>
 
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "lane/frame.h"
+#include "wire/lane/frame.h"
 
 namespace {
 

@@ -13,8 +13,8 @@
 #include <cstdlib>
 
 #include "kvcache/v1/kvcache.pb.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 
 #include "google/protobuf/util/message_differencer.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "service/update_parser.h"
+#include "service/calls/update_parser.h"
 
 namespace {
 

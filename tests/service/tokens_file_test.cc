@@ -1,6 +1,6 @@
 // The tokens file: what it accepts, how a bad line is refused (by number and
 // field, never quoting a token), and finding a token's tenant.
-#include "core/tokens_file.h"
+#include "service/tokens_file.h"
 
 #include <string>
 

@@ -43,7 +43,7 @@ TEST(UnaryRpcsTest, EveryMethodOfTheContractIsListedOrStreamsRaw) {
     }
   }
   // PullSnapshot is unary on the wire but answers from a reactor of its own
-  // (service/pull_reactor.h), once the owner's stream has ended.
+  // (service/grpc/pull_reactor.h), once the owner's stream has ended.
   EXPECT_EQ(unary_in_proto.erase({"PullSnapshot", "kvcache.v1.PullSnapshotRequest",
                                   "kvcache.v1.LoadSnapshotResponse"}),
             1u);

@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "reference_model.h"
 

@@ -1,4 +1,4 @@
-#include "curve/curve_keys.h"
+#include "wire/curve/curve_keys.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "etcd/etcd_fleet.h"
+#include "wire/etcd/etcd_fleet.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "ids/replica_id.h"
+#include "wire/ids/replica_id.h"
 
 namespace kvcache::etcd {
 namespace {

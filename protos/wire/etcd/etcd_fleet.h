@@ -1,4 +1,4 @@
-// What a replica's registration (server/etcd_registration.h) and a fleet
+// What a replica's registration (server/fleet/etcd_registration.h) and a fleet
 // client's membership (client/etcd_membership.h) share: where in etcd a
 // replica is listed, and how either side reaches etcd.
 //
@@ -94,7 +94,7 @@ std::string ReplicaKey(absl::string_view prefix, absl::string_view name);
 // (etcd's range_end: the prefix with its last byte below 0xff plus one).
 std::string PrefixRangeEnd(absl::string_view prefix);
 // The replica a key lists; an error naming the key where the rest of it is
-// not a replica name (ids/replica_id.h), which a client skips.
+// not a replica name (wire/ids/replica_id.h), which a client skips.
 absl::StatusOr<std::string> ReplicaOfKey(absl::string_view prefix, absl::string_view key);
 
 // An etcd call's failure as an absl::Status saying what was asked of which endpoint.

@@ -1,4 +1,4 @@
-#include "etcd/etcd_membership.h"
+#include "wire/etcd/etcd_membership.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,4 +1,4 @@
-// A fleet's replicas as etcd lists them (etcd/etcd_fleet.h), for a
+// A fleet's replicas as etcd lists them (wire/etcd/etcd_fleet.h), for a
 // ShardedClient (where to place caches) and for a replica (where its peers
 // are): the list is read once, then watched from its revision on, and every
 // change hands the whole list to the owner. A watch that breaks (etcd
@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "etcd/etcd_fleet.h"
+#include "wire/etcd/etcd_fleet.h"
 
 namespace kvcache::etcd {
 

@@ -1,4 +1,4 @@
-#include "lane/frame.h"
+#include "wire/lane/frame.h"
 
 #include <string>
 

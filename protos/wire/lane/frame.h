@@ -1,6 +1,6 @@
 // The data lane's frames (kvcache.proto, LaneFrameKind): the preambles a
 // connection opens with, the 8-byte header before every payload, and the
-// LaneStatus frame's payload as an absl::Status. The server (service/data_lane.h)
+// LaneStatus frame's payload as an absl::Status. The server (service/lane/data_lane.h)
 // and the client library each build their calls on these.
 #pragma once
 

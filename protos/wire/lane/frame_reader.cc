@@ -1,4 +1,4 @@
-#include "lane/frame_reader.h"
+#include "wire/lane/frame_reader.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::lane {
 namespace {

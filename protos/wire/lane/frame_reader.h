@@ -10,8 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "lane/frame.h"
-#include "lane/tls.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache::lane {
 

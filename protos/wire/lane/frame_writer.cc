@@ -1,4 +1,4 @@
-#include "lane/frame_writer.h"
+#include "wire/lane/frame_writer.h"
 
 #include <sys/socket.h>
 
@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <climits>
 
-#include "lane/frame.h"
-#include "lane/socket.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::lane {
 

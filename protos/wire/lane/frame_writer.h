@@ -11,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "lane/tls.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache::lane {
 

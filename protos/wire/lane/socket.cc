@@ -1,4 +1,4 @@
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -13,7 +13,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "lane/frame_writer.h"
+#include "wire/lane/frame_writer.h"
 
 namespace kvcache::lane {
 namespace {

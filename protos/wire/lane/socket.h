@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "lane/frame.h"
+#include "wire/lane/frame.h"
 
 namespace kvcache::lane {
 

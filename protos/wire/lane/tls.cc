@@ -1,4 +1,4 @@
-#include "lane/tls.h"
+#include "wire/lane/tls.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::lane {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/batch_ops.h"
+#include "engine/batch/batch_ops.h"
 
 #include <algorithm>
 #include <utility>

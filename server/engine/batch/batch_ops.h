@@ -41,8 +41,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "engine/cache.h"
-#include "engine/cache_spec.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/cache_spec.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {

@@ -1,4 +1,4 @@
-#include "engine/atomic_file.h"
+#include "engine/files/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/fresh_memory.h"
+#include "engine/files/fresh_memory.h"
 
 namespace kvcache::engine {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/file_checksum.h"
+#include "engine/files/file_checksum.h"
 
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>

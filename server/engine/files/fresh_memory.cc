@@ -1,4 +1,4 @@
-#include "engine/fresh_memory.h"
+#include "engine/files/fresh_memory.h"
 
 #include <sys/mman.h>
 

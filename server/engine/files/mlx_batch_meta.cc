@@ -1,4 +1,4 @@
-#include "engine/mlx_batch_meta.h"
+#include "engine/files/mlx_batch_meta.h"
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"

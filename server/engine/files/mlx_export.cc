@@ -5,12 +5,12 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/chunked_layer.h"
-#include "engine/mlx_batch_meta.h"
-#include "engine/mlx_file_util.h"
-#include "engine/mlx_state.h"
-#include "engine/recurrent_layer.h"
-#include "engine/rotating_layer.h"
+#include "engine/files/mlx_batch_meta.h"
+#include "engine/files/mlx_file_util.h"
+#include "engine/files/mlx_state.h"
+#include "engine/layers/chunked_layer.h"
+#include "engine/layers/recurrent_layer.h"
+#include "engine/layers/rotating_layer.h"
 
 namespace kvcache::engine {
 namespace {

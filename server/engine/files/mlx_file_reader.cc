@@ -1,4 +1,4 @@
-#include "engine/mlx_file_reader.h"
+#include "engine/files/mlx_file_reader.h"
 
 #include <optional>
 
@@ -8,7 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "engine/mlx_file_util.h"
+#include "engine/files/mlx_file_util.h"
 
 namespace kvcache::engine::mlx_file {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
 
 namespace kvcache::engine::mlx_file {
 

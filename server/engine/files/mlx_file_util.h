@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
 
 namespace kvcache::engine::mlx_file {
 

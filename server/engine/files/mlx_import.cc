@@ -10,9 +10,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
-#include "engine/mlx_file_util.h"
-#include "engine/mlx_layer_parsers.h"
-#include "engine/mlx_state.h"
+#include "engine/files/mlx_file_util.h"
+#include "engine/files/mlx_layer_parsers.h"
+#include "engine/files/mlx_state.h"
 
 namespace kvcache::engine {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/mlx_layer_parsers.h"
+#include "engine/files/mlx_layer_parsers.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,8 +9,8 @@
 #include "absl/strings/str_join.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "engine/mlx_batch_meta.h"
-#include "engine/mlx_file_util.h"
+#include "engine/files/mlx_batch_meta.h"
+#include "engine/files/mlx_file_util.h"
 
 namespace kvcache::engine::mlx_file {
 namespace {

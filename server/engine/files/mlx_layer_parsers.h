@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
-#include "engine/mlx_file_reader.h"
+#include "engine/files/mlx_file_reader.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::engine::mlx_file {
 

@@ -1,4 +1,4 @@
-// A cache snapshot as an mlx-lm prompt cache (engine/prompt_cache.h), and a
+// A cache snapshot as an mlx-lm prompt cache (engine/files/prompt_cache.h), and a
 // cache rebuilt from one: the same file loads in mlx-lm and here.
 //
 // Per layer (mlx-lm cache.py `state` / `meta_state` / class name), tensors
@@ -59,9 +59,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
-#include "engine/cache_spec.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/cache_spec.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {

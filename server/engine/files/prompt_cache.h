@@ -5,7 +5,7 @@
 //   metadata  "0.<layer>[.<k>]": meta_state; "1.<key>": the user's metadata;
 //             "2.<layer>": the class name (KVCache, RotatingKVCache, ...)
 //
-// engine/safetensors.h reads and writes the bytes; engine/mlx_state.h turns a
+// engine/files/safetensors.h reads and writes the bytes; engine/files/mlx_state.h turns a
 // snapshot into one and back.
 #pragma once
 

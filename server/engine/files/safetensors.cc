@@ -1,4 +1,4 @@
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 
 #include <optional>
 #include <utility>
@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "engine/file_checksum.h"
-#include "engine/fresh_memory.h"
-#include "engine/safetensors_header.h"
+#include "engine/files/file_checksum.h"
+#include "engine/files/fresh_memory.h"
+#include "engine/files/safetensors_header.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcache::engine {

@@ -10,7 +10,7 @@
 //
 // Integrity: safetensors has no checksum, so files kvcached writes carry one in
 // user metadata, under kSafetensorsChecksumKey: XXH3-128 over the header's
-// canonical JSON without that key and the data section (engine/file_checksum.h
+// canonical JSON without that key and the data section (engine/files/file_checksum.h
 // has the exact forms; the data hashes on several cores). mlx-lm loads
 // such a file and sees one extra "1.*" metadata key. A file without the key
 // (written by mlx-lm) is accepted after the structural checks.
@@ -30,7 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
 
 namespace kvcache::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/safetensors_header.h"
+#include "engine/files/safetensors_header.h"
 
 #include <algorithm>
 #include <array>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace kvcache::engine {

@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "engine/prompt_cache.h"
+#include "engine/files/prompt_cache.h"
 
 namespace kvcache::engine::safetensors_internal {
 

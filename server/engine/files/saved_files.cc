@@ -1,4 +1,4 @@
-#include "engine/saved_files.h"
+#include "engine/files/saved_files.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,7 +16,7 @@
 #include "core/client_text.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "engine/atomic_file.h"
+#include "engine/files/atomic_file.h"
 
 namespace kvcache::engine {
 namespace {

@@ -37,8 +37,8 @@
 #include "absl/types/span.h"
 #include "core/disk_budget.h"
 #include "core/log.h"
-#include "engine/prompt_cache.h"
-#include "engine/safetensors.h"
+#include "engine/files/prompt_cache.h"
+#include "engine/files/safetensors.h"
 
 namespace kvcache::engine {
 

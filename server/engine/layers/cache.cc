@@ -1,4 +1,4 @@
-#include "engine/cache.h"
+#include "engine/layers/cache.h"
 
 #include <algorithm>
 #include <atomic>
@@ -7,8 +7,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
-#include "engine/layer_factory.h"
-#include "engine/page_table.h"
+#include "engine/layers/layer_factory.h"
+#include "engine/layers/page_table.h"
 
 namespace kvcache::engine {
 namespace {

@@ -11,8 +11,8 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {
@@ -96,7 +96,7 @@ class Cache {
   const CacheSpec& spec() const { return spec_; }
   size_t num_layers() const { return layers_.size(); }
   const Layer& layer(size_t index) const { return *layers_[index]; }
-  // For a speculation's drafts (engine/layer_draft.h), which stage tokens in
+  // For a speculation's drafts (engine/layers/layer_draft.h), which stage tokens in
   // the live layers; the engine keeps every other change away while one is
   // open, and calls NoteChanged when it ends.
   Layer& mutable_layer(size_t index) {
@@ -125,7 +125,7 @@ class Cache {
   absl::StatusOr<CacheSnapshotPtr> Freeze(const std::string& cache_id) const;
   // snapshot null: rewind live. All layers or none.
   absl::Status Restore(const CacheSnapshot* snapshot, uint64_t target);
-  // Batch operations (engine/batch_ops.h): fills empty layer `layer` from
+  // Batch operations (engine/batch/batch_ops.h): fills empty layer `layer` from
   // other caches' rows up to `offset` (Layer::AssembleRows).
   absl::Status AssembleRows(size_t layer, absl::Span<const RowSource> rows, uint64_t offset);
   void Free();

@@ -1,4 +1,4 @@
-#include "engine/cache_spec.h"
+#include "engine/layers/cache_spec.h"
 
 #include <algorithm>
 

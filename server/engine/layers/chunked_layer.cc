@@ -1,10 +1,10 @@
-#include "engine/chunked_layer.h"
+#include "engine/layers/chunked_layer.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/token_store.h"
+#include "engine/layers/token_store.h"
 
 namespace kvcache::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/layer.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::engine {
 

@@ -3,7 +3,7 @@
 // restore, row assembly (batch operations), drafts (speculation), free, size
 // on the layer; merge and split on its snapshots. Each kind answers its own
 // rules here, so the Cache never asks which kind a layer is (only
-// engine/layer_factory.h names kinds). Layers are not thread-safe: their Cache
+// engine/layers/layer_factory.h names kinds). Layers are not thread-safe: their Cache
 // serialises calls. Snapshots are immutable and may be read from any thread.
 #pragma once
 
@@ -224,7 +224,7 @@ class Layer {
   virtual absl::StatusOr<std::unique_ptr<Layer>> Restored(const LayerSnapshot* snapshot,
                                                           uint64_t target) const = 0;
   // Fills this empty layer (batch = rows.size()) from other layers' rows, up to
-  // `offset`: the batch operations (engine/batch_ops.h). The sources are of this
+  // `offset`: the batch operations (engine/batch/batch_ops.h). The sources are of this
   // layer's kind and dims. All or nothing: on error the layer stays empty.
   virtual absl::Status AssembleRows(absl::Span<const RowSource> rows, uint64_t offset) = 0;
   // Puts this empty layer straight into `contents` (loading a saved cache).
@@ -234,10 +234,10 @@ class Layer {
   // Releases every page; offset returns to 0.
   virtual void Free() = 0;
   virtual uint64_t size_bytes() const = 0;
-  // Attention kinds: themselves, for speculation (engine/staged_append.h);
+  // Attention kinds: themselves, for speculation (engine/layers/staged_append.h);
   // others null. A virtual call, not a cross-cast, on every speculation's begin.
   virtual StagedAppend* staged_append() { return nullptr; }
-  // This layer's part of a speculation (engine/layer_draft.h); it must
+  // This layer's part of a speculation (engine/layers/layer_draft.h); it must
   // outlive the draft and not change otherwise while the draft exists. By
   // default a draft stages tokens (staged_append()); kinds that cannot stage
   // draft their own way or are FAILED_PRECONDITION.

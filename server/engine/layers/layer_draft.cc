@@ -1,9 +1,9 @@
-#include "engine/layer_draft.h"
+#include "engine/layers/layer_draft.h"
 
 #include <utility>
 
 #include "core/status_macros.h"
-#include "engine/staged_append.h"
+#include "engine/layers/staged_append.h"
 
 namespace kvcache::engine {
 namespace {

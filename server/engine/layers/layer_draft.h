@@ -1,9 +1,9 @@
-// One layer's part of a speculation (engine/speculation.h): what the drafted
+// One layer's part of a speculation (engine/speculation/speculation.h): what the drafted
 // tokens did to it, and how a commit keeps the accepted ones. Each layer makes
 // its own (Layer::MakeDraft):
 //
 //   attention layers (standard, quantized, chunked, rotating): the drafted
-//     tokens are staged past the layer's offset (engine/staged_append.h), in
+//     tokens are staged past the layer's offset (engine/layers/staged_append.h), in
 //     the live layer itself, so a commit writes nothing: the offset moves (and
 //     a rotating layer evicts, a chunked one trims its front, as one Update of
 //     the accepted tokens would). Isolated: staged in a copy of the layer that
@@ -25,7 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/layer.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::engine {
 

@@ -1,15 +1,15 @@
-#include "engine/layer_factory.h"
+#include "engine/layers/layer_factory.h"
 
 #include <algorithm>
 #include <variant>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/chunked_layer.h"
-#include "engine/host_bytes.h"
-#include "engine/recurrent_layer.h"
-#include "engine/rotating_layer.h"
-#include "engine/standard_layer.h"
+#include "engine/layers/chunked_layer.h"
+#include "engine/layers/host_bytes.h"
+#include "engine/layers/recurrent_layer.h"
+#include "engine/layers/rotating_layer.h"
+#include "engine/layers/standard_layer.h"
 
 namespace kvcache::engine {
 

@@ -1,6 +1,6 @@
 // The one place a layer kind is named: a CacheSpec layer's kind picks the
 // Layer that implements it. Everything else asks the Layer (and its
-// snapshots) through their virtuals (engine/layer.h).
+// snapshots) through their virtuals (engine/layers/layer.h).
 #pragma once
 
 #include <cstddef>
@@ -8,8 +8,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
 #include "gpu/page_pool.h"
 
 namespace kvcache::engine {

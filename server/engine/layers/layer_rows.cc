@@ -1,13 +1,13 @@
 // Layer::AssembleRows of the chunked and recurrent layers (the batch
-// operations, engine/batch_ops.h), kept apart from those layers' own rules.
+// operations, engine/batch/batch_ops.h), kept apart from those layers' own rules.
 #include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/chunked_layer.h"
-#include "engine/recurrent_layer.h"
-#include "engine/row_assembly.h"
+#include "engine/layers/chunked_layer.h"
+#include "engine/layers/recurrent_layer.h"
+#include "engine/layers/row_assembly.h"
 
 namespace kvcache::engine {
 namespace {

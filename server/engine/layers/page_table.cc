@@ -1,8 +1,8 @@
-#include "engine/page_table.h"
+#include "engine/layers/page_table.h"
 
 #include <algorithm>
 
-#include "engine/host_bytes.h"
+#include "engine/layers/host_bytes.h"
 
 namespace kvcache::engine {
 

@@ -1,8 +1,8 @@
-#include "engine/quantized_store.h"
+#include "engine/layers/quantized_store.h"
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/token_store.h"
+#include "engine/layers/token_store.h"
 
 namespace kvcache::engine {
 namespace {

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
-#include "engine/page_table.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
+#include "engine/layers/page_table.h"
 #include "gpu/quant_job.h"
 
 namespace kvcache::engine {

@@ -1,5 +1,5 @@
 // RecurrentLayer::MakeDraft: a recurrent layer's part of a speculation
-// (engine/layer_draft.h has the rules).
+// (engine/layers/layer_draft.h has the rules).
 #include <memory>
 #include <utility>
 #include <vector>
@@ -7,8 +7,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
-#include "engine/layer_draft.h"
-#include "engine/recurrent_layer.h"
+#include "engine/layers/layer_draft.h"
+#include "engine/layers/recurrent_layer.h"
 
 namespace kvcache::engine {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/recurrent_layer.h"
+#include "engine/layers/recurrent_layer.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/token_store.h"
+#include "engine/layers/token_store.h"
 
 namespace kvcache::engine {
 namespace {

@@ -40,9 +40,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
-#include "engine/page_table.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
+#include "engine/layers/page_table.h"
 
 namespace kvcache::engine {
 

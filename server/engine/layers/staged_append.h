@@ -1,4 +1,4 @@
-// What speculation (engine/speculation.h) needs of an attention layer: tokens
+// What speculation (engine/speculation/speculation.h) needs of an attention layer: tokens
 // written past its offset ("staged") that no reader of the layer sees, since
 // its ranges, reads and snapshots (registered or frozen) all stop at the
 // offset, until Adopt makes them the layer's own exactly as one Update of
@@ -17,7 +17,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "engine/layer.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::engine {
 

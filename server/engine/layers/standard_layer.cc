@@ -1,12 +1,12 @@
-#include "engine/standard_layer.h"
+#include "engine/layers/standard_layer.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/quantized_store.h"
-#include "engine/row_assembly.h"
-#include "engine/token_store.h"
+#include "engine/layers/quantized_store.h"
+#include "engine/layers/row_assembly.h"
+#include "engine/layers/token_store.h"
 
 namespace kvcache::engine {
 

@@ -9,11 +9,11 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
-#include "engine/page_table.h"
-#include "engine/staged_append.h"
-#include "engine/token_store.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
+#include "engine/layers/page_table.h"
+#include "engine/layers/staged_append.h"
+#include "engine/layers/token_store.h"
 
 namespace kvcache::engine {
 

@@ -1,8 +1,8 @@
-// TensorBytes (engine/layer.h), apart from the layers so that code that only
+// TensorBytes (engine/layers/layer.h), apart from the layers so that code that only
 // reads requests (the Update parser and its fuzzer) links without them.
 #include <cstring>
 
-#include "engine/layer.h"
+#include "engine/layers/layer.h"
 
 namespace kvcache::engine {
 

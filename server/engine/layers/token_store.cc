@@ -1,11 +1,11 @@
-#include "engine/token_store.h"
+#include "engine/layers/token_store.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
-#include "engine/quantized_store.h"
+#include "engine/layers/quantized_store.h"
 
 namespace kvcache::engine {
 namespace {

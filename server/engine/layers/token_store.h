@@ -10,9 +10,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/cache_spec.h"
-#include "engine/layer.h"
-#include "engine/page_table.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/layers/layer.h"
+#include "engine/layers/page_table.h"
 
 namespace kvcache::engine {
 

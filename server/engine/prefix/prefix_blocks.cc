@@ -1,11 +1,11 @@
-#include "engine/prefix_blocks.h"
+#include "engine/prefix/prefix_blocks.h"
 
 #include <xxhash.h>
 
 #include <algorithm>
 #include <utility>
 
-#include "engine/host_bytes.h"
+#include "engine/layers/host_bytes.h"
 
 namespace kvcache::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/prefix_index.h"
+#include "engine/prefix/prefix_index.h"
 
 #include <algorithm>
 #include <type_traits>

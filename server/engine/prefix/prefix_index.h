@@ -1,5 +1,5 @@
 // Published prefixes: for each scope, which registered snapshot holds the K/V
-// of the longest cached prefix of a token sequence (engine/prefix_tree.h).
+// of the longest cached prefix of a token sequence (engine/prefix/prefix_tree.h).
 //
 // A scope is a namespace (the tenant, once tenants exist) and a layout: the
 // model name, dtype, batch size and every layer's spec (ScopeKey). Layouts
@@ -20,7 +20,7 @@
 // which a restart of the publisher holds while it copies every block out
 // (rare: only after its queue overflowed).
 //
-// Block events (engine/prefix_blocks.h): where a ledger is given, every
+// Block events (engine/prefix/prefix_blocks.h): where a ledger is given, every
 // publish and forget of an entry that restores at any length counts its
 // blocks in or out, under the lock, so the ledger sees the index's own order.
 // Entries that restore only where they end are not counted: a router that
@@ -40,9 +40,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "engine/cache_spec.h"
-#include "engine/prefix_blocks.h"
-#include "engine/prefix_tree.h"
+#include "engine/layers/cache_spec.h"
+#include "engine/prefix/prefix_blocks.h"
+#include "engine/prefix/prefix_tree.h"
 
 namespace kvcache::engine {
 

@@ -1,4 +1,4 @@
-#include "engine/speculation.h"
+#include "engine/speculation/speculation.h"
 
 #include <algorithm>
 

@@ -5,7 +5,7 @@
 //
 //   Begin        the cache's layers must be in step; its offset C is the
 //                committed history.
-//   Update       drafted tokens, per layer (engine/layer_draft.h has how each
+//   Update       drafted tokens, per layer (engine/layers/layer_draft.h has how each
 //                kind holds them); the speculative state is committed +
 //                drafted.
 //   Freeze       that state, for Fetch: a CacheSnapshot, as the live
@@ -32,8 +32,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/cache.h"
-#include "engine/layer_draft.h"
+#include "engine/layers/cache.h"
+#include "engine/layers/layer_draft.h"
 
 namespace kvcache::engine {
 

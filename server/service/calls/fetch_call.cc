@@ -1,4 +1,4 @@
-#include "service/fetch_call.h"
+#include "service/calls/fetch_call.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>

@@ -1,4 +1,4 @@
-#include "service/update_call.h"
+#include "service/calls/update_call.h"
 
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/wire_format_lite.h>
@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "service/update_parser.h"
+#include "service/calls/update_parser.h"
 
 namespace kvcache::service {
 namespace {

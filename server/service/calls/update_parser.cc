@@ -1,4 +1,4 @@
-#include "service/update_parser.h"
+#include "service/calls/update_parser.h"
 
 #include <algorithm>
 #include <utility>

@@ -1,9 +1,9 @@
-#include "service/file_reactors.h"
+#include "service/grpc/file_reactors.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
-#include "service/status_mapping.h"
+#include "service/grpc/status_mapping.h"
 
 namespace kvcache::service {
 

@@ -1,9 +1,9 @@
-#include "service/kv_cache_service.h"
+#include "service/grpc/kv_cache_service.h"
 
-#include "service/file_reactors.h"
-#include "service/pull_reactor.h"
-#include "service/status_mapping.h"
-#include "service/stream_reactors.h"
+#include "service/grpc/file_reactors.h"
+#include "service/grpc/pull_reactor.h"
+#include "service/grpc/status_mapping.h"
+#include "service/grpc/stream_reactors.h"
 
 namespace kvcache::service {
 namespace {

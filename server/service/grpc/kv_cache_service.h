@@ -3,9 +3,9 @@
 // returned absl::Status to a grpc::Status, code for code.
 #pragma once
 
+#include "fleet/peers.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
-#include "service/peers.h"
 #include "service/tenants.h"
 #include "service/unary_rpcs.h"
 

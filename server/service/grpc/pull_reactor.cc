@@ -1,4 +1,4 @@
-#include "service/pull_reactor.h"
+#include "service/grpc/pull_reactor.h"
 
 #include <grpcpp/channel.h>
 
@@ -6,9 +6,9 @@
 #include "absl/strings/str_format.h"
 #include "core/client_text.h"
 #include "core/status_macros.h"
-#include "ids/replica_id.h"
-#include "service/status_mapping.h"
+#include "service/grpc/status_mapping.h"
 #include "service/validation.h"
+#include "wire/ids/replica_id.h"
 
 namespace kvcache::service {
 

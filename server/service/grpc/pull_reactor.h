@@ -10,9 +10,9 @@
 #include <memory>
 #include <string>
 
+#include "fleet/peers.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "service/handlers.h"
-#include "service/peers.h"
 #include "service/tenants.h"
 
 namespace kvcache::service {

@@ -1,4 +1,4 @@
-#include "service/rpc_observer.h"
+#include "service/grpc/rpc_observer.h"
 
 #include <grpcpp/server_context.h>
 
@@ -15,7 +15,7 @@
 #include "core/log.h"
 #include "google/protobuf/descriptor.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
-#include "service/status_mapping.h"
+#include "service/grpc/status_mapping.h"
 
 namespace kvcache::service {
 namespace {

@@ -1,4 +1,4 @@
-#include "service/status_mapping.h"
+#include "service/grpc/status_mapping.h"
 
 #include <string>
 

@@ -1,7 +1,7 @@
-#include "service/stream_reactors.h"
+#include "service/grpc/stream_reactors.h"
 
 #include "core/status_macros.h"
-#include "service/status_mapping.h"
+#include "service/grpc/status_mapping.h"
 
 namespace kvcache::service {
 namespace {

@@ -10,11 +10,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
-#include "service/fetch_call.h"
+#include "service/calls/fetch_call.h"
+#include "service/calls/update_call.h"
+#include "service/grpc/wire_format.h"
 #include "service/handlers.h"
 #include "service/tenants.h"
-#include "service/update_call.h"
-#include "service/wire_format.h"
 
 namespace kvcache::service {
 

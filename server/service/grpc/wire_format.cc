@@ -1,4 +1,4 @@
-#include "service/wire_format.h"
+#include "service/grpc/wire_format.h"
 
 namespace kvcache::service {
 

@@ -21,8 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "service/fetch_call.h"
-#include "service/update_call.h"
+#include "service/calls/fetch_call.h"
+#include "service/calls/update_call.h"
 
 namespace kvcache::service {
 

@@ -1,4 +1,4 @@
-#include "service/data_lane.h"
+#include "service/lane/data_lane.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "lane/frame.h"
-#include "lane/frame_writer.h"
-#include "service/lane_session.h"
+#include "service/lane/lane_session.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_writer.h"
 
 namespace kvcache::service {
 namespace {

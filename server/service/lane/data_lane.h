@@ -17,10 +17,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/log.h"
-#include "lane/socket.h"
-#include "lane/tls.h"
-#include "service/lane_limits.h"
+#include "service/lane/lane_limits.h"
 #include "service/tenants.h"
+#include "wire/lane/socket.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache::service {
 

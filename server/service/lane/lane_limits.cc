@@ -1,4 +1,4 @@
-#include "service/lane_limits.h"
+#include "service/lane/lane_limits.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -1,4 +1,4 @@
-#include "service/lane_session.h"
+#include "service/lane/lane_session.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "core/tokens_file.h"
+#include "service/tokens_file.h"
 
 namespace kvcache::service {
 namespace {

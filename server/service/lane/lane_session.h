@@ -15,14 +15,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
-#include "lane/frame_writer.h"
-#include "lane/tls.h"
-#include "service/fetch_call.h"
+#include "service/calls/fetch_call.h"
+#include "service/calls/update_call.h"
 #include "service/handlers.h"
 #include "service/tenants.h"
-#include "service/update_call.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
+#include "wire/lane/frame_writer.h"
+#include "wire/lane/tls.h"
 
 namespace kvcache::service {
 

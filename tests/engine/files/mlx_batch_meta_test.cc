@@ -1,6 +1,6 @@
 // mlx-lm BatchRotatingKVCache meta_state: written as Python's str() writes it,
 // read back strictly, and "False" read as false (mlx-lm's bool("False") is True).
-#include "engine/mlx_batch_meta.h"
+#include "engine/files/mlx_batch_meta.h"
 
 #include <string>
 #include <vector>

@@ -1,7 +1,7 @@
 // safetensors bytes of prompt-cache files: round trips, the exact header mlx
 // writes, every refusal with its status, and damage (bit flips, truncation)
 // caught by the checksum kvcached writes into user metadata.
-#include "engine/safetensors.h"
+#include "engine/files/safetensors.h"
 
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>

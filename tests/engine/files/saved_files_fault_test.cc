@@ -12,7 +12,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "engine/saved_files.h"
+#include "engine/files/saved_files.h"
 #include "gtest/gtest.h"
 
 namespace kvcache::engine {

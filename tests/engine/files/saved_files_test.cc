@@ -1,6 +1,6 @@
 // The saved-file store: save/load/list/delete, names, overwrite, restart,
 // budget, concurrent writers, I/O errors, and saves killed mid-write.
-#include "engine/saved_files.h"
+#include "engine/files/saved_files.h"
 
 #include <algorithm>
 #include <filesystem>

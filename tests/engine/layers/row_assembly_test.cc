@@ -1,8 +1,8 @@
-// engine/row_assembly.h on its own: rows of a quantized page layout (six
+// engine/layers/row_assembly.h on its own: rows of a quantized page layout (six
 // planes) moved between tables of different batch sizes and page sizes, with
 // shifts, several held ranges and zero fill, checked plane row by plane row
 // against a host mirror; and its all-or-nothing failures.
-#include "engine/row_assembly.h"
+#include "engine/layers/row_assembly.h"
 
 #include <cstring>
 #include <map>
@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/token_store.h"
+#include "engine/layers/token_store.h"
 #include "gtest/gtest.h"
 #include "support/gpu_test_base.h"
 

@@ -1,10 +1,10 @@
-// Block events of the prefix indexes (engine/prefix_blocks.h): chained
+// Block events of the prefix indexes (engine/prefix/prefix_blocks.h): chained
 // hashes over the tokens alone, a block stored once however many entries (of
 // however many indexes) hold it and removed with the last; and, over long
 // random publish/forget sequences, on one thread and on several, a
 // subscriber that applies the events holds exactly the blocks of the entries
 // there are, as does the ledger's own account of what it holds.
-#include "engine/prefix_blocks.h"
+#include "engine/prefix/prefix_blocks.h"
 
 #include <map>
 #include <random>
@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/prefix_index.h"
+#include "engine/prefix/prefix_index.h"
 #include "gtest/gtest.h"
 
 namespace kvcache::engine {

@@ -1,7 +1,7 @@
 // The prefix index: scope keys that tell every layout and namespace apart,
 // which layouts match only where a prefix ends, publish / lookup / forget with
 // their counts, and lookups running beside publishers.
-#include "engine/prefix_index.h"
+#include "engine/prefix/prefix_index.h"
 
 #include <atomic>
 #include <string>

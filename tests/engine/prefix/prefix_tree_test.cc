@@ -1,7 +1,7 @@
 // The prefix tree against a plain reference (a map of published token
 // sequences): long random publish / republish / erase / lookup sequences over
 // a small alphabet, so that prefixes share, split and merge all the time.
-#include "engine/prefix_tree.h"
+#include "engine/prefix/prefix_tree.h"
 
 #include <algorithm>
 #include <cstdint>

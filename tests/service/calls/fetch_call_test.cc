@@ -1,9 +1,9 @@
-// The Fetch core (server/service/fetch_call.h) without a network: the chunks
+// The Fetch core (server/service/calls/fetch_call.h) without a network: the chunks
 // it hands out in each form (viewed in pages, read into a buffer, filled as a
 // message) are protobuf's encoding of what Handlers::FillFetchChunk fills,
 // their announced length is theirs, and on every way a call ends the plan's
 // pages are let go before the status is handed out.
-#include "service/fetch_call.h"
+#include "service/calls/fetch_call.h"
 
 #include <string>
 #include <vector>

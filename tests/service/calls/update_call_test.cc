@@ -1,9 +1,9 @@
-// The Update core (server/service/update_call.h) without a network: messages
+// The Update core (server/service/calls/update_call.h) without a network: messages
 // in pieces are applied and acknowledged with protobuf's encoding of their
 // UpdateResponse, the first failure ends the call (later messages are not
 // read, let alone applied) and is its status, and the next call on the same
 // connection starts afresh.
-#include "service/update_call.h"
+#include "service/calls/update_call.h"
 
 #include <string>
 #include <vector>

@@ -1,10 +1,10 @@
-// The hand parser of UpdateRequest (service/update_parser.h) against
+// The hand parser of UpdateRequest (service/calls/update_parser.h) against
 // protobuf's own: every message it accepts parses to what protobuf parses,
 // tensors stay in the pieces they arrived in, it reads every field the schema
 // has, and what it leaves to protobuf (ParsedUpdate's fallback: fields it
 // does not read among others) ends the same way protobuf does, malformed
 // messages as INVALID_ARGUMENT.
-#include "service/update_parser.h"
+#include "service/calls/update_parser.h"
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
@@ -15,7 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "service/wire_format.h"
+#include "service/grpc/wire_format.h"
 #include "support/schema_fields.h"
 #include "update_wire_util.h"
 

@@ -1,7 +1,7 @@
-// The Fetch chunk framing written by hand (service/fetch_call.h): whatever
+// The Fetch chunk framing written by hand (service/calls/fetch_call.h): whatever
 // fields a chunk's header holds, those of the schema today and any added
 // later, the framed chunk reads back through protobuf whole.
-#include "service/fetch_call.h"
+#include "service/calls/fetch_call.h"
 
 #include <google/protobuf/util/message_differencer.h>
 

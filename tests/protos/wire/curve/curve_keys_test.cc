@@ -1,7 +1,7 @@
-// CURVE keys in files (curve/curve_keys.h): a written secret key is private
+// CURVE keys in files (wire/curve/curve_keys.h): a written secret key is private
 // and reads back with its public key; loose permissions, malformed keys and
 // empty allow-lists are refused, naming the flag (and the line).
-#include "curve/curve_keys.h"
+#include "wire/curve/curve_keys.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "etcd/etcd_fleet.h"
+#include "wire/etcd/etcd_fleet.h"
 
 #include <filesystem>
 #include <fstream>

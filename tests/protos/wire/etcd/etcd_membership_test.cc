@@ -1,6 +1,6 @@
 // EtcdMembership's failures where no etcd answers: the owner hears of the
 // first of a run, once, and the membership keeps trying (last_failure).
-#include "etcd/etcd_membership.h"
+#include "wire/etcd/etcd_membership.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>

@@ -2,7 +2,7 @@
 // reader waits for large frames with SO_RCVLOWAT): frames that arrive many to
 // a read or a byte at a time, payloads larger than the reader's buffer, and
 // each way a connection can end.
-#include "lane/frame_reader.h"
+#include "wire/lane/frame_reader.h"
 
 #include <chrono>
 #include <optional>

@@ -1,5 +1,5 @@
 // The frame header's bytes and the LaneStatus payload's mapping to absl::Status.
-#include "lane/frame.h"
+#include "wire/lane/frame.h"
 
 #include "gtest/gtest.h"
 

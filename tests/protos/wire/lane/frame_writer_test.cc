@@ -1,6 +1,6 @@
 // Writing frames over a Unix socket pair and over loopback TCP: sends the
 // kernel takes in parts, and a peer that is gone.
-#include "lane/frame_writer.h"
+#include "wire/lane/frame_writer.h"
 
 #include <sys/socket.h>
 #include <unistd.h>

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "lane/frame.h"
-#include "lane/frame_reader.h"
-#include "lane/socket.h"
+#include "wire/lane/frame.h"
+#include "wire/lane/frame_reader.h"
+#include "wire/lane/socket.h"
 
 namespace kvcache::lane {
 

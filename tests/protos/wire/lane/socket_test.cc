@@ -1,5 +1,5 @@
 // Listening, connecting with the preamble, and addresses that are refused.
-#include "lane/socket.h"
+#include "wire/lane/socket.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "lane/frame_reader.h"
+#include "wire/lane/frame_reader.h"
 
 namespace kvcache::lane {
 namespace {

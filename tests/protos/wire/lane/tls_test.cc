@@ -1,9 +1,9 @@
-// The lane's frames over TLS (lane/tls.h), on a Unix socket pair and on
+// The lane's frames over TLS (wire/lane/tls.h), on a Unix socket pair and on
 // loopback TCP, with certificates made here in memory: every frame size
 // crosses records whole both ways, Poll still returns only whole frames, a
 // connection ends as it does in plaintext, and a handshake with a peer of
 // another certificate, another name or no TLS at all fails naming why.
-#include "lane/tls.h"
+#include "wire/lane/tls.h"
 
 #include <openssl/evp.h>
 #include <openssl/pem.h>
@@ -21,8 +21,8 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lane/frame_writer.h"
 #include "socket_pair.h"
+#include "wire/lane/frame_writer.h"
 
 namespace kvcache::lane {
 namespace {
