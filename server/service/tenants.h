@@ -16,8 +16,9 @@
 //
 // A reload reaches what is under way too. From the moment it lands, a token
 // left out or moved to another tenant admits nothing more: the next Update
-// message of a stream (gRPC or lane), the next chunk of a Fetch, and the
-// next frame of a lane connection are refused UNAUTHENTICATED, and a lane
+// message of a stream (gRPC or lane), the next chunk of a Fetch or of an
+// ExportSnapshot, and the next frame of a lane connection are refused
+// UNAUTHENTICATED, and a lane
 // connection is then closed. What had passed that check before completes:
 // an Update message being applied (it applies atomically), a unary call
 // (admitted whole when it arrived), a file import or pull under way.

@@ -17,7 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "e2e_test_util.h"
 #include "gmock/gmock.h"
@@ -118,8 +120,9 @@ class RevocationTest : public Base {
   }
 
   std::filesystem::path dir_;
-  // 4 KiB of keys and values per token and layer.
-  const engine::CacheSpec spec_ = MakeSpec({StandardLayerSpec(4, 64), StandardLayerSpec(4, 64)});
+  // 4 KiB of keys and values per token and layer (8 heads of 64 floats).
+  const engine::CacheSpec spec_ =
+      MakeSpec({StandardLayerSpec(8, 64), StandardLayerSpec(8, 64)}, DType::kFloat32);
   std::mt19937_64 rng_{3};
   std::unique_ptr<TestServer> server_;
 };
@@ -231,12 +234,21 @@ TEST_F(E2eLaneRevocationTest, UnauthenticatedLargeFramesAreRefusedFromTheirHeade
   const uint64_t resident_before = ResidentBytes();
   std::vector<std::thread> strangers;
   std::atomic<size_t> pushed{0};
+  // Each stranger keeps its connection open until memory is measured: a
+  // server that read its frame holds the bytes until the connection ends.
+  std::atomic<int> done_pushing{0};
+  absl::Notification measured;
   for (int i = 0; i < kStrangers; ++i) {
     strangers.emplace_back([&, i] {
+      lane::OwnedFd owned;  // closed only after the measurement
+      const auto finish = absl::MakeCleanup([&] {
+        ++done_pushing;
+        measured.WaitForNotification();
+      });
       absl::StatusOr<int> fd = lane::Connect(server_->server().data_lane_address(),
                                              absl::Seconds(5), {lane::kMagic, sizeof(lane::kMagic)});
       if (!fd.ok()) return;
-      lane::OwnedFd owned(*fd);
+      owned = lane::OwnedFd(*fd);
       const timeval timeout{.tv_sec = 1, .tv_usec = 0};
       setsockopt(*fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
       std::byte header[lane::kHeaderBytes];
@@ -252,8 +264,11 @@ TEST_F(E2eLaneRevocationTest, UnauthenticatedLargeFramesAreRefusedFromTheirHeade
       }
     });
   }
-  for (std::thread& stranger : strangers) stranger.join();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (done_pushing < kStrangers && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
   const int64_t grown = static_cast<int64_t>(ResidentBytes()) - static_cast<int64_t>(resident_before);
+  measured.Notify();
+  for (std::thread& stranger : strangers) stranger.join();
   EXPECT_LT(grown, 8 << 20) << "the server read strangers' frames (" << pushed << " bytes pushed)";
   auto alice = server_->ConnectAs(kAlice, server_->server().data_lane_address());
   absl::StatusOr<v1::CacheInfo> cache = alice->CreateCache(ToWireSpec(spec_));

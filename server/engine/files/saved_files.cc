@@ -119,20 +119,23 @@ absl::Status SavedFileStore::IndexDirectory() {
   return absl::OkStatus();
 }
 
+// The name is held while the file is looked at, so no write or delete of it
+// comes between the look and the index.
 absl::Status SavedFileStore::AdoptFromDisk(absl::string_view name) {
+  AcquireName(name);
+  absl::Cleanup release = [&] { ReleaseName(name); };
   const std::string path = PathOf(name);
   const absl::Status not_found =
       absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
+  // lstat: a link put in the directory is not followed out of it.
   struct stat info;
-  if (::stat(path.c_str(), &info) != 0) {
+  if (::lstat(path.c_str(), &info) != 0) {
     return errno == ENOENT ? not_found : FileErrorStatus(errno, "stat", path, data_dir_);
   }
   if (!S_ISREG(info.st_mode)) return not_found;
   const auto size = static_cast<uint64_t>(info.st_size);
   absl::MutexLock lock(&mu_);
-  // Indexed meanwhile, or being written (its write indexes it): nothing to adopt.
-  if (files_.contains(name)) return absl::OkStatus();
-  if (busy_names_.contains(name)) return not_found;
+  if (files_.contains(name)) return absl::OkStatus();  // indexed meanwhile
   const std::string found =
       absl::StrCat("the file ", name, kSavedFileSuffix, " found in the data dir is ", size,
                    " bytes");
@@ -155,17 +158,20 @@ absl::Status SavedFileStore::AdoptFromDisk(absl::string_view name) {
 }
 
 void SavedFileStore::AdoptNewFiles() {
+  // The directory is read outside the mutex (file I/O), then filtered under it.
+  std::vector<std::string> named;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(data_dir_, error)) {
+    const std::string file_name = entry.path().filename().string();
+    if (!absl::EndsWith(file_name, kSavedFileSuffix)) continue;
+    std::string name = file_name.substr(0, file_name.size() - kSavedFileSuffix.size());
+    if (ValidateSavedFileName(name).ok()) named.push_back(std::move(name));
+  }
   std::vector<std::string> unindexed;
   {
-    std::error_code error;
     absl::MutexLock lock(&mu_);
-    for (const auto& entry : std::filesystem::directory_iterator(data_dir_, error)) {
-      const std::string file_name = entry.path().filename().string();
-      if (!absl::EndsWith(file_name, kSavedFileSuffix)) continue;
-      std::string name = file_name.substr(0, file_name.size() - kSavedFileSuffix.size());
-      if (ValidateSavedFileName(name).ok() && !files_.contains(name)) {
-        unindexed.push_back(std::move(name));
-      }
+    for (std::string& name : named) {
+      if (!files_.contains(name)) unindexed.push_back(std::move(name));
     }
   }
   for (const std::string& name : unindexed) {
@@ -271,8 +277,17 @@ absl::Status SavedFileStore::Delete(absl::string_view name) {
     absl::MutexLock lock(&mu_);
     indexed = files_.contains(name);
   }
-  if (!indexed) RETURN_IF_ERROR(AdoptFromDisk(name));
   const std::string path = PathOf(name);
+  if (!indexed) {
+    // Put in the directory while the server runs and never indexed: removed
+    // as it is, nothing to credit (it was never charged), over a quota or not.
+    struct stat info;
+    if (::lstat(path.c_str(), &info) != 0 || !S_ISREG(info.st_mode)) {
+      return absl::NotFoundError(absl::StrCat("no saved file named ", Quoted(name)));
+    }
+    if (::unlink(path.c_str()) != 0) return FileErrorStatus(errno, "unlink", path, data_dir_);
+    return SyncDirectory(data_dir_);
+  }
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     return FileErrorStatus(errno, "unlink", path, data_dir_);
   }

@@ -6,9 +6,10 @@
 // leaves the old file or the new one, never a mix; Open removes the leftover
 // temporaries and lists what the directory holds, so saved files survive a
 // restart. Saving an existing name replaces it atomically. A file put in the
-// directory while the server runs is indexed when a call first names it
-// (LoadSnapshot, ExportSnapshot, DeleteSaved) and by every List (ListSaved),
-// charged then as an import of it would be.
+// directory while the server runs (moved in whole: a copy still being
+// written would be charged at the size it had) is indexed when a call first
+// reads it (LoadSnapshot, ExportSnapshot) and by every List (ListSaved),
+// charged then as an import of it would be; Delete removes it either way.
 //
 // Threads: writes (Save, WriteBytes, Delete) of one name take turns; the store's
 // mutex is held only to check and update its index, never across file I/O, so
@@ -118,7 +119,9 @@ class SavedFileStore {
   // lacks it: a file someone put there while the server runs (an mlx-lm
   // prompt cache copied in). It is charged as an import of its size would
   // be (RESOURCE_EXHAUSTED naming max_saved_bytes or disk_bytes past them,
-  // the file left where it is); NOT_FOUND naming it where there is none.
+  // the file left where it is); NOT_FOUND naming it where there is none, or
+  // where it is not a regular file (a link is not followed). Takes the name
+  // (AcquireName): the caller must not hold it.
   absl::Status AdoptFromDisk(absl::string_view name);
   // AdoptFromDisk of every such file; those refused are logged and skipped.
   void AdoptNewFiles();

@@ -19,6 +19,11 @@ ExportReactor::ExportReactor(Admitted admitted, const v1::ExportSnapshotRequest&
 }
 
 void ExportReactor::WriteNext() {
+  // As a Fetch's chunks: none goes to a caller whose token was revoked meanwhile.
+  if (absl::Status admitted = admitted_.StillAdmitted(); !admitted.ok()) {
+    Answer(ToGrpcStatus(admitted));
+    return;
+  }
   if (sent_ == file_.size()) {
     Answer(grpc::Status::OK);
     return;

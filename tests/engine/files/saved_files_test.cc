@@ -374,6 +374,23 @@ TEST_F(SavedFileStoreTest, FilesCopiedInWhileRunningAreFoundAndCharged) {
   EXPECT_EQ(shared.used(), 2 * size);
 
   ASSERT_TRUE(store.Delete("listed").ok());
+  // Deleted before anything indexed it, over the quota or not: nothing to credit.
+  copy_in("never-indexed");
+  copy_in("never-indexed-2");
+  ASSERT_TRUE(store.Delete("never-indexed").ok());
+  EXPECT_EQ(shared.used(), size);
+  const absl::Status deleted_twice = store.Delete("never-indexed");
+  EXPECT_EQ(deleted_twice.code(), absl::StatusCode::kNotFound) << deleted_twice;
+  ASSERT_TRUE(store.Load("never-indexed-2").ok());
+  copy_in("over-quota");  // a and never-indexed-2 hold 2 of the 2.5 sizes
+  ASSERT_TRUE(store.Delete("over-quota").ok());
+  EXPECT_FALSE(fs::exists(dir_ + "/over-quota.safetensors"));
+  ASSERT_TRUE(store.Delete("never-indexed-2").ok());
+  EXPECT_EQ(shared.used(), size);
+  // A link is not followed out of the directory.
+  fs::create_symlink(dir_ + "/a.safetensors", dir_ + "/link.safetensors");
+  EXPECT_EQ(store.Load("link").status().code(), absl::StatusCode::kNotFound);
+  fs::remove(dir_ + "/link.safetensors");
   {
     std::ofstream damaged(dir_ + "/damaged.safetensors", std::ios::binary);
     damaged << "not a safetensors file";
