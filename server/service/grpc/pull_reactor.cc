@@ -2,6 +2,9 @@
 
 #include <grpcpp/channel.h>
 
+#include <string>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/client_text.h"
@@ -129,9 +132,15 @@ void PullReactor::Pulled(const grpc::Status& status) {
   }
 }
 
+// The pull's slot and its file go before the caller can see the answer (as
+// the tenant's in-flight count does): gRPC deletes the reactor only later,
+// and a caller that pulls again at once must not find its own finished pulls
+// still counted against the most this replica runs.
 void PullReactor::Answer(const absl::Status& status) {
   if (!request_id_.empty()) admitted_.handlers().FinishOnce(request_id_, status, *response_);
   admitted_.Answering();
+  std::string().swap(file_);
+  if (pull_slot_ != nullptr) std::exchange(pull_slot_, nullptr)->EndPull();
   Finish(ToGrpcStatus(status));
 }
 
