@@ -65,7 +65,8 @@ absl::Status FrameReader::Fill(size_t bytes) {
     // as far as the buffer has room for them where they land.
     const size_t promised = static_cast<size_t>(std::min<uint64_t>(promised_, capacity_ - end_));
     const size_t awaited = std::min(std::max(need, promised), kLowWaterCap);
-    // Reading ahead only for a peer whose frames are taken whole (HeaderCheck).
+    // No read-ahead while a header check is set: a peer not yet trusted gets
+    // no more of its bytes read than the frame it is on.
     size_t want = std::min(capacity_ - end_, header_check_ ? need : std::max(need, kGreedyRead));
     int flags = 0;
     if (awaited >= kLowWaterFloor) {
