@@ -27,34 +27,28 @@ if [[ -z ${KVCACHED:-} || -z ${LOAD_BENCH:-} ]]; then
   KVCACHED=build-bench/server/kvcached
   LOAD_BENCH=build-bench/bench/service/load_bench
 fi
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
-servers=()
-stop_servers() {
-  for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${servers[@]}"; do wait "$pid" 2>/dev/null || true; done
-  servers=()
-}
 etcd_pid=""
-trap 'stop_servers; [[ -z $etcd_pid ]] || kill "$etcd_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+# After the replicas (on_exit): they take themselves off etcd's list.
+# shellcheck disable=SC2317  # run at exit
+cleanup() {
+  [[ -z $etcd_pid ]] || kill "$etcd_pid" 2>/dev/null || true
+  rm -rf "$work"
+}
+on_exit cleanup
 
 # start_fleet N: N replicas r0.. on free ports; sets `peers` (name=address,...).
 start_fleet() {
   peers=""
-  local i log address
+  local i
   for ((i = 0; i < $1; i++)); do
-    log=$work/r$i.log
-    : >"$log"
-    "$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen=127.0.0.1:0 --replica_name="r$i" \
-      --pool_bytes="$POOL_BYTES" --shutdown_grace=1s ${etcd_flag:-} 2>"$log" &
-    servers+=($!)
-    address=""
-    for _ in $(seq 600); do
-      address=$(sed -n 's/.*listening on \([0-9.:]*\).*/\1/p' "$log" | head -n 1)
-      [[ -n $address ]] && break
-      sleep 0.1
-    done
-    [[ -n $address ]] || { cat "$log" >&2; echo "r$i did not start" >&2; exit 1; }
-    peers+="${peers:+,}r$i=$address"
+    # shellcheck disable=SC2086  # etcd_flag: no flag or one
+    start_kvcached "$work/r$i.log" "$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen=127.0.0.1:0 \
+      --replica_name="r$i" --pool_bytes="$POOL_BYTES" --shutdown_grace=1s ${etcd_flag:-} ||
+      { echo "r$i did not start" >&2; exit 1; }
+    peers+="${peers:+,}r$i=$kvcached_address"
   done
 }
 
@@ -88,11 +82,11 @@ for ((round = 1; round <= ROUNDS; round++)); do
   start_fleet 1
   run "direct (1 replica, Client)" --address="${peers#r0=}" || status=1
   run "fleet of 1" --peers="$peers" || status=1
-  stop_servers
+  stop_all_kvcached || true
   for n in 2 3; do
     start_fleet "$n"
     run "fleet of $n" --peers="$peers" || status=1
-    stop_servers
+    stop_all_kvcached || true
   done
   if [[ ${ETCD:-0} == 1 ]]; then
     etcd_address=127.0.0.1:23790
@@ -106,7 +100,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
     for _ in $(seq 100); do grep -q "etcd: listed" "$work/r2.log" && break; sleep 0.1; done
     run "fleet of 3 (etcd)" --etcd_endpoints="$etcd_address" || status=1
     etcd_flag=""
-    stop_servers  # the replicas first: they take themselves off etcd's list
+    stop_all_kvcached || true  # the replicas first: they take themselves off etcd's list
     kill "$etcd_pid" && wait "$etcd_pid" || true
     etcd_pid=""
     rm -rf "$work/etcd"

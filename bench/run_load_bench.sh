@@ -26,13 +26,12 @@ if [[ -z ${KVCACHED:-} || -z ${LOAD_BENCH:-} ]]; then
   KVCACHED=build-bench/server/kvcached
   LOAD_BENCH=build-bench/bench/service/load_bench
 fi
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
-server=""
-cleanup() {
-  [[ -n $server ]] && kill "$server" 2>/dev/null && wait "$server" 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck disable=SC2317  # run at exit
+cleanup() { rm -rf "$work"; }
+on_exit cleanup
 
 tokens=()
 for tenant in alpha beta gamma delta; do
@@ -43,12 +42,11 @@ done
 admin=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 echo "tenant=ops token=$admin admin" >>"$work/tokens"
 
-"$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen=127.0.0.1:0 --pool_bytes="$POOL_BYTES" \
-  --tokens_file="$work/tokens" --shutdown_grace=5s >"$work/kvcached.log" 2>&1 &
-server=$!
-for _ in $(seq 300); do grep -q "listening on" "$work/kvcached.log" && break; sleep 0.1; done
-address=$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/kvcached.log" | head -1)
-[[ -n $address ]] || { cat "$work/kvcached.log" >&2; exit 1; }
+start_kvcached "$work/kvcached.log" "$KVCACHED" --listen=127.0.0.1:0 \
+  --data_lane_listen=127.0.0.1:0 --pool_bytes="$POOL_BYTES" --tokens_file="$work/tokens" \
+  --shutdown_grace=5s || exit 1
+server=$kvcached_pid
+address=$kvcached_address
 
 status=0
 "$LOAD_BENCH" --address="$address" --clients="$CLIENTS" --ops="$OPS" --seconds="$SECONDS_BOUND" \
@@ -60,12 +58,10 @@ echo "- server peak resident memory: $((peak_kib >> 10)) MiB; --pool_bytes $((PO
   "(on lavapipe the device pool is host memory)"
 echo "- $(grep -m1 'Vulkan device 0' "$work/kvcached.log" | sed 's/.*\] //')"
 echo "- $(nproc) cores, $(date -u '+%Y-%m-%d %H:%M UTC')"
-kill -TERM "$server"
-if ! wait "$server"; then
+if ! stop_kvcached "$server"; then
   echo "kvcached did not exit 0 after SIGTERM" >&2
   status=1
 fi
-server=""
 if grep -qi "vulkan validation" "$work/kvcached.log"; then
   grep -i "vulkan validation" "$work/kvcached.log" >&2
   status=1

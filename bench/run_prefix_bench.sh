@@ -18,18 +18,18 @@ cd "$(dirname "$0")/.."
 
 BUILD_DIR=${BUILD_DIR:-build-bench}
 ARGS=${ARGS:-}
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
-server=""
 subscriber=""
 stop() {
   if [[ -n $1 ]]; then kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; fi
 }
 cleanup() {
   stop "$subscriber"
-  stop "$server"
   rm -rf "$work"
 }
-trap cleanup EXIT
+on_exit cleanup
 
 free_port() {
   local port=$1
@@ -48,12 +48,10 @@ start_server() {
   port=$(free_port 50251)
   local lane_port
   lane_port=$(free_port $((port + 1)))
-  : >"$work/kvcached.log"
   # 3 GiB: the 16k x 32-layer prompt (1 GiB) cached, and a second copy streamed in.
-  "$BUILD_DIR/server/kvcached" --listen="127.0.0.1:$port" --data_lane_listen="127.0.0.1:$lane_port" \
-    --pool_bytes=$((3 << 30)) --max_message_bytes=$((256 << 20)) "$@" >"$work/kvcached.log" 2>&1 &
-  server=$!
-  for _ in $(seq 300); do grep -q "listening on" "$work/kvcached.log" && break; sleep 0.1; done
+  start_kvcached "$work/kvcached.log" "$BUILD_DIR/server/kvcached" --listen="127.0.0.1:$port" \
+    --data_lane_listen="127.0.0.1:$lane_port" --pool_bytes=$((3 << 30)) \
+    --max_message_bytes=$((256 << 20)) "$@" || exit 1
 }
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
@@ -63,7 +61,7 @@ start_server
 "$BUILD_DIR/bench/service/prefix_bench" --address="127.0.0.1:$port" $ARGS
 [[ ${KV_EVENTS:-0} == 1 ]] || exit 0
 
-stop "$server"
+stop_all_kvcached || true
 events_port=$(free_port 5557)
 start_server --kv_events_endpoint="tcp://127.0.0.1:$events_port"
 # A router's subscription: reads every batch until stopped, then counts them.

@@ -20,24 +20,20 @@ if [[ -z ${KVCACHED:-} || -z ${PULL_BENCH:-} ]]; then
   KVCACHED=build-bench/server/kvcached
   PULL_BENCH=build-bench/bench/service/pull_bench
 fi
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
-servers=()
-trap 'kill "${servers[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+cleanup() { rm -rf "$work"; }
+on_exit cleanup
 
 # start NAME [FLAGS...]: a replica on a free port; sets `started` to its address.
 start() {
-  local name=$1 log=$work/$1.log
+  local name=$1
   shift
-  "$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen="" --replica_name="$name" \
-    --pool_bytes=$(((MIB * 4 + 64) << 20)) --shutdown_grace=1s "$@" 2>"$log" &
-  servers+=($!)
-  started=""
-  for _ in $(seq 600); do
-    started=$(sed -n 's/.*listening on \([0-9.:]*\).*/\1/p' "$log" | head -n 1)
-    [[ -n $started ]] && break
-    sleep 0.1
-  done
-  [[ -n $started ]] || { cat "$log" >&2; echo "$name did not start" >&2; exit 1; }
+  start_kvcached "$work/$name.log" "$KVCACHED" --listen=127.0.0.1:0 --data_lane_listen="" \
+    --replica_name="$name" --pool_bytes=$(((MIB * 4 + 64) << 20)) --shutdown_grace=1s "$@" ||
+    { echo "$name did not start" >&2; exit 1; }
+  started=$kvcached_address
 }
 start owner
 owner=$started

@@ -41,16 +41,18 @@ BEFORE=${BEFORE:-}
 # every call renews a lease), not for BEFORE's.
 SERVER_FLAGS=${SERVER_FLAGS:-}
 BOTH_FLAGS=${BOTH_FLAGS:-}
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
 raw="$BUILD_DIR/service_bench_raw.txt"
-pids=()
+pids=()  # the peers other than kvcached
 
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -rf "$work"
 }
-trap cleanup EXIT
+on_exit cleanup
 log() { echo "bench: $*" >&2; }
 
 # The first port from $1 on that nothing on 127.0.0.1 answers.
@@ -77,10 +79,10 @@ build() {
 start_peers() {
   kv_port=$(free_port 50151)
   lane_port=$(free_port $((kv_port + 1)))
-  "$KVCACHED" --listen="127.0.0.1:$kv_port" --data_lane_listen="127.0.0.1:$lane_port" \
-    --pool_bytes=$((6 << 30)) \
-    --max_message_bytes=$((256 << 20)) $SERVER_FLAGS $BOTH_FLAGS >"$work/kvcached.log" 2>&1 &
-  pids+=($!)
+  # shellcheck disable=SC2086  # the flag variables hold several flags
+  start_kvcached "$work/kvcached.log" "$KVCACHED" --listen="127.0.0.1:$kv_port" \
+    --data_lane_listen="127.0.0.1:$lane_port" --pool_bytes=$((6 << 30)) \
+    --max_message_bytes=$((256 << 20)) $SERVER_FLAGS $BOTH_FLAGS || exit 1
   if [[ -n $BEFORE ]]; then
     for binary in server/kvcached bench/service/service_bench; do
       if [[ ! -x $BEFORE/$binary ]]; then
@@ -90,11 +92,10 @@ start_peers() {
     done
     before_port=$(free_port $((lane_port + 1)))
     before_lane_port=$(free_port $((before_port + 1)))
-    "$BEFORE/server/kvcached" --listen="127.0.0.1:$before_port" \
+    # shellcheck disable=SC2086
+    start_kvcached "$work/before.log" "$BEFORE/server/kvcached" --listen="127.0.0.1:$before_port" \
       --data_lane_listen="127.0.0.1:$before_lane_port" --pool_bytes=$((6 << 30)) \
-      --max_message_bytes=$((256 << 20)) $BOTH_FLAGS >"$work/before.log" 2>&1 &
-    pids+=($!)
-    wait_for grep -q "listening on" "$work/before.log"
+      --max_message_bytes=$((256 << 20)) $BOTH_FLAGS || exit 1
     log "before: kvcached of $BEFORE on $before_port"
   fi
   redis_port=$(free_port 6390)
@@ -102,7 +103,6 @@ start_peers() {
     --daemonize no --logfile "$work/redis.log" &
   pids+=($!)
   wait_for redis-cli -p "$redis_port" ping
-  wait_for grep -q "listening on" "$work/kvcached.log"
   log "kvcached on $kv_port, redis-server on $redis_port"
 }
 

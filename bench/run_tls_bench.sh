@@ -25,16 +25,18 @@ BUILD_DIR=${BUILD_DIR:-build-bench}
 BINARIES=${BINARIES:-}
 KVCACHED=${BINARIES:-$BUILD_DIR/server}/kvcached
 SERVICE_BENCH=${BINARIES:-$BUILD_DIR/bench/service}/service_bench
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 work=$(mktemp -d)
 raw=${RAW:-$BUILD_DIR/tls_bench_raw.txt}
-pids=()
+pids=()  # the peers other than kvcached
 
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -rf "$work"
 }
-trap cleanup EXIT
+on_exit cleanup
 log() { echo "bench: $*" >&2; }
 
 free_port() {
@@ -73,13 +75,11 @@ start_peers() {
   tls_port=$(free_port $((plain_lane + 1)))
   tls_lane=$(free_port $((tls_port + 1)))
   local common=(--pool_bytes=$((6 << 30)) --max_message_bytes=$((256 << 20)))
-  "$KVCACHED" --listen="127.0.0.1:$plain_port" --data_lane_listen="127.0.0.1:$plain_lane" \
-    "${common[@]}" >"$work/plain.log" 2>&1 &
-  pids+=($!)
-  "$KVCACHED" --listen="127.0.0.1:$tls_port" --data_lane_listen="127.0.0.1:$tls_lane" \
-    --tls_cert="$work/server.pem" --tls_key="$work/server.key" "${common[@]}" \
-    >"$work/tls.log" 2>&1 &
-  pids+=($!)
+  start_kvcached "$work/plain.log" "$KVCACHED" --listen="127.0.0.1:$plain_port" \
+    --data_lane_listen="127.0.0.1:$plain_lane" "${common[@]}" || exit 1
+  start_kvcached "$work/tls.log" "$KVCACHED" --listen="127.0.0.1:$tls_port" \
+    --data_lane_listen="127.0.0.1:$tls_lane" --tls_cert="$work/server.pem" \
+    --tls_key="$work/server.key" "${common[@]}" || exit 1
   redis_port=$(free_port 6490)
   redis_tls_port=$(free_port $((redis_port + 1)))
   redis-server --bind 127.0.0.1 --port "$redis_port" --tls-port "$redis_tls_port" \
@@ -88,8 +88,6 @@ start_peers() {
     --daemonize no --logfile "$work/redis.log" &
   pids+=($!)
   wait_for redis-cli -p "$redis_port" ping
-  wait_for grep -q "listening on" "$work/plain.log"
-  wait_for grep -q "listening on" "$work/tls.log"
 }
 
 # redis-benchmark's rate for one row as GB/s, named like service_bench's

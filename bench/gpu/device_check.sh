@@ -16,6 +16,8 @@
 # the figures of an H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# shellcheck source=bench/lib/server.sh
+source bench/lib/server.sh
 CARRY=.devrun
 
 pack() {
@@ -132,17 +134,17 @@ tests() {
 
 # The service over loopback, both transports, on the path the device picks.
 service_rows() {
-  "$rel/kvcached" --listen=127.0.0.1:50051 --data_lane_listen=127.0.0.1:50052 \
-    --pool_bytes=$((8 << 30)) --max_message_bytes=$((256 << 20)) >"$OUT/kvcached.log" 2>&1 &
-  local server=$!
-  for _ in $(seq 100); do grep -q "listening on" "$OUT/kvcached.log" && break; sleep 0.1; done
+  start_kvcached "$OUT/kvcached.log" "$rel/kvcached" --listen=127.0.0.1:50051 \
+    --data_lane_listen=127.0.0.1:50052 --pool_bytes=$((8 << 30)) \
+    --max_message_bytes=$((256 << 20)) || return 1
+  local server=$kvcached_pid
   grep "device:" "$OUT/kvcached.log"
   for lane in auto ""; do
     timeout 60 "$rel/service_bench" --ops=update,fetch --streams=1,4 \
       --chunks=262144,1048576 --seconds=1.5 --data_lane="$lane" >>"$OUT/service_bench.txt" 2>&1
   done
   timeout 60 "$rel/service_bench" --ops=latency --latency_iterations=50 >>"$OUT/service_bench.txt" 2>&1
-  kill $server && wait $server
+  stop_kvcached "$server"
   grep -E '^(ROW|LAT)' "$OUT/service_bench.txt"
 }
 

@@ -55,6 +55,9 @@ absl::StatusOr<std::unique_ptr<CopyPipeline>> CopyPipeline::Create(const Device&
   return pipeline;
 }
 
+CopyPipeline::CopyPipeline(const Device& device)
+    : device_(device), descriptor_pools_(device, kSetsPerDescriptorPool, kBindingsPerSet) {}
+
 absl::Status CopyPipeline::Init() {
   const vk::raii::Device& device = device_.device();
   const std::span<const uint32_t> spirv = shaders::copy_runs();
@@ -148,29 +151,10 @@ absl::StatusOr<vk::DescriptorSet> CopyPipeline::DescriptorSetFor(const BufferPai
   if (auto found = descriptor_sets_.find(buffers); found != descriptor_sets_.end()) {
     return *found->second;
   }
-  const vk::raii::Device& device = device_.device();
-  if (descriptor_pools_.empty() || sets_in_last_pool_ == kSetsPerDescriptorPool) {
-    const vk::DescriptorPoolSize size(vk::DescriptorType::eStorageBuffer,
-                                      kSetsPerDescriptorPool * kBindingsPerSet);
-    descriptor_pools_.emplace_back(
-        device, vk::DescriptorPoolCreateInfo(vk::DescriptorPoolCreateFlagBits::eFreeDescriptorSet,
-                                             kSetsPerDescriptorPool, size));
-    sets_in_last_pool_ = 0;
-  }
-  const vk::DescriptorSetLayout set_layout = *set_layout_;
-  vk::raii::DescriptorSets sets(
-      device, vk::DescriptorSetAllocateInfo(*descriptor_pools_.back(), set_layout));
-  ++sets_in_last_pool_;
-  const vk::DescriptorBufferInfo infos[kBindingsPerSet] = {{buffers.first, 0, VK_WHOLE_SIZE},
-                                                           {buffers.second, 0, VK_WHOLE_SIZE},
-                                                           {*run_table_->buffer, 0, VK_WHOLE_SIZE}};
-  std::array<vk::WriteDescriptorSet, kBindingsPerSet> writes;
-  for (uint32_t i = 0; i < kBindingsPerSet; ++i) {
-    writes[i] = vk::WriteDescriptorSet(*sets.front(), i, 0, vk::DescriptorType::eStorageBuffer,
-                                       nullptr, infos[i]);
-  }
-  device.updateDescriptorSets(writes, nullptr);
-  auto [inserted, unused] = descriptor_sets_.emplace(buffers, std::move(sets.front()));
+  ASSIGN_OR_RETURN(vk::raii::DescriptorSet set,
+                   descriptor_pools_.Allocate(*set_layout_, {buffers.first, buffers.second,
+                                                             *run_table_->buffer}));
+  auto [inserted, unused] = descriptor_sets_.emplace(buffers, std::move(set));
   return *inserted->second;
 }
 

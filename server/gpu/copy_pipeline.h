@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "gpu/buffer.h"
+#include "gpu/descriptor_pools.h"
 #include "gpu/device.h"
 
 namespace kvcache::gpu {
@@ -67,7 +68,7 @@ class CopyPipeline {
     uint32_t max_words = 0;
   };
 
-  explicit CopyPipeline(const Device& device) : device_(device) {}
+  explicit CopyPipeline(const Device& device);
   absl::Status Init();
   // Splits `copies` into shader runs grouped by buffer pair and leftover regions.
   void SplitCopies(absl::Span<const BufferCopy> copies,
@@ -81,10 +82,9 @@ class CopyPipeline {
   vk::raii::DescriptorSetLayout set_layout_{nullptr};
   vk::raii::PipelineLayout pipeline_layout_{nullptr};
   vk::raii::Pipeline pipeline_{nullptr};
-  // Descriptor pools fill up and are never reset; the sets (declared after, so
-  // destroyed first) live as long as the pipeline.
-  std::vector<vk::raii::DescriptorPool> descriptor_pools_;
-  uint32_t sets_in_last_pool_ = 0;
+  // The pools are never cleared; the sets (declared after, so destroyed first)
+  // live as long as the pipeline.
+  DescriptorPools descriptor_pools_;
   absl::flat_hash_map<BufferPair, vk::raii::DescriptorSet> descriptor_sets_;
 };
 

@@ -41,6 +41,9 @@ absl::StatusOr<std::unique_ptr<QuantPipelines>> QuantPipelines::Create(const Dev
   return pipelines;
 }
 
+QuantPipelines::QuantPipelines(const Device& device)
+    : device_(device), descriptor_pools_(device, kSetsPerDescriptorPool, kBindingsPerSet) {}
+
 void QuantPipelines::Init(bool subgroup_shuffle) {
   const vk::raii::Device& device = device_.device();
   quantize_ = ModuleOf(device, subgroup_shuffle && CanShuffleInCompute(device_.physical_device())
@@ -81,40 +84,20 @@ vk::Pipeline QuantPipelines::Get(const QuantPipelineKey& key) {
   return *inserted->second;
 }
 
-vk::DescriptorSet QuantPipelines::SetFor(vk::Buffer scratch, vk::Buffer slab,
-                                         vk::Buffer run_table) {
+absl::StatusOr<vk::DescriptorSet> QuantPipelines::SetFor(vk::Buffer scratch, vk::Buffer slab,
+                                                         vk::Buffer run_table) {
   if (auto found = sets_.find(static_cast<VkBuffer>(slab)); found != sets_.end()) {
     return *found->second;
   }
-  const vk::raii::Device& device = device_.device();
-  if (descriptor_pools_.empty() || sets_in_last_pool_ == kSetsPerDescriptorPool) {
-    const vk::DescriptorPoolSize size(vk::DescriptorType::eStorageBuffer,
-                                      kSetsPerDescriptorPool * kBindingsPerSet);
-    descriptor_pools_.emplace_back(
-        device, vk::DescriptorPoolCreateInfo(vk::DescriptorPoolCreateFlagBits::eFreeDescriptorSet,
-                                             kSetsPerDescriptorPool, size));
-    sets_in_last_pool_ = 0;
-  }
-  const vk::DescriptorSetLayout set_layout = *set_layout_;
-  vk::raii::DescriptorSets sets(
-      device, vk::DescriptorSetAllocateInfo(*descriptor_pools_.back(), set_layout));
-  ++sets_in_last_pool_;
-  const vk::DescriptorBufferInfo infos[kBindingsPerSet] = {
-      {scratch, 0, VK_WHOLE_SIZE}, {slab, 0, VK_WHOLE_SIZE}, {run_table, 0, VK_WHOLE_SIZE}};
-  std::array<vk::WriteDescriptorSet, kBindingsPerSet> writes;
-  for (uint32_t i = 0; i < kBindingsPerSet; ++i) {
-    writes[i] = vk::WriteDescriptorSet(*sets.front(), i, 0, vk::DescriptorType::eStorageBuffer,
-                                       nullptr, infos[i]);
-  }
-  device.updateDescriptorSets(writes, nullptr);
-  auto [inserted, unused] = sets_.emplace(static_cast<VkBuffer>(slab), std::move(sets.front()));
+  ASSIGN_OR_RETURN(vk::raii::DescriptorSet set,
+                   descriptor_pools_.Allocate(*set_layout_, {scratch, slab, run_table}));
+  auto [inserted, unused] = sets_.emplace(static_cast<VkBuffer>(slab), std::move(set));
   return *inserted->second;
 }
 
 void QuantPipelines::ForgetSets() {
   sets_.clear();
-  descriptor_pools_.clear();
-  sets_in_last_pool_ = 0;
+  descriptor_pools_.Clear();
 }
 
 }  // namespace kvcache::gpu

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
+#include "gpu/descriptor_pools.h"
 #include "gpu/device.h"
 
 namespace kvcache::gpu {
@@ -63,11 +64,12 @@ class QuantPipelines {
   vk::Pipeline Get(const QuantPipelineKey& key);
   // The set binding {scratch, slab, run_table}; sets are cached per slab until
   // ForgetSets (call it when the scratch or run table buffer changes).
-  vk::DescriptorSet SetFor(vk::Buffer scratch, vk::Buffer slab, vk::Buffer run_table);
+  absl::StatusOr<vk::DescriptorSet> SetFor(vk::Buffer scratch, vk::Buffer slab,
+                                           vk::Buffer run_table);
   void ForgetSets();
 
  private:
-  explicit QuantPipelines(const Device& device) : device_(device) {}
+  explicit QuantPipelines(const Device& device);
   void Init(bool subgroup_shuffle);
 
   const Device& device_;
@@ -78,8 +80,7 @@ class QuantPipelines {
   absl::flat_hash_map<QuantPipelineKey, vk::raii::Pipeline> pipelines_;
   // Pools fill up; ForgetSets frees every set and pool (declared first, so
   // destroyed after the sets).
-  std::vector<vk::raii::DescriptorPool> descriptor_pools_;
-  uint32_t sets_in_last_pool_ = 0;
+  DescriptorPools descriptor_pools_;
   absl::flat_hash_map<VkBuffer, vk::raii::DescriptorSet> sets_;
 };
 

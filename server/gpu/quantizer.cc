@@ -217,7 +217,7 @@ absl::Status Quantizer::Plan(absl::Span<const Job> jobs, Batch& batch, Stage&& s
           RETURN_IF_ERROR(flush());
           continue;
         }
-        stage(jobs[j], row, rows, at);
+        stage(batch, jobs[j], row, rows, at);
         AddRun(batch, j, run, row, static_cast<uint32_t>(rows), at, f);
         batch.scratch_used = at + rows * f.row_bytes();
         row += rows;
@@ -244,7 +244,8 @@ absl::Status Quantizer::Submit(QuantDirection direction, absl::Span<const QuantF
           commands.bindPipeline(
               vk::PipelineBindPoint::eCompute,
               pipelines.Get({direction, f.dtype, f.group_size, f.bits, wq_aligned}));
-          const vk::DescriptorSet set = pipelines.SetFor(*scratch.buffer, slab, *run_table.buffer);
+          ASSIGN_OR_RETURN(const vk::DescriptorSet set,
+                           pipelines.SetFor(*scratch.buffer, slab, *run_table.buffer));
           commands.bindDescriptorSets(vk::PipelineBindPoint::eCompute, *pipelines.layout(), 0,
                                       set, {});
           std::copy(group.runs.begin(), group.runs.end(), table + next);
@@ -296,61 +297,50 @@ absl::Status CheckJobs(const char* call, absl::Span<const Job> jobs, CheckRunFn&
 
 }  // namespace
 
-absl::Status Quantizer::Quantize(absl::Span<const QuantizeJob> jobs) {
+template <typename Job, typename HostKernel, typename Stage>
+absl::Status Quantizer::RunJobs(QuantDirection direction, absl::Span<const Job> jobs,
+                                HostKernel&& on_host, Stage&& stage) {
+  const char* call = direction == QuantDirection::kQuantize ? "Quantize" : "Dequantize";
   std::vector<QuantFormat> formats;
   uint64_t scratch_bytes = 0;
   RETURN_IF_ERROR(CheckJobs(
-      "Quantize", jobs,
+      call, jobs,
       [&](size_t j, size_t r, const QuantFormat& f, const QuantRun& run, uint64_t rows) {
-        return CheckRun("Quantize", j, r, f, run, rows);
+        return CheckRun(call, j, r, f, run, rows);
       },
       formats, scratch_bytes));
   if (scratch_bytes == 0) return absl::OkStatus();  // no rows: nothing to build or run
   if (on_host_) {
-    QuantizeOnHost(options_.host_isa, pages_, jobs);
+    on_host(options_.host_isa, pages_, jobs);
     return absl::OkStatus();
   }
   absl::MutexLock lock(&mutex_);
   RETURN_IF_ERROR(Prepare(scratch_bytes));
   Batch batch;
-  return Plan(
-      jobs, batch,
-      [&](const QuantizeJob& job, uint64_t row, uint64_t rows, uint64_t at)
-          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
-            const uint64_t row_bytes = job.format.row_bytes();
-            CopyFromPieces(job.input, row * row_bytes, scratch_->mapped + at, rows * row_bytes);
-          },
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
-        return Submit(QuantDirection::kQuantize, formats, batch);
-      });
+  return Plan(jobs, batch, stage,
+              [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+                return Submit(direction, formats, batch);
+              });
+}
+
+absl::Status Quantizer::Quantize(absl::Span<const QuantizeJob> jobs) {
+  return RunJobs(QuantDirection::kQuantize, jobs, QuantizeOnHost,
+                 [&](Batch&, const QuantizeJob& job, uint64_t row, uint64_t rows,
+                     uint64_t at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+                   const uint64_t row_bytes = job.format.row_bytes();
+                   CopyFromPieces(job.input, row * row_bytes, scratch_->mapped + at,
+                                  rows * row_bytes);
+                 });
 }
 
 absl::Status Quantizer::Dequantize(absl::Span<const DequantizeJob> jobs) {
-  std::vector<QuantFormat> formats;
-  uint64_t scratch_bytes = 0;
-  RETURN_IF_ERROR(CheckJobs(
-      "Dequantize", jobs,
-      [&](size_t j, size_t r, const QuantFormat& f, const QuantRun& run, uint64_t rows) {
-        return CheckRun("Dequantize", j, r, f, run, rows);
-      },
-      formats, scratch_bytes));
-  if (scratch_bytes == 0) return absl::OkStatus();  // no rows: nothing to build or run
-  if (on_host_) {
-    DequantizeOnHost(options_.host_isa, pages_, jobs);
-    return absl::OkStatus();
-  }
-  absl::MutexLock lock(&mutex_);
-  RETURN_IF_ERROR(Prepare(scratch_bytes));
-  Batch batch;
-  return Plan(
-      jobs, batch,
-      [&](const DequantizeJob& job, uint64_t row, uint64_t rows, uint64_t at) {
-        const uint64_t row_bytes = job.format.row_bytes();
-        batch.outputs.push_back({at, job.output.data() + row * row_bytes, rows * row_bytes});
-      },
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
-        return Submit(QuantDirection::kDequantize, formats, batch);
-      });
+  return RunJobs(QuantDirection::kDequantize, jobs, DequantizeOnHost,
+                 [](Batch& batch, const DequantizeJob& job, uint64_t row, uint64_t rows,
+                    uint64_t at) {
+                   const uint64_t row_bytes = job.format.row_bytes();
+                   batch.outputs.push_back(
+                       {at, job.output.data() + row * row_bytes, rows * row_bytes});
+                 });
 }
 
 }  // namespace kvcache::gpu

@@ -69,8 +69,14 @@ class Quantizer {
   // Creates the pipelines, runner and buffers on first use, and grows the
   // scratch buffer towards `wanted_bytes`.
   absl::Status Prepare(uint64_t wanted_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // What Quantize and Dequantize share: checks `jobs`, then runs them through
+  // `on_host` (the native kernel) or through the scratch buffer and the
+  // `direction` shader, `stage` moving each piece's rows into or out of it.
+  template <typename Job, typename HostKernel, typename Stage>
+  absl::Status RunJobs(QuantDirection direction, absl::Span<const Job> jobs, HostKernel&& on_host,
+                       Stage&& stage);
   // Splits every run of `jobs` into pieces that fit the scratch buffer, calling
-  // `stage(job, run, first_row, rows, scratch_offset)` for each and submitting
+  // `stage(batch, job, first_row, rows, scratch_offset)` for each and submitting
   // (through `flush`) whenever the scratch or the run table is full.
   template <typename Job, typename Stage, typename Flush>
   absl::Status Plan(absl::Span<const Job> jobs, Batch& batch, Stage&& stage, Flush&& flush)
