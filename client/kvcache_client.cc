@@ -214,10 +214,11 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
     return stub_->Method(context, sent, response);                                 \
   }
 
-absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds) {
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheSpec& spec,
+                                                  const CreateCacheOptions& options) {
   v1::CreateCacheRequest request;
   *request.mutable_spec() = spec;
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::CacheInfo>(*this, KV_UNARY(CreateCache, request));
 }
 
@@ -227,9 +228,9 @@ absl::StatusOr<v1::CacheInfo> Client::GetCache(const std::string& cache_id) {
   return Unary<v1::CacheInfo>(*this, KV_UNARY(GetCache, request));
 }
 
-absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches(const std::string& tenant) {
+absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches(const ListCachesOptions& options) {
   v1::ListCachesRequest request;
-  request.set_tenant(tenant);
+  request.set_tenant(options.tenant);
   auto response = Unary<v1::ListCachesResponse>(*this, KV_UNARY(ListCaches, request));
   if (!response.ok()) return response.status();
   return std::vector<v1::CacheInfo>(response->caches().begin(), response->caches().end());
@@ -248,13 +249,13 @@ absl::StatusOr<v1::TrimResponse> Client::Trim(const std::string& cache_id, uint6
   return Unary<v1::TrimResponse>(*this, KV_UNARY(Trim, request));
 }
 
-absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id, uint64_t from_offset,
-                                                  bool pinned, uint32_t ttl_seconds) {
+absl::StatusOr<v1::SnapshotInfo> Client::Snapshot(const std::string& cache_id,
+                                                  const SnapshotOptions& options) {
   v1::SnapshotRequest request;
   request.set_cache_id(cache_id);
-  request.set_from_offset(from_offset);
-  request.set_pinned(pinned);
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_from_offset(options.from_offset);
+  request.set_pinned(options.pinned);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(Snapshot, request));
 }
 
@@ -290,11 +291,11 @@ absl::Status Client::ReleaseSnapshot(const std::string& snapshot_id) {
   return Unary<v1::ReleaseSnapshotResponse>(*this, KV_UNARY(ReleaseSnapshot, request)).status();
 }
 
-absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(const std::string& cache_id,
-                                                                    const std::string& tenant) {
+absl::StatusOr<std::vector<v1::SnapshotInfo>> Client::ListSnapshots(
+    const ListSnapshotsOptions& options) {
   v1::ListSnapshotsRequest request;
-  request.set_cache_id(cache_id);
-  request.set_tenant(tenant);
+  request.set_cache_id(options.cache_id);
+  request.set_tenant(options.tenant);
   auto response = Unary<v1::ListSnapshotsResponse>(*this, KV_UNARY(ListSnapshots, request));
   if (!response.ok()) return response.status();
   return std::vector<v1::SnapshotInfo>(response->snapshots().begin(), response->snapshots().end());
@@ -331,40 +332,41 @@ absl::StatusOr<v1::SnapshotInfo> Client::SetPinned(const std::string& snapshot_i
   return Unary<v1::SnapshotInfo>(*this, KV_UNARY(SetPinned, request));
 }
 
-absl::StatusOr<v1::EvictSnapshotsResponse> Client::EvictSnapshots(uint64_t bytes,
-                                                                  const std::string& tenant) {
+absl::StatusOr<v1::EvictSnapshotsResponse> Client::EvictSnapshots(
+    const EvictSnapshotsOptions& options) {
   v1::EvictSnapshotsRequest request;
-  request.set_bytes(bytes);
-  request.set_tenant(tenant);
+  request.set_bytes(options.bytes);
+  request.set_tenant(options.tenant);
   return Unary<v1::EvictSnapshotsResponse>(*this, KV_UNARY(EvictSnapshots, request));
 }
 
-absl::StatusOr<v1::PublishPrefixResponse> Client::PublishPrefix(const std::string& snapshot_id,
-                                                                absl::Span<const uint32_t> tokens,
-                                                                uint32_t ttl_seconds) {
+absl::StatusOr<v1::PublishPrefixResponse> Client::PublishPrefix(
+    const std::string& snapshot_id, absl::Span<const uint32_t> tokens,
+    const PublishPrefixOptions& options) {
   v1::PublishPrefixRequest request;
   request.set_snapshot_id(snapshot_id);
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::PublishPrefixResponse>(*this, KV_UNARY(PublishPrefix, request));
 }
 
 absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefix(const v1::CacheSpec& spec,
                                                               absl::Span<const uint32_t> tokens,
-                                                              uint32_t ttl_seconds) {
+                                                              const LookupPrefixOptions& options) {
   v1::LookupPrefixRequest request;
   *request.mutable_spec() = spec;
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::LookupPrefixResponse>(*this, KV_UNARY(LookupPrefix, request));
 }
 
 absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefixCache(
-    const std::string& cache_id, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
+    const std::string& cache_id, absl::Span<const uint32_t> tokens,
+    const LookupPrefixOptions& options) {
   v1::LookupPrefixRequest request;
   request.set_cache_id(cache_id);
   request.mutable_tokens()->Add(tokens.begin(), tokens.end());
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::LookupPrefixResponse>(*this, KV_UNARY(LookupPrefix, request));
 }
 
@@ -385,21 +387,21 @@ absl::StatusOr<v1::SavedFile> Client::SaveSnapshot(
   return Unary<v1::SavedFile>(*this, KV_UNARY(SaveSnapshot, request));
 }
 
-absl::StatusOr<v1::LoadSnapshotResponse> Client::LoadSnapshot(const std::string& name, bool pinned,
-                                                              uint32_t ttl_seconds) {
+absl::StatusOr<v1::LoadSnapshotResponse> Client::LoadSnapshot(const std::string& name,
+                                                              const NewSnapshotOptions& options) {
   v1::LoadSnapshotRequest request;
   request.set_name(name);
-  request.set_pinned(pinned);
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_pinned(options.pinned);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::LoadSnapshotResponse>(*this, KV_UNARY(LoadSnapshot, request));
 }
 
 absl::StatusOr<v1::LoadSnapshotResponse> Client::PullSnapshot(const std::string& snapshot_id,
-                                                              bool pinned, uint32_t ttl_seconds) {
+                                                              const NewSnapshotOptions& options) {
   v1::PullSnapshotRequest request;
   request.set_snapshot_id(snapshot_id);
-  request.set_pinned(pinned);
-  request.set_ttl_seconds(ttl_seconds);
+  request.set_pinned(options.pinned);
+  request.set_ttl_seconds(options.ttl_seconds);
   return Unary<v1::LoadSnapshotResponse>(*this, KV_UNARY(PullSnapshot, request));
 }
 
@@ -560,11 +562,11 @@ absl::StatusOr<v1::CacheInfo> Client::ExtendCache(const std::string& cache_id,
   return Unary<v1::CacheInfo>(*this, KV_UNARY(ExtendCache, request));
 }
 
-absl::StatusOr<v1::BeginSpeculationResponse> Client::BeginSpeculation(const std::string& cache_id,
-                                                                      bool isolated) {
+absl::StatusOr<v1::BeginSpeculationResponse> Client::BeginSpeculation(
+    const std::string& cache_id, const SpeculationOptions& options) {
   v1::BeginSpeculationRequest request;
   request.set_cache_id(cache_id);
-  request.set_isolated(isolated);
+  request.set_isolated(options.isolated);
   return Unary<v1::BeginSpeculationResponse>(*this, KV_UNARY(BeginSpeculation, request));
 }
 

@@ -124,6 +124,71 @@ struct LayerHistory {
 // Concatenates one layer's Fetch chunks (in order) into a LayerHistory.
 absl::StatusOr<LayerHistory> AssembleHistory(absl::Span<const v1::FetchResponse> chunks);
 
+// The options of Client calls beyond the handles they name, so that a call
+// site names what it sets (`client.Snapshot(id, {.pinned = true})`). Each
+// default is the request's own: 0, false or "" leaves it to the server.
+
+struct CreateCacheOptions {
+  // The cache's lease: deleted once no call names it for that long; 0 takes
+  // the server's default.
+  uint32_t ttl_seconds = 0;
+};
+
+struct SnapshotOptions {
+  // The first position taken: the snapshot holds [from_offset, offset).
+  uint64_t from_offset = 0;
+  // Never evicted, never expires (within the server's max_pinned_bytes).
+  bool pinned = false;
+  // The snapshot's lease; 0 takes the server's default.
+  uint32_t ttl_seconds = 0;
+};
+
+// The pin and lease of a snapshot made from a file or from another replica's
+// snapshot (LoadSnapshot, PullSnapshot, ShardedClient::CopySnapshotTo), as
+// SnapshotOptions' are.
+struct NewSnapshotOptions {
+  bool pinned = false;
+  uint32_t ttl_seconds = 0;
+};
+
+struct ListCachesOptions {
+  // Whose caches: empty, the caller's tenant; an admin token may name
+  // another tenant (as the tokens file names it).
+  std::string tenant;
+};
+
+struct ListSnapshotsOptions {
+  // The snapshots of this cache; empty: all.
+  std::string cache_id;
+  // As ListCachesOptions'.
+  std::string tenant;
+};
+
+struct EvictSnapshotsOptions {
+  // Up to this many bytes of idle snapshots' device pages move to host
+  // memory or disk; 0: all that can move.
+  uint64_t bytes = 0;
+  // As ListCachesOptions'.
+  std::string tenant;
+};
+
+struct PublishPrefixOptions {
+  // The entry's lease (every lookup that finds it renews it); 0 takes the
+  // server's default.
+  uint32_t ttl_seconds = 0;
+};
+
+struct LookupPrefixOptions {
+  // The lease of the handle a hit returns; 0 takes the server's default.
+  uint32_t ttl_seconds = 0;
+};
+
+struct SpeculationOptions {
+  // A commit never changes the live cache (ollama BeginIsolatedSpeculation),
+  // e.g. to check a draft without keeping it.
+  bool isolated = false;
+};
+
 class UpdateStream;
 namespace internal {
 class FetchTransport;
@@ -149,13 +214,11 @@ class Client {
   // caller that expects a restarted server waits here.
   absl::Status WaitForReady(absl::Duration timeout);
 
-  // ttl_seconds: the cache's lease (deleted once no call names it for that
-  // long); 0 takes the server's default.
-  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds = 0);
+  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec,
+                                            const CreateCacheOptions& options = {});
   absl::StatusOr<v1::CacheInfo> GetCache(const std::string& cache_id);
-  // Every cache of the caller's tenant; an admin token may name another
-  // tenant (as the tokens file names it).
-  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches(const std::string& tenant = "");
+  // Every cache of a tenant (ListCachesOptions::tenant).
+  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches(const ListCachesOptions& options = {});
   absl::Status DeleteCache(const std::string& cache_id);
 
   // Opens an Update stream for one cache (see UpdateStream).
@@ -182,9 +245,8 @@ class Client {
   absl::StatusOr<std::vector<v1::FetchResponse>> FetchAll(const v1::FetchRequest& request);
 
   absl::StatusOr<v1::TrimResponse> Trim(const std::string& cache_id, uint64_t n);
-  // ttl_seconds: the snapshot's lease; 0 takes the server's default.
-  absl::StatusOr<v1::SnapshotInfo> Snapshot(const std::string& cache_id, uint64_t from_offset,
-                                            bool pinned = false, uint32_t ttl_seconds = 0);
+  absl::StatusOr<v1::SnapshotInfo> Snapshot(const std::string& cache_id,
+                                            const SnapshotOptions& options = {});
   // An empty snapshot_id rewinds the live cache.
   absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
                                         const std::string& snapshot_id, uint64_t target_offset);
@@ -193,9 +255,8 @@ class Client {
   absl::StatusOr<v1::SplitSnapshotResponse> SplitSnapshot(const std::string& snapshot_id,
                                                           uint64_t at);
   absl::Status ReleaseSnapshot(const std::string& snapshot_id);
-  // Snapshots of `cache_id` (all when empty); `tenant` as for ListCaches.
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(const std::string& cache_id = "",
-                                                              const std::string& tenant = "");
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ListSnapshots(
+      const ListSnapshotsOptions& options = {});
   absl::StatusOr<v1::Stats> GetStats();
   // The standard gRPC health check (grpc.health.v1) of `service`: true when
   // it is SERVING, false when NOT_SERVING (kvcached draining); "" asks about
@@ -207,10 +268,10 @@ class Client {
                                                     absl::Span<const std::string> snapshot_ids);
   // Pinned: never evicted, never expires (within the server's max_pinned_bytes).
   absl::StatusOr<v1::SnapshotInfo> SetPinned(const std::string& snapshot_id, bool pinned);
-  // Moves up to `bytes` of idle snapshots' device pages (0: all that can
-  // move) to host memory or disk now; `tenant` as for ListCaches.
-  absl::StatusOr<v1::EvictSnapshotsResponse> EvictSnapshots(uint64_t bytes,
-                                                            const std::string& tenant = "");
+  // Moves idle snapshots' device pages to host memory or disk now (by
+  // default all that can move, of the caller's tenant).
+  absl::StatusOr<v1::EvictSnapshotsResponse> EvictSnapshots(
+      const EvictSnapshotsOptions& options = {});
 
   // Prompt-cache files, in mlx-lm's save_prompt_cache layout. In the server's
   // data dir: save a snapshot (it must start at 0) as `name`, load one back
@@ -219,8 +280,7 @@ class Client {
                                              const std::string& name,
                                              const std::map<std::string, std::string>& metadata = {});
   absl::StatusOr<v1::LoadSnapshotResponse> LoadSnapshot(const std::string& name,
-                                                        bool pinned = false,
-                                                        uint32_t ttl_seconds = 0);
+                                                        const NewSnapshotOptions& options = {});
   absl::StatusOr<std::vector<v1::SavedFile>> ListSaved();
   absl::Status DeleteSaved(const std::string& name);
   // Between this machine and the server: a file's bytes (request.name: a
@@ -233,23 +293,22 @@ class Client {
   // server itself (from the replica the id names, found in its own peer
   // list) with this client's token: the bytes never pass through here.
   absl::StatusOr<v1::LoadSnapshotResponse> PullSnapshot(const std::string& snapshot_id,
-                                                        bool pinned = false,
-                                                        uint32_t ttl_seconds = 0);
+                                                        const NewSnapshotOptions& options = {});
 
   // Prefix sharing. Publishes the first tokens.size() positions of a
   // snapshot (from 0, batch 1) as the K/V of `tokens`.
   absl::StatusOr<v1::PublishPrefixResponse> PublishPrefix(const std::string& snapshot_id,
                                                           absl::Span<const uint32_t> tokens,
-                                                          uint32_t ttl_seconds = 0);
+                                                          const PublishPrefixOptions& options = {});
   // The longest cached prefix of `tokens` for caches laid out as `spec`
   // (or as cache `cache_id`, with LookupPrefixCache): a handle to Restore at
   // matched_tokens, or matched_tokens 0.
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::CacheSpec& spec,
                                                         absl::Span<const uint32_t> tokens,
-                                                        uint32_t ttl_seconds = 0);
-  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefixCache(const std::string& cache_id,
-                                                             absl::Span<const uint32_t> tokens,
-                                                             uint32_t ttl_seconds = 0);
+                                                        const LookupPrefixOptions& options = {});
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefixCache(
+      const std::string& cache_id, absl::Span<const uint32_t> tokens,
+      const LookupPrefixOptions& options = {});
   absl::StatusOr<std::vector<v1::PrefixEntry>> ListPrefixes();
 
   // A recurrent layer's state (of the live cache, or of snapshot_id if set).
@@ -270,8 +329,8 @@ class Client {
                                             const std::string& other_id);
 
   // Speculative decoding: drafted updates carry LayerUpdate::speculation_id.
-  absl::StatusOr<v1::BeginSpeculationResponse> BeginSpeculation(const std::string& cache_id,
-                                                                bool isolated);
+  absl::StatusOr<v1::BeginSpeculationResponse> BeginSpeculation(
+      const std::string& cache_id, const SpeculationOptions& options = {});
   absl::StatusOr<v1::CacheInfo> CommitSpeculation(const std::string& speculation_id,
                                                   uint64_t accepted);
   absl::StatusOr<v1::CacheInfo> AbortSpeculation(const std::string& speculation_id);

@@ -8,22 +8,31 @@
 #include "absl/strings/str_cat.h"
 #include "fetch_view.h"
 #include "update_encoding.h"
+#include "wire/net/address.h"
 
 namespace kvcache::internal {
 namespace {
 
-// The host of host:port (an IPv6 address keeps its brackets).
+// The host of a lane address that lane::Connect took (so it parses), an
+// IPv6 one without brackets: the name its TLS certificate must carry.
 std::string HostOf(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
+  absl::StatusOr<net::HostPort> parsed =
+      net::ParseHostPort(address, "data lane address", net::AddressUse::kConnect);
+  return parsed.ok() ? parsed->host : address;
 }
 
 // A lane address the server gave with a wildcard host ("listen on all")
-// means the host the client already reaches it at.
+// means the host the client already reaches it at. Where the gRPC target
+// names no host:port (a unix socket, a resolver's scheme) it stays as it is,
+// and lane::Connect refuses the wildcard: calls go over gRPC.
 std::string Reachable(const std::string& lane_address, const std::string& grpc_address) {
-  const std::string host = HostOf(lane_address);
-  if (host != "0.0.0.0" && host != "[::]" && host != "::" && !host.empty()) return lane_address;
-  return absl::StrCat(HostOf(grpc_address), lane_address.substr(host.size()));
+  absl::StatusOr<net::HostPort> lane =
+      net::ParseHostPort(lane_address, "data lane address", net::AddressUse::kListen);
+  if (!lane.ok() || !net::IsWildcardHost(lane->host)) return lane_address;
+  absl::StatusOr<net::HostPort> server =
+      net::ParseHostPort(grpc_address, "address", net::AddressUse::kConnect);
+  if (!server.ok()) return lane_address;
+  return net::HostPort{server->host, lane->port}.ToString();
 }
 
 // Sends between two looks for acknowledgements (LaneUpdate).
@@ -231,8 +240,19 @@ absl::Status Refusal(lane::FrameReader& reader, absl::Span<const std::byte> answ
   return absl::DataLossError("data lane: the server answered KVLANE02 with other bytes");
 }
 
+// Why a KVLANE02 connection ended before its answer. Closed: the server
+// speaks no lane of this version (another one, or TLS where the client has
+// none). Else the read's own error, which under mutual TLS is the
+// server's refusal (TLS 1.3 tells the client only at its first read).
+absl::Status Unanswered(const absl::Status& status) {
+  if (!absl::IsOutOfRange(status)) return status;
+  return absl::UnavailableError(
+      "data lane: the server closed the connection without answering its KVLANE02 preamble "
+      "(not a lane of this version, or one that expects TLS)");
+}
+
 // A Fetch's FETCH_CHUNK frames against the length its server announced
-// (FETCH_LENGTH, on KVLANE02 connections; none: nothing to check).
+// (FETCH_LENGTH; none: nothing to check).
 class AnnouncedLength {
  public:
   absl::Status Announce(lane::FrameReader& reader, absl::Span<const std::byte> payload) {
@@ -364,8 +384,9 @@ LanePool::LanePool(std::string setting, std::string grpc_address, absl::Duration
       keepalive_(keepalive),
       ask_server_(std::move(ask_server)) {}
 
-absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::ConnectWith(
-    const std::string& address, absl::string_view preamble) const {
+absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::ConnectWithPreamble(
+    const std::string& address) const {
+  const absl::string_view preamble(lane::kMagic, sizeof(lane::kMagic));
   if (!tls_.ok()) return tls_.status();
   if (keepalive_.has_value()) {
     if (absl::Status valid = keepalive_->Validate(); !valid.ok()) return valid;
@@ -379,10 +400,7 @@ absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::ConnectWith(
   }
   std::unique_ptr<lane::TlsSession> session;
   if (tls != nullptr) {
-    std::string host = tls_server_name_.empty() ? HostOf(address) : tls_server_name_;
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-      host = host.substr(1, host.size() - 2);
-    }
+    const std::string host = tls_server_name_.empty() ? HostOf(address) : tls_server_name_;
     absl::StatusOr<std::unique_ptr<lane::TlsSession>> made =
         lane::TlsSession::Connect(*tls, owned.get(), host);
     if (!made.ok()) return made.status();
@@ -420,38 +438,16 @@ absl::Status LanePool::Authenticate(LaneConnection& connection) const {
   return lane::StatusFromLane(status);
 }
 
-// The fallback to KVLANE01 lasts until a connect fails: a server that went
-// away may come back of either version (and a current one that reset a
-// connection while it stopped is asked again).
 absl::StatusOr<std::unique_ptr<LaneConnection>> LanePool::Connect(const std::string& address) {
-  const auto connect = [&](absl::string_view preamble) {
-    absl::StatusOr<std::unique_ptr<LaneConnection>> connection = ConnectWith(address, preamble);
-    if (!connection.ok()) first_version_only_.store(false, std::memory_order_relaxed);
-    return connection;
-  };
-  if (!first_version_only_.load(std::memory_order_relaxed)) {
-    absl::StatusOr<std::unique_ptr<LaneConnection>> opened =
-        connect({lane::kMagic, sizeof(lane::kMagic)});
-    if (!opened.ok()) return opened.status();
-    std::unique_ptr<LaneConnection> connection = *std::move(opened);
-    absl::StatusOr<absl::Span<const std::byte>> answer =
-        connection->reader.ReadRaw(sizeof(lane::kMagic));
-    if (answer.ok() && std::memcmp(answer->data(), lane::kMagic, sizeof(lane::kMagic)) == 0) {
-      return connection;
-    }
-    if (answer.ok()) return Refusal(connection->reader, *answer);
-    // Closed unanswered: a server of the first version (else the next
-    // connect says why). Never over TLS: every server with a TLS lane speaks
-    // KVLANE02, and one that closed it refused the client (under mutual TLS
-    // TLS 1.3 says so only at the first read).
-    if (tls_enabled() ||
-        (!absl::IsOutOfRange(answer.status()) && !absl::IsUnavailable(answer.status()))) {
-      return answer.status();
-    }
+  absl::StatusOr<std::unique_ptr<LaneConnection>> opened = ConnectWithPreamble(address);
+  if (!opened.ok()) return opened.status();
+  std::unique_ptr<LaneConnection> connection = *std::move(opened);
+  absl::StatusOr<absl::Span<const std::byte>> answer =
+      connection->reader.ReadRaw(sizeof(lane::kMagic));
+  if (!answer.ok()) return Unanswered(answer.status());
+  if (std::memcmp(answer->data(), lane::kMagic, sizeof(lane::kMagic)) != 0) {
+    return Refusal(connection->reader, *answer);
   }
-  absl::StatusOr<std::unique_ptr<LaneConnection>> connection =
-      connect({lane::kMagicV1, sizeof(lane::kMagicV1)});
-  if (connection.ok()) first_version_only_.store(true, std::memory_order_relaxed);
   return connection;
 }
 

@@ -2,7 +2,6 @@
 // connections kept between calls, Update calls and Fetch calls on them.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -65,14 +64,12 @@ class LanePool {
  private:
   // A new connection, authenticated where there is a token.
   absl::StatusOr<std::unique_ptr<LaneConnection>> Open(const std::string& address);
-  // A new connection: KVLANE02, or KVLANE01 where the server does not speak it.
+  // A new connection, its preamble (lane::kMagic) answered in kind.
   absl::StatusOr<std::unique_ptr<LaneConnection>> Connect(const std::string& address);
-  // A connected socket to `address` opened with `preamble`: sent as is, or
+  // A connected socket to `address` that has sent the preamble: as is, or
   // after a TLS handshake.
-  absl::StatusOr<std::unique_ptr<LaneConnection>> ConnectWith(const std::string& address,
-                                                              absl::string_view preamble) const;
-  // Connections run TLS.
-  bool tls_enabled() const { return tls_.ok() && *tls_ != nullptr; }
+  absl::StatusOr<std::unique_ptr<LaneConnection>> ConnectWithPreamble(
+      const std::string& address) const;
   // Sends the AUTH frame and reads the server's STATUS.
   absl::Status Authenticate(LaneConnection& connection) const;
 
@@ -85,8 +82,6 @@ class LanePool {
   const std::string tls_server_name_;
   const std::optional<lane::Keepalive> keepalive_;  // TCP keepalive of each connection
   std::function<absl::StatusOr<std::string>()> ask_server_;
-  // The server closed a KVLANE02 connection unanswered (and no connect failed since).
-  std::atomic<bool> first_version_only_{false};
   absl::Mutex mutex_;
   std::optional<std::string> address_ ABSL_GUARDED_BY(mutex_);  // resolved; "" when off
   std::vector<std::unique_ptr<LaneConnection>> idle_ ABSL_GUARDED_BY(mutex_);

@@ -15,13 +15,13 @@
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "rendezvous.h"
 #include "wire/etcd/etcd_membership.h"
 #include "wire/ids/replica_id.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 namespace {
@@ -42,17 +42,13 @@ constexpr uint32_t kTransientCopyTtlSeconds = 60;
 
 // Host and port of "dns:host:port" ("[v6]:port" works too).
 absl::StatusOr<std::vector<Replica>> Resolve(absl::string_view host_port) {
-  const size_t colon = host_port.rfind(':');
-  uint32_t port = 0;
-  if (colon == absl::string_view::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port) ||
-      port == 0 || port > 65535) {
+  absl::StatusOr<net::HostPort> named =
+      net::ParseHostPort(host_port, "peers", net::AddressUse::kConnect);
+  if (!named.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("peers: \"dns:", host_port, "\" is not dns:host:port"));
+        absl::StrCat("peers: \"dns:", host_port.substr(0, 64), "\" is not dns:host:port"));
   }
-  std::string host(host_port.substr(0, colon));
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const std::string& host = named->host;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -69,8 +65,7 @@ absl::StatusOr<std::vector<Replica>> Resolve(absl::string_view host_port) {
                     NI_NUMERICHOST) != 0) {
       continue;
     }
-    addresses.insert(at->ai_family == AF_INET6 ? absl::StrCat("[", text, "]:", port)
-                                               : absl::StrCat(text, ":", port));
+    addresses.insert(net::HostPort{text, named->port}.ToString());
   }
   std::vector<Replica> replicas;
   for (const std::string& address : addresses) replicas.push_back({.address = address});
@@ -358,18 +353,18 @@ absl::StatusOr<T> ShardedClient::FirstThatTakes(absl::string_view key, bool also
   return absl::Status(last.code(), absl::StrCat("no replica took it; the last: ", last.message()));
 }
 
-absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(const v1::CacheSpec& spec,
-                                                         uint32_t ttl_seconds,
-                                                         absl::string_view placement_key) {
-  std::string key(placement_key);
+absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCache(
+    const v1::CacheSpec& spec, const ShardedCreateCacheOptions& options) {
+  std::string key = options.placement_key;
   if (key.empty()) {
     thread_local absl::BitGen random;
     key = absl::StrCat("random:", absl::Uniform<uint64_t>(random), absl::Uniform<uint64_t>(random));
   }
+  const CreateCacheOptions on_replica{.ttl_seconds = options.ttl_seconds};
   size_t answered = 0;
   absl::StatusOr<v1::CacheInfo> created = FirstThatTakes<v1::CacheInfo>(
       key, /*also_full=*/true,
-      [&](Client& client) { return client.CreateCache(spec, ttl_seconds); }, &answered);
+      [&](Client& client) { return client.CreateCache(spec, on_replica); }, &answered);
   if (!created.ok()) return created;
   // Deleted where it names another replica, so it does not sit unreachable.
   if (absl::Status made = CheckMadeBy(created->cache_id(), answered, "cache"); !made.ok()) {
@@ -391,16 +386,19 @@ absl::Status ShardedClient::CheckMadeBy(const std::string& id, size_t index,
 }
 
 absl::StatusOr<v1::CacheInfo> ShardedClient::CreateCacheForPrompt(
-    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
-  return CreateCache(spec, ttl_seconds, PromptKey(spec, tokens));
+    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens,
+    const CreateCacheOptions& options) {
+  return CreateCache(
+      spec, {.ttl_seconds = options.ttl_seconds, .placement_key = PromptKey(spec, tokens)});
 }
 
 absl::StatusOr<v1::LookupPrefixResponse> ShardedClient::LookupPrefix(
-    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens, uint32_t ttl_seconds) {
+    const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens,
+    const LookupPrefixOptions& options) {
   size_t answered = 0;
   absl::StatusOr<v1::LookupPrefixResponse> found = FirstThatTakes<v1::LookupPrefixResponse>(
       PromptKey(spec, tokens), /*also_full=*/false,
-      [&](Client& client) { return client.LookupPrefix(spec, tokens, ttl_seconds); }, &answered);
+      [&](Client& client) { return client.LookupPrefix(spec, tokens, options); }, &answered);
   if (!found.ok() || !found->has_snapshot()) return found;
   const std::string& handle = found->snapshot().snapshot_id();
   if (absl::Status made = CheckMadeBy(handle, answered, "snapshot"); !made.ok()) {
@@ -412,27 +410,27 @@ absl::StatusOr<v1::LookupPrefixResponse> ShardedClient::LookupPrefix(
 
 absl::StatusOr<v1::PublishPrefixResponse> ShardedClient::PublishPrefix(
     const v1::CacheSpec& spec, const std::string& snapshot_id, absl::Span<const uint32_t> tokens,
-    uint32_t ttl_seconds) {
+    const PublishPrefixOptions& options) {
   absl::StatusOr<size_t> owner = ReplicaOf(snapshot_id);
   if (!owner.ok()) return owner.status();
   absl::Status last = absl::UnavailableError("no replica is listed in etcd");
   for (size_t index : Order(PromptKey(spec, tokens))) {
     if (index == *owner) {
       absl::StatusOr<v1::PublishPrefixResponse> published =
-          client(index).PublishPrefix(snapshot_id, tokens, ttl_seconds);
+          client(index).PublishPrefix(snapshot_id, tokens, options);
       if (published.ok() || !absl::IsUnavailable(published.status())) return published;
       last = published.status();
       continue;
     }
     absl::StatusOr<v1::SnapshotInfo> copy =
-        CopySnapshotTo(snapshot_id, index, /*pinned=*/false, kTransientCopyTtlSeconds);
+        CopySnapshotTo(snapshot_id, index, {.ttl_seconds = kTransientCopyTtlSeconds});
     if (!copy.ok() && absl::IsUnavailable(copy.status())) {
       last = copy.status();
       continue;
     }
     if (!copy.ok()) return copy.status();
     absl::StatusOr<v1::PublishPrefixResponse> published =
-        client(index).PublishPrefix(copy->snapshot_id(), tokens, ttl_seconds);
+        client(index).PublishPrefix(copy->snapshot_id(), tokens, options);
     // The index holds a snapshot of its own: the copy has served its purpose
     // (where releasing it fails, its lease ends it).
     client(index).ReleaseSnapshot(copy->snapshot_id()).IgnoreError();
@@ -452,7 +450,7 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::Restore(const std::string& cache_id
   if (!snapshot_owner.ok()) return snapshot_owner.status();
   if (*snapshot_owner == *cache_owner) return owner.Restore(cache_id, snapshot_id, target_offset);
   absl::StatusOr<v1::SnapshotInfo> copy =
-      CopySnapshotTo(snapshot_id, *cache_owner, /*pinned=*/false, kTransientCopyTtlSeconds);
+      CopySnapshotTo(snapshot_id, *cache_owner, {.ttl_seconds = kTransientCopyTtlSeconds});
   if (!copy.ok()) return copy.status();
   absl::StatusOr<v1::CacheInfo> restored =
       owner.Restore(cache_id, copy->snapshot_id(), target_offset);
@@ -463,8 +461,8 @@ absl::StatusOr<v1::CacheInfo> ShardedClient::Restore(const std::string& cache_id
 }
 
 absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string& snapshot_id,
-                                                               size_t to, bool pinned,
-                                                               uint32_t ttl_seconds) {
+                                                               size_t to,
+                                                               const NewSnapshotOptions& options) {
   if (const size_t known = size(); to >= known) {
     return absl::InvalidArgumentError(
         absl::StrCat("to: the fleet has ", known, " replicas, not ", to + 1));
@@ -475,14 +473,14 @@ absl::StatusOr<v1::SnapshotInfo> ShardedClient::CopySnapshotTo(const std::string
   const bool same_replica = *from == &client(to);
   absl::StatusOr<v1::LoadSnapshotResponse> copied =
       same_replica ? absl::FailedPreconditionError("the owner itself")
-                   : client(to).PullSnapshot(snapshot_id, pinned, ttl_seconds);
+                   : client(to).PullSnapshot(snapshot_id, options);
   if (!copied.ok() && CannotPull(copied.status())) {
     v1::ExportSnapshotRequest request;
     request.set_snapshot_id(snapshot_id);
-    v1::ImportSnapshotRequest options;
-    options.set_pinned(pinned);
-    options.set_ttl_seconds(ttl_seconds);
-    copied = kvcache::CopySnapshot(**from, request, client(to), options);
+    v1::ImportSnapshotRequest to_options;
+    to_options.set_pinned(options.pinned);
+    to_options.set_ttl_seconds(options.ttl_seconds);
+    copied = kvcache::CopySnapshot(**from, request, client(to), to_options);
   }
   if (!copied.ok()) return copied.status();
   const std::string& copy = copied->snapshot().snapshot_id();

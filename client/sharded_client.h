@@ -83,6 +83,14 @@ struct ShardedClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
 };
 
+struct ShardedCreateCacheOptions {
+  // As CreateCacheOptions'.
+  uint32_t ttl_seconds = 0;
+  // Decides the replicas' order (rendezvous.h); empty spreads caches evenly
+  // (a random key each).
+  std::string placement_key;
+};
+
 class ShardedClient {
  public:
   // Connects to every replica and learns the names not given. Fails when a
@@ -115,27 +123,27 @@ class ShardedClient {
   // The key prompts are routed by (see prefix_route_tokens).
   std::string PromptKey(const v1::CacheSpec& spec, absl::Span<const uint32_t> tokens) const;
 
-  // Creates the cache on the first replica of `placement_key`'s order that
+  // Creates the cache on the first replica of the placement key's order that
   // takes it: one that is down (UNAVAILABLE) or full (RESOURCE_EXHAUSTED) is
-  // passed over. An empty key spreads caches evenly (a random key each).
-  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec, uint32_t ttl_seconds = 0,
-                                            absl::string_view placement_key = "");
+  // passed over.
+  absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheSpec& spec,
+                                            const ShardedCreateCacheOptions& options = {});
   // On the replica that prefix lookups of `tokens` go to.
   absl::StatusOr<v1::CacheInfo> CreateCacheForPrompt(const v1::CacheSpec& spec,
                                                      absl::Span<const uint32_t> tokens,
-                                                     uint32_t ttl_seconds = 0);
+                                                     const CreateCacheOptions& options = {});
   // The longest cached prefix, asked of the prompt's replica (or the next
   // one up, as CreateCache goes on).
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::CacheSpec& spec,
                                                         absl::Span<const uint32_t> tokens,
-                                                        uint32_t ttl_seconds = 0);
+                                                        const LookupPrefixOptions& options = {});
   // Publishes on the prompt's replica; a snapshot that lives elsewhere is
   // copied there first (and the copy released once published: the index
   // keeps its own handle).
   absl::StatusOr<v1::PublishPrefixResponse> PublishPrefix(const v1::CacheSpec& spec,
                                                           const std::string& snapshot_id,
                                                           absl::Span<const uint32_t> tokens,
-                                                          uint32_t ttl_seconds = 0);
+                                                          const PublishPrefixOptions& options = {});
   // Client::Restore on the cache's replica; a snapshot of another replica
   // is copied to it first, and the copy released afterwards.
   absl::StatusOr<v1::CacheInfo> Restore(const std::string& cache_id,
@@ -146,7 +154,7 @@ class ShardedClient {
   // owner not in it, a server without the call), the bytes are streamed
   // through this client instead.
   absl::StatusOr<v1::SnapshotInfo> CopySnapshotTo(const std::string& snapshot_id, size_t to,
-                                                  bool pinned = false, uint32_t ttl_seconds = 0);
+                                                  const NewSnapshotOptions& options = {});
   // Each replica's GetStats, in replica order (a replica that is down: its status).
   std::vector<absl::StatusOr<v1::Stats>> GetStats();
 

@@ -34,18 +34,6 @@
 namespace kvcache {
 namespace {
 
-absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& listen,
-                                                          const char* field = "listen") {
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", listen, "\" is not host:port (e.g. 127.0.0.1:50051)"));
-  }
-  return std::make_pair(listen.substr(0, colon), port);
-}
-
 // The disk tier's scratch file in the data dir: not a saved file (those end
 // in .safetensors), so the saved-file index leaves it alone.
 constexpr char kDiskTierFile[] = "kvcached-evicted-pages.tier";
@@ -87,9 +75,11 @@ struct TenantRuntime {
 // plaintext on loopback, or beyond it where allowed explicitly.
 absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
   if (config.data_lane_listen.empty()) return false;
-  ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
+  ASSIGN_OR_RETURN(const net::HostPort lane, net::ParseHostPort(config.data_lane_listen,
+                                                                "data_lane_listen",
+                                                                net::AddressUse::kListen));
   if (config.tls.enabled()) return true;
-  const bool loopback = net::IsLoopbackHost(lane_host.first);
+  const bool loopback = net::IsLoopbackHost(lane.host);
   if (config.allow_plaintext_lane) {
     if (!loopback) {
       LogWarning("data lane on %s carries K/V and tokens in plaintext (--allow_plaintext_lane)",
@@ -98,7 +88,7 @@ absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
     return true;
   }
   if (!loopback) {
-    return absl::InvalidArgumentError(absl::StrCat("data_lane_listen: \"", lane_host.first,
+    return absl::InvalidArgumentError(absl::StrCat("data_lane_listen: \"", lane.host,
                                                    "\" is not a loopback address and the lane is "
                                                    "plaintext; --allow_plaintext_lane allows it"));
   }
@@ -110,19 +100,20 @@ absl::StatusOr<bool> LaneMayListen(const ServerConfig& config) {
 absl::StatusOr<gpu::AccountLimits> TierLimits(const TenantQuotas& quotas, uint64_t page_bytes) {
   gpu::AccountLimits limits;
   const struct {
-    const char* name;
-    uint64_t bytes;
+    uint64_t TenantQuotas::*quota;
     uint32_t& pages;
-  } tiers[] = {{"max_device_bytes", quotas.max_device_bytes, limits.device_pages},
-               {"max_host_bytes", quotas.max_host_bytes, limits.host_pages},
-               {"max_disk_bytes", quotas.max_disk_bytes, limits.disk_pages}};
+  } tiers[] = {{&TenantQuotas::max_device_bytes, limits.device_pages},
+               {&TenantQuotas::max_host_bytes, limits.host_pages},
+               {&TenantQuotas::max_disk_bytes, limits.disk_pages}};
   for (const auto& tier : tiers) {
-    if (tier.bytes == 0) continue;
-    if (tier.bytes < page_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          tier.name, " ", tier.bytes, " is less than one page (page_bytes ", page_bytes, ")"));
+    const uint64_t bytes = quotas.*tier.quota;
+    if (bytes == 0) continue;
+    if (bytes < page_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(TenantQuotaName(tier.quota), " ", bytes,
+                                                     " is less than one page (page_bytes ",
+                                                     page_bytes, ")"));
     }
-    tier.pages = static_cast<uint32_t>(std::min<uint64_t>(tier.bytes / page_bytes, UINT32_MAX));
+    tier.pages = static_cast<uint32_t>(std::min<uint64_t>(bytes / page_bytes, UINT32_MAX));
   }
   return limits;
 }
@@ -163,6 +154,25 @@ absl::Status SetConnectionLimits(const ServerConfig& config, grpc::ServerBuilder
   }
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(streams));
   return absl::OkStatus();
+}
+
+// What the pool holds and how long handles last by default, said once at start.
+void LogCapacity(const gpu::PagePool& pool_of_pages, const engine::EngineOptions& engine) {
+  const gpu::PoolStats pool = pool_of_pages.stats();
+  LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
+          pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
+          engine.page_tokens);
+  LogInfo("tiers below the device: host memory %d MiB, disk %d MiB",
+          (uint64_t{pool.max_host_pages} * pool.page_bytes) >> 20,
+          (uint64_t{pool.max_disk_pages} * pool.page_bytes) >> 20);
+  LogInfo("quantized layers: %s",
+          pool_of_pages.quantizes_on_host()
+              ? absl::StrCat("native CPU kernels (",
+                             std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
+              : std::string("compute shaders"));
+  if (engine.default_ttl > absl::ZeroDuration()) {
+    LogInfo("leases: %s by default", absl::FormatDuration(engine.default_ttl));
+  }
 }
 
 }  // namespace
@@ -273,102 +283,132 @@ absl::Status KvCacheServer::ReplaceKvEventSubscribers(const std::vector<std::str
 
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const ServerConfig& config) {
   auto server = std::unique_ptr<KvCacheServer>(new KvCacheServer);
-  ASSIGN_OR_RETURN(auto host_port, SplitHostPort(config.listen));
-  server->host_ = host_port.first;
-  ASSIGN_OR_RETURN(server->device_, gpu::Device::Create(config.device));
-  const gpu::DeviceDescription& device = server->device_->description();
-  const char* path = server->device_->transfer_path_name();
-  LogInfo("device: %s (%s), transfers: %s", device.name, device.type, path);
-  gpu::PoolOptions pool_options = config.pool;
-  server->data_dir_ = config.data_dir;
-  server->tokens_file_ = config.tokens_file;
-  server->engine_options_ = config.engine;
-  if (!config.replica_name.empty()) {
-    RETURN_IF_ERROR(ids::CheckReplicaName(config.replica_name, "replica_name"));
-    server->engine_options_.id_prefix = ids::IdPrefix(config.replica_name);
-    LogInfo("replica %s: ids begin with \"%s\"", config.replica_name,
-            server->engine_options_.id_prefix);
-  }
-  server->lease_check_interval_ = config.lease_check_interval;
-  if (!config.data_dir.empty()) {
-    server->disk_budget_ = std::make_unique<DiskBudget>(config.disk_bytes);
-    std::error_code error;
-    std::filesystem::create_directories(config.data_dir, error);
-    if (error) {
-      return absl::InternalError(
-          absl::StrCat("data_dir ", config.data_dir, ": cannot create: ", error.message()));
-    }
-    pool_options.disk_path = absl::StrCat(config.data_dir, "/", kDiskTierFile);
-    pool_options.disk_bytes = config.disk_bytes;
-    if (pool_options.disk_bytes == 0) {
-      ASSIGN_OR_RETURN(pool_options.disk_bytes,
-                       DefaultDiskTierBytes(config.data_dir, pool_options));
-    }
-    pool_options.disk_budget = server->disk_budget_.get();
-  }
-  ASSIGN_OR_RETURN(server->pool_, gpu::PagePool::Create(*server->device_, pool_options));
-  const gpu::PoolStats pool = server->pool_->stats();
-  LogInfo("pool: %d pages of %d KiB (%d MiB budget), up to %d tokens per page", pool.max_pages,
-          pool.page_bytes >> 10, (uint64_t{pool.max_pages} * pool.page_bytes) >> 20,
-          config.engine.page_tokens);
-  LogInfo("tiers below the device: host memory %d MiB, disk %d MiB",
-          (uint64_t{pool.max_host_pages} * pool.page_bytes) >> 20,
-          (uint64_t{pool.max_disk_pages} * pool.page_bytes) >> 20);
-  LogInfo("quantized layers: %s",
-          server->pool_->quantizes_on_host()
-              ? absl::StrCat("native CPU kernels (",
-                             std::string(gpu::QuantIsaName(gpu::BestQuantIsa())), ")")
-              : std::string("compute shaders"));
-  if (config.engine.default_ttl > absl::ZeroDuration()) {
-    LogInfo("leases: %s by default", absl::FormatDuration(config.engine.default_ttl));
-  }
+  ASSIGN_OR_RETURN(const net::HostPort listen,
+                   net::ParseHostPort(config.listen, "listen", net::AddressUse::kListen));
+  server->host_ = listen.host;
+  RETURN_IF_ERROR(server->OpenDevice(config.device));
+  RETURN_IF_ERROR(server->TakeEngineSettings(config));
+  ASSIGN_OR_RETURN(const gpu::PoolOptions pool_options, server->OpenDataDir(config));
+  RETURN_IF_ERROR(server->CreatePool(pool_options, config.engine));
   RETURN_IF_ERROR(config.request_log.Validate());
   // The lane listens first, so GetStats can name its port.
-  ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
-  if (lane_on) {
-    ASSIGN_OR_RETURN(auto lane_host, SplitHostPort(config.data_lane_listen, "data_lane_listen"));
-    RETURN_IF_ERROR(config.lane_limits.Validate());
-    RETURN_IF_ERROR(config.keepalive.Validate());
-    ASSIGN_OR_RETURN(std::shared_ptr<const lane::TlsContext> lane_tls, LaneTlsContext(config.tls));
-    absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
-        service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes,
-                                  std::move(lane_tls), config.lane_limits, config.keepalive);
-    if (!lane.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("data_lane_listen: ", lane.status().message()));
-    }
-    server->data_lane_ = *std::move(lane);
-    server->lane_host_ = lane_host.first;
-    if (!config.data_lane_advertise.empty()) {
-      RETURN_IF_ERROR(SplitHostPort(config.data_lane_advertise, "data_lane_advertise").status());
-      server->lane_advertise_ = config.data_lane_advertise;
-    }
-  } else if (!config.data_lane_advertise.empty()) {
-    return absl::InvalidArgumentError("data_lane_advertise: set, but the data lane is off");
-  }
-  server->service_options_ = {.max_message_bytes = config.max_message_bytes,
-                              .device_name = device.name,
-                              .transfer_path = path,
-                              .data_lane_address = server->advertised_lane_address(),
-                              .replica_name = config.replica_name,
-                              .request_log = config.request_log};
+  RETURN_IF_ERROR(server->OpenDataLane(config));
+  server->SetServiceOptions(config);
   server->metrics_registry_ = std::make_shared<prometheus::Registry>();
-  if (!config.kv_events.endpoint.empty()) {
-    ASSIGN_OR_RETURN(server->kv_events_,
-                     KvEventPublisher::Start(config.kv_events, *server->metrics_registry_));
-    server->engine_options_.prefix_blocks = &server->kv_events_->blocks();
-    LogInfo("KV events (vLLM's, %s, blocks of %d tokens) on %s%s",
-            config.kv_events.format == KvEventFormat::kMap ? "map" : "array",
-            config.kv_events.block_tokens, server->kv_events_->endpoint(),
-            server->kv_events_->replay_endpoint().empty()
-                ? ""
-                : absl::StrCat(", replays on ", server->kv_events_->replay_endpoint()));
-  }
+  RETURN_IF_ERROR(server->StartKvEvents(config.kv_events));
   RETURN_IF_ERROR(server->StartTenants());
   RETURN_IF_ERROR(server->StartPeers(config));
-  server->service_ = std::make_unique<service::KvCacheService>(
-      *server->tenants_, server->peers_.get(), config.replica_name);
+  RETURN_IF_ERROR(server->StartGrpcServer(config));
+  server->ServeDataLane(config.tls);
+  // Listed last: a client that sees the listing finds the replica serving.
+  RETURN_IF_ERROR(server->ListInEtcd(config));
+  // Logged last: whoever waits for this line finds the whole server up.
+  server->LogListening(config.tls);
+  return server;
+}
 
+absl::Status KvCacheServer::OpenDevice(const gpu::DeviceOptions& options) {
+  ASSIGN_OR_RETURN(device_, gpu::Device::Create(options));
+  const gpu::DeviceDescription& device = device_->description();
+  LogInfo("device: %s (%s), transfers: %s", device.name, device.type,
+          device_->transfer_path_name());
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheServer::TakeEngineSettings(const ServerConfig& config) {
+  data_dir_ = config.data_dir;
+  tokens_file_ = config.tokens_file;
+  engine_options_ = config.engine;
+  if (!config.replica_name.empty()) {
+    RETURN_IF_ERROR(ids::CheckReplicaName(config.replica_name, "replica_name"));
+    engine_options_.id_prefix = ids::IdPrefix(config.replica_name);
+    LogInfo("replica %s: ids begin with \"%s\"", config.replica_name, engine_options_.id_prefix);
+  }
+  lease_check_interval_ = config.lease_check_interval;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<gpu::PoolOptions> KvCacheServer::OpenDataDir(const ServerConfig& config) {
+  gpu::PoolOptions pool_options = config.pool;
+  if (config.data_dir.empty()) return pool_options;
+  disk_budget_ = std::make_unique<DiskBudget>(config.disk_bytes);
+  std::error_code error;
+  std::filesystem::create_directories(config.data_dir, error);
+  if (error) {
+    return absl::InternalError(
+        absl::StrCat("data_dir ", config.data_dir, ": cannot create: ", error.message()));
+  }
+  pool_options.disk_path = absl::StrCat(config.data_dir, "/", kDiskTierFile);
+  pool_options.disk_bytes = config.disk_bytes;
+  if (pool_options.disk_bytes == 0) {
+    ASSIGN_OR_RETURN(pool_options.disk_bytes, DefaultDiskTierBytes(config.data_dir, pool_options));
+  }
+  pool_options.disk_budget = disk_budget_.get();
+  return pool_options;
+}
+
+absl::Status KvCacheServer::CreatePool(const gpu::PoolOptions& options,
+                                       const engine::EngineOptions& engine) {
+  ASSIGN_OR_RETURN(pool_, gpu::PagePool::Create(*device_, options));
+  LogCapacity(*pool_, engine);
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheServer::OpenDataLane(const ServerConfig& config) {
+  ASSIGN_OR_RETURN(const bool lane_on, LaneMayListen(config));
+  if (!lane_on) {
+    if (config.data_lane_advertise.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError("data_lane_advertise: set, but the data lane is off");
+  }
+  ASSIGN_OR_RETURN(const net::HostPort lane_host,
+                   net::ParseHostPort(config.data_lane_listen, "data_lane_listen",
+                                      net::AddressUse::kListen));
+  RETURN_IF_ERROR(config.lane_limits.Validate());
+  RETURN_IF_ERROR(config.keepalive.Validate());
+  ASSIGN_OR_RETURN(std::shared_ptr<const lane::TlsContext> lane_tls, LaneTlsContext(config.tls));
+  absl::StatusOr<std::unique_ptr<service::DataLane>> lane =
+      service::DataLane::Listen(config.data_lane_listen, config.max_message_bytes,
+                                std::move(lane_tls), config.lane_limits, config.keepalive);
+  if (!lane.ok()) {
+    return absl::UnavailableError(absl::StrCat("data_lane_listen: ", lane.status().message()));
+  }
+  data_lane_ = *std::move(lane);
+  lane_host_ = lane_host.host;
+  if (!config.data_lane_advertise.empty()) {
+    // Clients connect to it: a wildcard host or port 0 would reach nothing.
+    RETURN_IF_ERROR(net::ParseHostPort(config.data_lane_advertise, "data_lane_advertise",
+                                       net::AddressUse::kConnect)
+                        .status());
+    lane_advertise_ = config.data_lane_advertise;
+  }
+  return absl::OkStatus();
+}
+
+void KvCacheServer::SetServiceOptions(const ServerConfig& config) {
+  service_options_ = {.max_message_bytes = config.max_message_bytes,
+                      .device_name = device_->description().name,
+                      .transfer_path = device_->transfer_path_name(),
+                      .data_lane_address = advertised_lane_address(),
+                      .replica_name = config.replica_name,
+                      .request_log = config.request_log};
+}
+
+absl::Status KvCacheServer::StartKvEvents(const KvEventsConfig& config) {
+  if (config.endpoint.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(kv_events_, KvEventPublisher::Start(config, *metrics_registry_));
+  engine_options_.prefix_blocks = &kv_events_->blocks();
+  LogInfo("KV events (vLLM's, %s, blocks of %d tokens) on %s%s",
+          config.format == KvEventFormat::kMap ? "map" : "array", config.block_tokens,
+          kv_events_->endpoint(),
+          kv_events_->replay_endpoint().empty()
+              ? ""
+              : absl::StrCat(", replays on ", kv_events_->replay_endpoint()));
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheServer::StartGrpcServer(const ServerConfig& config) {
+  service_ = std::make_unique<service::KvCacheService>(*tenants_, peers_.get(),
+                                                       config.replica_name);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
@@ -376,47 +416,50 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Start(const Server
   grpc::ServerBuilder builder;
   RETURN_IF_ERROR(SetConnectionLiveness(config, builder));
   RETURN_IF_ERROR(SetConnectionLimits(config, builder));
-  builder.AddListeningPort(config.listen, credentials, &server->port_);
-  RETURN_IF_ERROR(server->ObserveCalls(config.metrics_listen, config.access_log, builder));
-  builder.RegisterService(server->service_.get());
+  builder.AddListeningPort(config.listen, credentials, &port_);
+  RETURN_IF_ERROR(ObserveCalls(config.metrics_listen, config.access_log, builder));
+  builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen: cannot listen on ", config.listen));
   }
   // The standard health service answers for "" (the whole server) by
   // default; orchestrators and grpc_health_probe ask by service name too.
-  server->server_->GetHealthCheckService()->SetServingStatus(
-      v1::KvCacheService::service_full_name(), true);
-  if (server->data_lane_) {
-    server->data_lane_->Serve(*server->tenants_);
-    LogInfo("data lane (Update and Fetch over %s) on %s%s",
-            config.tls.enabled() ? "TLS 1.3" : "plain TCP", server->data_lane_address(),
-            server->lane_advertise_.empty()
-                ? ""
-                : absl::StrCat(", given to clients as ", server->lane_advertise_));
-  }
-  if (!config.etcd.endpoints.empty()) {
-    // Listed last: a client that sees the listing finds the replica serving.
-    const bool any_host = server->host_.empty() || server->host_ == "0.0.0.0" ||
-                          server->host_ == "[::]" || server->host_ == "::";
-    ASSIGN_OR_RETURN(server->etcd_,
-                     EtcdRegistration::Start(
-                         {.etcd = config.etcd,
-                          .name = config.replica_name,
-                          .address = !config.advertise_address.empty() ? config.advertise_address
-                                     : any_host                        ? ""
-                                                                       : server->address(),
-                          .lease_ttl = config.etcd_lease_ttl},
-                         *server->metrics_registry_));
-  }
-  // Logged last: whoever waits for this line finds the whole server up.
-  LogInfo("listening on %s (%s)", server->address(),
-          !config.tls.enabled()               ? "plaintext"
-          : config.tls.client_ca_file.empty() ? "TLS"
-                                              : "mutual TLS: clients present certificates");
-  return server;
+  server_->GetHealthCheckService()->SetServingStatus(v1::KvCacheService::service_full_name(),
+                                                     true);
+  return absl::OkStatus();
+}
+
+void KvCacheServer::ServeDataLane(const TlsConfig& tls) {
+  if (!data_lane_) return;
+  data_lane_->Serve(*tenants_);
+  LogInfo("data lane (Update and Fetch over %s) on %s%s", tls.enabled() ? "TLS 1.3" : "plain TCP",
+          data_lane_address(),
+          lane_advertise_.empty() ? "" : absl::StrCat(", given to clients as ", lane_advertise_));
+}
+
+absl::Status KvCacheServer::ListInEtcd(const ServerConfig& config) {
+  if (config.etcd.endpoints.empty()) return absl::OkStatus();
+  // A listen address on every interface names no host a client could reach:
+  // EtcdRegistration then asks for advertise_address.
+  const std::string listed = !config.advertise_address.empty() ? config.advertise_address
+                             : net::IsWildcardHost(host_)      ? ""
+                                                               : address();
+  ASSIGN_OR_RETURN(etcd_, EtcdRegistration::Start({.etcd = config.etcd,
+                                                   .name = config.replica_name,
+                                                   .address = listed,
+                                                   .lease_ttl = config.etcd_lease_ttl},
+                                                  *metrics_registry_));
+  return absl::OkStatus();
+}
+
+void KvCacheServer::LogListening(const TlsConfig& tls) const {
+  LogInfo("listening on %s (%s)", address(),
+          !tls.enabled()               ? "plaintext"
+          : tls.client_ca_file.empty() ? "TLS"
+                                       : "mutual TLS: clients present certificates");
 }
 
 // Every call is observed (request ids, failures logged, metrics taken)
@@ -451,11 +494,11 @@ KvCacheServer::~KvCacheServer() {
   if (data_lane_) data_lane_->Shutdown(absl::ZeroDuration());
 }
 
-std::string KvCacheServer::address() const { return absl::StrCat(host_, ":", port_); }
+std::string KvCacheServer::address() const { return net::HostPort{host_, port_}.ToString(); }
 
 std::string KvCacheServer::data_lane_address() const {
   if (!data_lane_) return "";
-  return absl::StrCat(lane_host_, ":", data_lane_->port());
+  return net::HostPort{lane_host_, data_lane_->port()}.ToString();
 }
 
 std::string KvCacheServer::advertised_lane_address() const {

@@ -165,6 +165,28 @@ class KvCacheServer {
 
  private:
   KvCacheServer() = default;
+  // Start's steps, in its order; each leaves the server's state for the next.
+  absl::Status OpenDevice(const gpu::DeviceOptions& options);
+  // The engine's options, its data dir and tokens file, and the replica's
+  // name at the front of every id it makes.
+  absl::Status TakeEngineSettings(const ServerConfig& config);
+  // The pool's options: with a data dir, the disk tier's file there (the
+  // dir made if missing) under the budget the saved files share.
+  absl::StatusOr<gpu::PoolOptions> OpenDataDir(const ServerConfig& config);
+  absl::Status CreatePool(const gpu::PoolOptions& options, const engine::EngineOptions& engine);
+  // The lane's socket where it may listen (before gRPC, so Stats can name
+  // its port), and the address Stats gives for it.
+  absl::Status OpenDataLane(const ServerConfig& config);
+  void SetServiceOptions(const ServerConfig& config);
+  // Before the tenants: each engine counts its blocks into the publisher.
+  absl::Status StartKvEvents(const KvEventsConfig& config);
+  // The service on config.listen, with health checking, reflection, the
+  // calls' observer and the metrics endpoint.
+  absl::Status StartGrpcServer(const ServerConfig& config);
+  void ServeDataLane(const TlsConfig& tls);
+  // This replica's listing in etcd, where the config names etcd.
+  absl::Status ListInEtcd(const ServerConfig& config);
+  void LogListening(const TlsConfig& tls) const;
   // An engine, its lease reaper, saved files and handlers for a tenant
   // (null: the anonymous one).
   absl::StatusOr<service::TenantParts> MakeTenant(const TenantConfig* tenant);

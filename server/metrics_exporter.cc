@@ -3,15 +3,19 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 
 absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(
     const std::string& listen, std::vector<std::shared_ptr<prometheus::Collectable>> sources) {
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics_listen: \"", listen, "\" is not HOST:PORT"));
+  absl::StatusOr<net::HostPort> address =
+      net::ParseHostPort(listen, "metrics_listen", net::AddressUse::kListen);
+  if (!address.ok()) return address.status();
+  if (address->host.empty()) {
+    // Refused as before the one rule: CivetWeb is given a host, 0.0.0.0 for every interface.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics_listen: \"", listen.substr(0, 64), "\" names no host (0.0.0.0: every interface)"));
   }
   auto exporter = std::unique_ptr<MetricsExporter>(new MetricsExporter());
   exporter->sources_ = std::move(sources);
@@ -28,7 +32,7 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(
   if (ports.empty()) {
     return absl::UnavailableError(absl::StrCat("metrics_listen: cannot listen on ", listen));
   }
-  exporter->address_ = absl::StrCat(listen.substr(0, colon), ":", ports.front());
+  exporter->address_ = net::HostPort{address->host, ports.front()}.ToString();
   return exporter;
 }
 

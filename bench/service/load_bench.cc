@@ -174,7 +174,7 @@ class Worker {
       case kFetch:
         return Fetch();
       case kSnapshot: {
-        absl::StatusOr<v1::SnapshotInfo> info = For(cache_id_).Snapshot(cache_id_, 0);
+        absl::StatusOr<v1::SnapshotInfo> info = For(cache_id_).Snapshot(cache_id_);
         if (!info.ok()) return info.status();
         snapshots_.emplace_back(info->snapshot_id(), mirror_);
         return absl::OkStatus();
@@ -212,7 +212,7 @@ class Worker {
     absl::StatusOr<v1::CacheInfo> info =
         // A worker's caches go where its key says (as a session's would),
         // so the snapshots it restores from live beside them.
-        fleet_ ? fleet_->CreateCache(Spec(), 0, absl::StrCat("worker-", index_))
+        fleet_ ? fleet_->CreateCache(Spec(), {.placement_key = absl::StrCat("worker-", index_)})
                : client_->CreateCache(Spec());
     if (!info.ok()) return info.status();
     cache_id_ = info->cache_id();

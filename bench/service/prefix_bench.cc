@@ -101,7 +101,7 @@ void Lookup(Client& client) {
   auto cache = client.CreateCache(spec);
   Check(cache.status(), "CreateCache");
   Stream(client, cache->cache_id(), spec, length, length);
-  auto snapshot = client.Snapshot(cache->cache_id(), 0);
+  auto snapshot = client.Snapshot(cache->cache_id());
   Check(snapshot.status(), "Snapshot");
   std::mt19937_64 rng(42);
   std::vector<std::vector<uint32_t>> published(prefixes);
@@ -109,7 +109,8 @@ void Lookup(Client& client) {
   for (auto& tokens : published) {
     tokens.resize(length);
     for (uint32_t& token : tokens) token = rng() % 128000;
-    Check(client.PublishPrefix(snapshot->snapshot_id(), tokens, 3600).status(), "PublishPrefix");
+    Check(client.PublishPrefix(snapshot->snapshot_id(), tokens, {.ttl_seconds = 3600}).status(),
+          "PublishPrefix");
   }
   const double publish_us = Micros(Clock::now() - publish_start) / prefixes;
   auto stats = client.GetStats();
@@ -128,7 +129,7 @@ void Lookup(Client& client) {
         std::vector<uint32_t> query = published[rng() % prefixes];
         for (int extra = 0; extra < 20; ++extra) query.push_back(rng() % 128000);
         const Clock::time_point start = Clock::now();
-        auto found = client.LookupPrefix(kind == 0 ? spec : empty, query, /*ttl_seconds=*/30);
+        auto found = client.LookupPrefix(kind == 0 ? spec : empty, query, {.ttl_seconds = 30});
         const double us = Micros(Clock::now() - start);
         Check(found.status(), "LookupPrefix");
         if (kind == 0) {
@@ -176,9 +177,9 @@ void TimeToFirstCache(const std::string& address) {
   auto first = client->CreateCache(spec);
   Check(first.status(), "CreateCache");
   Stream(*client, first->cache_id(), spec, tokens, kPerMessage);
-  auto snapshot = client->Snapshot(first->cache_id(), 0);
+  auto snapshot = client->Snapshot(first->cache_id());
   Check(snapshot.status(), "Snapshot");
-  auto entry = client->PublishPrefix(snapshot->snapshot_id(), prompt, 3600);
+  auto entry = client->PublishPrefix(snapshot->snapshot_id(), prompt, {.ttl_seconds = 3600});
   Check(entry.status(), "PublishPrefix");
   Check(client->ReleaseSnapshot(snapshot->snapshot_id()), "ReleaseSnapshot");
   Check(client->DeleteCache(first->cache_id()), "DeleteCache");
@@ -187,7 +188,7 @@ void TimeToFirstCache(const std::string& address) {
   std::vector<double> cached_ms, streamed_ms;
   for (uint32_t round = 0; round < absl::GetFlag(FLAGS_ttft_rounds); ++round) {
     Clock::time_point start = Clock::now();
-    auto found = client->LookupPrefix(spec, prompt, 60);
+    auto found = client->LookupPrefix(spec, prompt, {.ttl_seconds = 60});
     Check(found.status(), "LookupPrefix");
     auto cache = client->CreateCache(spec);
     Check(cache.status(), "CreateCache");

@@ -75,7 +75,7 @@ std::string Filled(Client& client, uint64_t tokens) {
     }
     Check(client.Update(cache->cache_id(), updates).status(), "Update");
   }
-  absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id());
   Check(snapshot.status(), "Snapshot");
   Check(client.DeleteCache(cache->cache_id()), "DeleteCache");
   return snapshot->snapshot_id();

@@ -15,9 +15,8 @@
 // application calls them.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +27,7 @@
 #include "kvcache_client.h"
 #include "load_meter.h"
 #include "service_workload.h"
+#include "tools/connection_flags.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, ops, "update,fetch,latency", "what to measure");
@@ -54,17 +54,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The address, and TLS where --tls_ca names a CA.
+// The address, and TLS where --tls_ca names a CA. A CA file that cannot be
+// read ends the run (main's first connection finds it, before any worker).
 ClientOptions BaseOptions(const std::string& address) {
-  ClientOptions options{.address = address};
-  if (const std::string ca = absl::GetFlag(FLAGS_tls_ca); !ca.empty()) {
-    std::ifstream in(ca);
-    std::stringstream pem;
-    pem << in.rdbuf();
-    options.tls = true;
-    options.tls_root_certs_pem = pem.str();
+  absl::StatusOr<ClientOptions> options =
+      ClientOptionsFrom({.address = address, .tls_ca_file = absl::GetFlag(FLAGS_tls_ca)});
+  if (!options.ok()) {
+    std::fprintf(stderr, "%s\n", options.status().ToString().c_str());
+    std::exit(1);
   }
-  return options;
+  return *std::move(options);
 }
 
 std::unique_ptr<Client> ConnectOwn(const std::string& address) {
@@ -242,7 +241,7 @@ void RunLatency(const std::string& address) {
     std::vector<double> snapshot_us, restore_us;
     for (int i = 0; i < absl::GetFlag(FLAGS_latency_iterations); ++i) {
       const Clock::time_point t0 = Clock::now();
-      auto snap = client->Snapshot(id, 0);
+      auto snap = client->Snapshot(id);
       snapshot_us.push_back(MicrosSince(t0));
       absl::Status decoded = snap.ok() ? Decode(*client, id, kLatencyLayers, 3) : snap.status();
       const Clock::time_point t1 = Clock::now();

@@ -3,10 +3,7 @@
 // sliding-window), snapshots, branches, rewinds, restores, fetches everything
 // back and checks every byte against the toy model.
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -17,6 +14,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_format.h"
 #include "kvcache_client.h"
+#include "tools/connection_flags.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvcached address");
 ABSL_FLAG(std::string, data_lane, "auto",
@@ -35,29 +33,14 @@ namespace {
 
 using kvcache::v1::CacheSpec;
 
-// A flag, or where it is empty the environment variable (tokens stay out of
-// the process list).
-std::string FlagOrEnv(const absl::Flag<std::string>& flag, const char* variable) {
-  std::string value = absl::GetFlag(flag);
-  if (const char* from_env = std::getenv(variable); value.empty() && from_env != nullptr) {
-    value = from_env;
-  }
-  return value;
-}
-
-std::string DemoToken() { return FlagOrEnv(FLAGS_token, "KVCACHE_TOKEN"); }
-
-// `options` with TLS where --tls_ca (or $KVCACHE_TLS_CA) names the CA that
-// signed kvcached's certificate: gRPC and the data lane both run TLS then.
-kvcache::ClientOptions WithTls(kvcache::ClientOptions options) {
-  const std::string ca_file = FlagOrEnv(FLAGS_tls_ca, "KVCACHE_TLS_CA");
-  if (ca_file.empty()) return options;
-  std::ifstream in(ca_file);
-  std::stringstream pem;
-  pem << in.rdbuf();
-  options.tls = true;
-  options.tls_root_certs_pem = pem.str();  // empty if unreadable: the handshake says so
-  return options;
+// The demo's tenant at --server, with TLS where --tls_ca (or
+// $KVCACHE_TLS_CA) names the CA that signed kvcached's certificate: gRPC and
+// the data lane both run TLS then.
+absl::StatusOr<kvcache::ClientOptions> DemoOptions() {
+  return kvcache::ClientOptionsFrom(
+      {.address = absl::GetFlag(FLAGS_server),
+       .token = kvcache::OrEnvironment(absl::GetFlag(FLAGS_token), "KVCACHE_TOKEN"),
+       .tls_ca_file = kvcache::OrEnvironment(absl::GetFlag(FLAGS_tls_ca), "KVCACHE_TLS_CA")});
 }
 
 constexpr uint32_t kLayers = 4;      // layers 0-2 standard, layer 3 a 128-token window
@@ -208,7 +191,7 @@ absl::Status ShowRetries(kvcache::Client& client, const std::string& cache_id) {
 // A snapshot leased for one second that no one names again runs out and is
 // released by the server; a pinned one would not.
 absl::Status ShowLeases(kvcache::Client& client, const std::string& cache_id) {
-  auto scratch = client.Snapshot(cache_id, 0, /*pinned=*/false, /*ttl_seconds=*/1);
+  auto scratch = client.Snapshot(cache_id, {.ttl_seconds = 1});
   if (!scratch.ok()) return scratch.status();
   auto pinned = client.SetPinned(scratch->snapshot_id(), true);
   if (!pinned.ok()) return pinned.status();
@@ -280,7 +263,7 @@ std::vector<uint32_t> Request(uint32_t system_tokens, uint32_t question_tokens, 
 // tokens it found cached; `restore_pages` gets the pages the restore took.
 absl::StatusOr<uint64_t> ServeRequest(kvcache::Client& worker, const std::vector<uint32_t>& tokens,
                                       int64_t& restore_pages) {
-  auto found = worker.LookupPrefix(ChatSpec(), tokens, /*ttl_seconds=*/60);
+  auto found = worker.LookupPrefix(ChatSpec(), tokens, {.ttl_seconds = 60});
   if (!found.ok()) return found.status();
   auto cache = worker.CreateCache(ChatSpec());
   if (!cache.ok()) return cache.status();
@@ -303,9 +286,9 @@ absl::StatusOr<uint64_t> ServeRequest(kvcache::Client& worker, const std::vector
   if (auto s = Verify(worker, cache->cache_id(), offset, /*last_is_window=*/false); !s.ok()) {
     return s;
   }
-  auto snapshot = worker.Snapshot(cache->cache_id(), 0);
+  auto snapshot = worker.Snapshot(cache->cache_id());
   if (!snapshot.ok()) return snapshot.status();
-  auto published = worker.PublishPrefix(snapshot->snapshot_id(), tokens, /*ttl_seconds=*/600);
+  auto published = worker.PublishPrefix(snapshot->snapshot_id(), tokens, {.ttl_seconds = 600});
   if (!published.ok()) return published.status();
   if (auto s = worker.ReleaseSnapshot(snapshot->snapshot_id()); !s.ok()) return s;
   if (auto s = worker.DeleteCache(cache->cache_id()); !s.ok()) return s;
@@ -315,14 +298,14 @@ absl::StatusOr<uint64_t> ServeRequest(kvcache::Client& worker, const std::vector
 // Two workers (two connections) answer questions after the same 512-token
 // system prompt: the second finds the first's K/V of it and streams only its
 // own tokens.
-absl::Status ShowPrefixSharing(const std::string& address, const std::string& data_lane) {
+absl::Status ShowPrefixSharing(const kvcache::ClientOptions& demo, const std::string& data_lane) {
   constexpr uint32_t kSystem = 512, kQuestion = 32;
   int64_t restore_pages = 0;
   for (uint32_t worker_index = 1; worker_index <= 2; ++worker_index) {
-    auto worker = kvcache::Client::Connect(WithTls({.address = address,
-                                                    .dedicated_connection = true,
-                                                    .data_lane = data_lane,
-                                                    .token = DemoToken()}));
+    kvcache::ClientOptions own = demo;
+    own.dedicated_connection = true;
+    own.data_lane = data_lane;
+    auto worker = kvcache::Client::Connect(own);
     const std::vector<uint32_t> tokens = Request(kSystem, kQuestion, worker_index);
     absl::PrintF("worker %d: a request of %d tokens (%d of system prompt, %d of its own)\n",
                  worker_index, tokens.size(), kSystem, kQuestion);
@@ -340,8 +323,7 @@ absl::Status ShowPrefixSharing(const std::string& address, const std::string& da
           worker_index, *cached, restore_pages, tokens.size() - *cached, tokens.size());
     }
   }
-  auto entries =
-      kvcache::Client::Connect(WithTls({.address = address, .token = DemoToken()}))->ListPrefixes();
+  auto entries = kvcache::Client::Connect(demo)->ListPrefixes();
   if (!entries.ok()) return entries.status();
   for (const auto& entry : *entries) {
     absl::PrintF("  prefix entry %s: %d tokens, %d KiB, %d hit(s)\n",
@@ -371,7 +353,7 @@ absl::Status ShowTiers(kvcache::Client& client) {
     if (auto s = Generate(client, cache->cache_id(), offset, kSessionTokens - 8, 8); !s.ok()) {
       return s;
     }
-    auto snapshot = client.Snapshot(cache->cache_id(), 0);
+    auto snapshot = client.Snapshot(cache->cache_id());
     if (!snapshot.ok()) return snapshot.status();
     snapshots.push_back(snapshot->snapshot_id());
     if (auto s = client.DeleteCache(cache->cache_id()); !s.ok()) return s;
@@ -410,11 +392,11 @@ absl::Status ShowTiers(kvcache::Client& client) {
 // What a second tenant sees of the demo's cache: nothing. Its lists are
 // empty and the demo's id is NOT_FOUND, as an id nobody holds would be; a
 // call without a token is UNAUTHENTICATED.
-absl::Status ShowTenants(const std::string& cache_id) {
-  const std::string other_token = FlagOrEnv(FLAGS_other_token, "KVCACHE_OTHER_TOKEN");
-  if (other_token.empty()) return absl::OkStatus();
-  const std::string address = absl::GetFlag(FLAGS_server);
-  auto other = kvcache::Client::Connect(WithTls({.address = address, .token = other_token}));
+absl::Status ShowTenants(const kvcache::ClientOptions& demo, const std::string& cache_id) {
+  kvcache::ClientOptions others = demo;
+  others.token = kvcache::OrEnvironment(absl::GetFlag(FLAGS_other_token), "KVCACHE_OTHER_TOKEN");
+  if (others.token.empty()) return absl::OkStatus();
+  auto other = kvcache::Client::Connect(others);
   auto stats = other->GetStats();
   if (!stats.ok()) return stats.status();
   auto caches = other->ListCaches();
@@ -425,8 +407,9 @@ absl::Status ShowTenants(const std::string& cache_id) {
   if (!absl::IsNotFound(theirs) || !caches->empty()) {
     return absl::InternalError("another tenant reached the demo's cache");
   }
-  const absl::Status anonymous =
-      kvcache::Client::Connect(WithTls({.address = address}))->ListCaches().status();
+  kvcache::ClientOptions tokenless = demo;
+  tokenless.token.clear();
+  const absl::Status anonymous = kvcache::Client::Connect(tokenless)->ListCaches().status();
   absl::PrintF("a call without a token: %s\n", anonymous.ToString());
   if (!absl::IsUnauthenticated(anonymous)) {
     return absl::InternalError("a call without a token was not refused");
@@ -436,15 +419,16 @@ absl::Status ShowTenants(const std::string& cache_id) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto client = kvcache::Client::Connect(WithTls({.address = absl::GetFlag(FLAGS_server),
-                                                  .data_lane = absl::GetFlag(FLAGS_data_lane),
-                                                  .token = DemoToken()}));
+  const absl::StatusOr<kvcache::ClientOptions> demo = DemoOptions();
+  if (Check(demo.status(), "options")) return 1;
+  kvcache::ClientOptions options = *demo;
+  options.data_lane = absl::GetFlag(FLAGS_data_lane);
+  auto client = kvcache::Client::Connect(options);
   if (Check(client->WaitForReady(absl::Seconds(30)), "connect")) return 1;
   absl::PrintF("connected to %s; Update and Fetch go over %s\n", absl::GetFlag(FLAGS_server),
                !client->uses_data_lane() ? "gRPC"
-               : FlagOrEnv(FLAGS_tls_ca, "KVCACHE_TLS_CA").empty()
-                   ? "the data lane (plain TCP)"
-                   : "the data lane (TLS 1.3, as gRPC)");
+               : !options.tls            ? "the data lane (plain TCP)"
+                                         : "the data lane (TLS 1.3, as gRPC)");
   auto cache = client->CreateCache(ToySpec());
   if (Check(cache.status(), "CreateCache")) return 1;
   const std::string id = cache->cache_id();
@@ -454,7 +438,7 @@ int main(int argc, char** argv) {
   uint64_t offset = 0;
   if (Check(Generate(*client, id, offset, 200, 56), "prefill/decode")) return 1;
   absl::PrintF("streamed a 200-token prefill and 56 decode steps: offset %d\n", offset);
-  auto snapshot = client->Snapshot(id, 0, /*pinned=*/false, /*ttl_seconds=*/600);
+  auto snapshot = client->Snapshot(id, {.ttl_seconds = 600});
   if (Check(snapshot.status(), "Snapshot")) return 1;
   absl::PrintF(
       "snapshot %s covers [0, %d), %d bytes of shared pages (no copy), leased for "
@@ -480,9 +464,8 @@ int main(int argc, char** argv) {
   }
 
   if (Check(ShowTiers(*client), "tiers")) return 1;
-  if (Check(ShowTenants(id), "tenants")) return 1;
-  if (Check(ShowPrefixSharing(absl::GetFlag(FLAGS_server), absl::GetFlag(FLAGS_data_lane)),
-            "prefix sharing")) {
+  if (Check(ShowTenants(*demo, id), "tenants")) return 1;
+  if (Check(ShowPrefixSharing(*demo, absl::GetFlag(FLAGS_data_lane)), "prefix sharing")) {
     return 1;
   }
 

@@ -1,41 +1,13 @@
 // kvcachectl: inspect and drive a kvcached from the shell.
 //
-//   kvcachectl [--server=host:port] stats
-//   kvcachectl caches
-//   kvcachectl snapshots [CACHE_ID]
-//   kvcachectl snapshot CACHE_ID [--from=N] [--pinned] [--ttl=SECONDS]
-//   kvcachectl restore CACHE_ID [SNAPSHOT_ID] --target=N     (no snapshot: rewind)
-//   kvcachectl release SNAPSHOT_ID
-//   kvcachectl pin SNAPSHOT_ID | unpin SNAPSHOT_ID
-//   kvcachectl renew ID...                                   (caches or snapshots)
-//   kvcachectl prefixes                                      (published prefixes)
-//   kvcachectl describe ID                                   (a cache or snapshot, every field)
-// Operators:
-//   kvcachectl health [SERVICE]        (grpc.health.v1; exit 0 only when SERVING)
-//   kvcachectl metrics [FILTER...] --metrics=HOST:PORT         (kvcached --metrics_listen)
-//   kvcachectl kv-events [FROM] [--json] --kv_events_replay=tcp://HOST:PORT
-//       [--kv_events_server_key=Z85 --kv_events_curve_key_file=FILE]
-//       (the KV events a replica still buffers, from batch FROM: what a
-//       vLLM-style router has been told; with CURVE where the replica uses it)
-//   kvcachectl curve-keypair SECRET_FILE
-//       (a new CURVE pair: the secret key into SECRET_FILE, mode 600; the
-//       public key printed, for the replica's or subscriber's list)
-// Prompt-cache files (mlx-lm save_prompt_cache layout):
-//   kvcachectl save SNAPSHOT_ID FILE [--metadata=k=v,...]    (to this machine)
-//   kvcachectl load FILE [--name=NAME] [--pinned] [--ttl=S]  (from this machine)
-//   kvcachectl saved                                         (the server's data dir)
-//   kvcachectl store SNAPSHOT_ID NAME [--metadata=k=v,...] | load-saved NAME
-//   kvcachectl download NAME FILE | delete-saved NAME
-//   kvcachectl pull SNAPSHOT_ID [--pinned] [--ttl=S]  (the server copies a peer's snapshot)
-// A fleet (client/sharded_client.h), --peers=NAME=HOST:PORT,... or dns:HOST:PORT,
-// or the replicas etcd lists (--etcd_endpoints=HOST:PORT,...):
-//   replicas lists them; stats, caches, snapshots, prefixes, saved and health ask every replica;
-//   commands naming an id go to the replica the id names (restore from a
-//   snapshot of another replica copies it over); load, load-saved, download,
-//   delete-saved and pull go to --replica=NAME.
+//   kvcachectl [--server=HOST:PORT | --peers=... | --etcd_endpoints=...] COMMAND [ARGS]
+//
+// The commands are kCommands below: each one's usage line (which `kvcachectl`
+// alone prints, and its usage error repeats), what it does, and where it runs,
+// on one kvcached or over a fleet (client/sharded_client.h: --peers=NAME=
+// HOST:PORT,... or dns:HOST:PORT, or the replicas etcd lists).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -54,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "kvcache_client.h"
 #include "sharded_client.h"
+#include "tools/connection_flags.h"
 #include "tools/http_get.h"
 #include "tools/kv_event_replay.h"
 #include "wire/curve/curve_keys.h"
@@ -112,37 +85,13 @@ std::string Bytes(uint64_t bytes) {
   return absl::StrFormat("%d B", bytes);
 }
 
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
-  if (path.empty()) return std::string();
-  std::ifstream in(path);
-  std::stringstream text;
-  if (in) text << in.rdbuf();
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  return text.str();
-}
-
-// --tls and the PEM files it reads.
-absl::StatusOr<kvcache::ClientOptions> TlsOptions() {
-  kvcache::ClientOptions options;
-  options.tls = absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty();
-  if (!options.tls) return options;
-  absl::StatusOr<std::string> ca = ReadPem(absl::GetFlag(FLAGS_tls_ca), "tls_ca");
-  absl::StatusOr<std::string> cert = ReadPem(absl::GetFlag(FLAGS_tls_cert), "tls_cert");
-  absl::StatusOr<std::string> key = ReadPem(absl::GetFlag(FLAGS_tls_key), "tls_key");
-  for (const auto* read : {&ca, &cert, &key}) {
-    if (!read->ok()) return read->status();
-  }
-  options.tls_root_certs_pem = *ca;
-  options.tls_client_cert_pem = *cert;
-  options.tls_client_key_pem = *key;
-  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
-  return options;
-}
-
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "kvcachectl: %s\n", status.ToString().c_str());
   return 1;
 }
+
+// The command's usage line (from kCommands) as its error.
+int Usage(const Args& args);
 
 // "never", or how long until the lease runs out.
 std::string Expiry(bool has_expiry, const google::protobuf::Timestamp& expires_at) {
@@ -182,7 +131,7 @@ std::string PrefixTotals(const kvcache::v1::Stats& stats) {
       stats.prefix_matched_tokens(), stats.prefix_entries_dropped());
 }
 
-int Stats(kvcache::Client& client) {
+int Stats(kvcache::Client& client, const Args&) {
   auto stats = client.GetStats();
   if (!stats.ok()) return Fail(stats.status());
   std::printf("device        %s (%s transfers)\n", stats->device().c_str(),
@@ -249,7 +198,7 @@ int Stats(kvcache::Client& client) {
 }
 
 // Every published prefix, then the totals (shared pages count once there).
-int Prefixes(kvcache::Client& client) {
+int Prefixes(kvcache::Client& client, const Args&) {
   auto entries = client.ListPrefixes();
   if (!entries.ok()) return Fail(entries.status());
   auto stats = client.GetStats();
@@ -267,8 +216,8 @@ int Prefixes(kvcache::Client& client) {
   return 0;
 }
 
-int Caches(kvcache::Client& client) {
-  auto caches = client.ListCaches(absl::GetFlag(FLAGS_tenant));
+int Caches(kvcache::Client& client, const Args&) {
+  auto caches = client.ListCaches({.tenant = absl::GetFlag(FLAGS_tenant)});
   if (!caches.ok()) return Fail(caches.status());
   std::printf("%-32s  %6s  %8s  %-9s  %10s  %-8s  %s\n", "CACHE", "LAYERS", "OFFSET", "STATE",
               "SIZE", "EXPIRES", "MODEL");
@@ -277,8 +226,8 @@ int Caches(kvcache::Client& client) {
 }
 
 int Snapshots(kvcache::Client& client, const Args& args) {
-  auto snapshots =
-      client.ListSnapshots(args.size() > 1 ? args[1] : "", absl::GetFlag(FLAGS_tenant));
+  auto snapshots = client.ListSnapshots(
+      {.cache_id = args.size() > 1 ? args[1] : "", .tenant = absl::GetFlag(FLAGS_tenant)});
   if (!snapshots.ok()) return Fail(snapshots.status());
   std::printf("%-32s  %-32s  %-20s  %10s  %-8s  %-6s  %s\n", "SNAPSHOT", "CACHE", "TOKENS", "SIZE",
               "EXPIRES", "PIN", "WHERE");
@@ -290,9 +239,9 @@ int Snapshots(kvcache::Client& client, const Args& args) {
 int Evict(kvcache::Client& client, const Args& args) {
   uint64_t bytes = 0;
   if (args.size() > 2 || (args.size() == 2 && !absl::SimpleAtoi(args[1], &bytes))) {
-    return Fail(absl::InvalidArgumentError("usage: evict [BYTES] [--tenant=NAME]"));
+    return Usage(args);
   }
-  auto evicted = client.EvictSnapshots(bytes, absl::GetFlag(FLAGS_tenant));
+  auto evicted = client.EvictSnapshots({.bytes = bytes, .tenant = absl::GetFlag(FLAGS_tenant)});
   if (!evicted.ok()) return Fail(evicted.status());
   std::printf("moved %llu pages (%s) off the device\n",
               static_cast<unsigned long long>(evicted->pages_moved()),
@@ -301,9 +250,10 @@ int Evict(kvcache::Client& client, const Args& args) {
 }
 
 int Snapshot(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: snapshot CACHE_ID"));
-  auto snapshot = client.Snapshot(args[1], absl::GetFlag(FLAGS_from), absl::GetFlag(FLAGS_pinned),
-                                  absl::GetFlag(FLAGS_ttl));
+  if (args.size() != 2) return Usage(args);
+  auto snapshot = client.Snapshot(args[1], {.from_offset = absl::GetFlag(FLAGS_from),
+                                            .pinned = absl::GetFlag(FLAGS_pinned),
+                                            .ttl_seconds = absl::GetFlag(FLAGS_ttl)});
   if (!snapshot.ok()) return Fail(snapshot.status());
   PrintSnapshot(*snapshot);
   return 0;
@@ -312,7 +262,7 @@ int Snapshot(kvcache::Client& client, const Args& args) {
 int Restore(kvcache::Client& client, const Args& args) {
   const int64_t target = absl::GetFlag(FLAGS_target);
   if (args.size() < 2 || args.size() > 3 || target < 0) {
-    return Fail(absl::InvalidArgumentError("usage: restore CACHE_ID [SNAPSHOT_ID] --target=N"));
+    return Usage(args);
   }
   auto cache = client.Restore(args[1], args.size() == 3 ? args[2] : "", target);
   if (!cache.ok()) return Fail(cache.status());
@@ -321,27 +271,27 @@ int Restore(kvcache::Client& client, const Args& args) {
 }
 
 int Release(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: release SNAPSHOT_ID"));
+  if (args.size() != 2) return Usage(args);
   if (auto status = client.ReleaseSnapshot(args[1]); !status.ok()) return Fail(status);
   std::printf("released %s\n", args[1]);
   return 0;
 }
 
-int Pin(kvcache::Client& client, const Args& args, bool pinned) {
-  if (args.size() != 2) {
-    return Fail(
-        absl::InvalidArgumentError(pinned ? "usage: pin SNAPSHOT_ID" : "usage: unpin SNAPSHOT_ID"));
-  }
+int SetPinned(kvcache::Client& client, const Args& args, bool pinned) {
+  if (args.size() != 2) return Usage(args);
   auto snapshot = client.SetPinned(args[1], pinned);
   if (!snapshot.ok()) return Fail(snapshot.status());
   PrintSnapshot(*snapshot);
   return 0;
 }
 
+int Pin(kvcache::Client& client, const Args& args) { return SetPinned(client, args, true); }
+int Unpin(kvcache::Client& client, const Args& args) { return SetPinned(client, args, false); }
+
 // Renews each id's lease, as a snapshot if the server lists one by that id,
 // else as a cache.
 int Renew(kvcache::Client& client, const Args& args) {
-  if (args.size() < 2) return Fail(absl::InvalidArgumentError("usage: renew ID..."));
+  if (args.size() < 2) return Usage(args);
   auto snapshots = client.ListSnapshots();
   if (!snapshots.ok()) return Fail(snapshots.status());
   std::vector<std::string> cache_ids, snapshot_ids;
@@ -398,7 +348,7 @@ absl::Status WriteLocalFile(const std::string& path, const std::string& bytes) {
 }
 
 int Save(kvcache::Client& client, const Args& args) {
-  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: save SNAPSHOT_ID FILE"));
+  if (args.size() != 3) return Usage(args);
   kvcache::v1::ExportSnapshotRequest request;
   request.set_snapshot_id(args[1]);
   const std::map<std::string, std::string> metadata = MetadataFlag();
@@ -411,7 +361,7 @@ int Save(kvcache::Client& client, const Args& args) {
 }
 
 int Download(kvcache::Client& client, const Args& args) {
-  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: download NAME FILE"));
+  if (args.size() != 3) return Usage(args);
   kvcache::v1::ExportSnapshotRequest request;
   request.set_name(args[1]);
   auto file = client.ExportSnapshot(request);
@@ -422,7 +372,7 @@ int Download(kvcache::Client& client, const Args& args) {
 }
 
 int Load(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: load FILE"));
+  if (args.size() != 2) return Usage(args);
   std::ifstream in(args[1], std::ios::binary);
   if (!in) return Fail(absl::NotFoundError(absl::StrCat(args[1], ": cannot open")));
   std::stringstream bytes;
@@ -439,14 +389,15 @@ int Load(kvcache::Client& client, const Args& args) {
 
 // The server copies a snapshot of another replica of its fleet (its peer).
 int Pull(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: pull SNAPSHOT_ID"));
-  auto pulled = client.PullSnapshot(args[1], absl::GetFlag(FLAGS_pinned), absl::GetFlag(FLAGS_ttl));
+  if (args.size() != 2) return Usage(args);
+  auto pulled = client.PullSnapshot(
+      args[1], {.pinned = absl::GetFlag(FLAGS_pinned), .ttl_seconds = absl::GetFlag(FLAGS_ttl)});
   if (!pulled.ok()) return Fail(pulled.status());
   PrintLoaded(*pulled);
   return 0;
 }
 
-int Saved(kvcache::Client& client) {
+int Saved(kvcache::Client& client, const Args&) {
   auto files = client.ListSaved();
   if (!files.ok()) return Fail(files.status());
   std::printf("%-40s  %10s  %s\n", "NAME", "SIZE", "WRITTEN");
@@ -455,7 +406,7 @@ int Saved(kvcache::Client& client) {
 }
 
 int Store(kvcache::Client& client, const Args& args) {
-  if (args.size() != 3) return Fail(absl::InvalidArgumentError("usage: store SNAPSHOT_ID NAME"));
+  if (args.size() != 3) return Usage(args);
   auto saved = client.SaveSnapshot(args[1], args[2], MetadataFlag());
   if (!saved.ok()) return Fail(saved.status());
   PrintSaved(*saved);
@@ -463,16 +414,16 @@ int Store(kvcache::Client& client, const Args& args) {
 }
 
 int LoadSaved(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: load-saved NAME"));
-  auto loaded =
-      client.LoadSnapshot(args[1], absl::GetFlag(FLAGS_pinned), absl::GetFlag(FLAGS_ttl));
+  if (args.size() != 2) return Usage(args);
+  auto loaded = client.LoadSnapshot(
+      args[1], {.pinned = absl::GetFlag(FLAGS_pinned), .ttl_seconds = absl::GetFlag(FLAGS_ttl)});
   if (!loaded.ok()) return Fail(loaded.status());
   PrintLoaded(*loaded);
   return 0;
 }
 
 int DeleteSaved(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: delete-saved NAME"));
+  if (args.size() != 2) return Usage(args);
   if (auto status = client.DeleteSaved(args[1]); !status.ok()) return Fail(status);
   std::printf("deleted %s\n", args[1]);
   return 0;
@@ -480,7 +431,7 @@ int DeleteSaved(kvcache::Client& client, const Args& args) {
 
 // Exit 0 only when SERVING, so that it serves as a container's health check.
 int Health(kvcache::Client& client, const Args& args) {
-  if (args.size() > 2) return Fail(absl::InvalidArgumentError("usage: health [SERVICE]"));
+  if (args.size() > 2) return Usage(args);
   const std::string service = args.size() == 2 ? args[1] : "kvcache.v1.KvCacheService";
   absl::StatusOr<bool> serving = client.Serving(service);
   if (!serving.ok()) return Fail(serving.status());
@@ -507,7 +458,7 @@ int Metrics(const Args& args) {
 // A new CURVE pair: the secret key into args[1] (never printed), the public
 // key on stdout.
 int CurveKeypair(const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: curve-keypair SECRET_FILE"));
+  if (args.size() != 2) return Usage(args);
   absl::StatusOr<kvcache::curve::KeyPair> pair = kvcache::curve::NewKeyPair();
   if (!pair.ok()) return Fail(pair.status());
   if (absl::Status written = kvcache::curve::WriteSecretKeyFile(args[1], pair->secret_key);
@@ -523,7 +474,7 @@ int CurveKeypair(const Args& args) {
 int KvEvents(const Args& args) {
   uint64_t from = 0;
   if (args.size() > 2 || (args.size() == 2 && !absl::SimpleAtoi(args[1], &from))) {
-    return Fail(absl::InvalidArgumentError("usage: kv-events [FROM_SEQUENCE]"));
+    return Usage(args);
   }
   kvcache::KvEventCurve curve{.server_key = absl::GetFlag(FLAGS_kv_events_server_key)};
   const std::string key_file = absl::GetFlag(FLAGS_kv_events_curve_key_file);
@@ -558,7 +509,7 @@ int KvEvents(const Args& args) {
 
 // Every field of a cache, or of a snapshot, by its id.
 int Describe(kvcache::Client& client, const Args& args) {
-  if (args.size() != 2) return Fail(absl::InvalidArgumentError("usage: describe ID"));
+  if (args.size() != 2) return Usage(args);
   absl::StatusOr<kvcache::v1::CacheInfo> cache = client.GetCache(args[1]);
   if (cache.ok()) {
     std::printf("cache %s\n%s", args[1], cache->Utf8DebugString().c_str());
@@ -575,12 +526,9 @@ int Describe(kvcache::Client& client, const Args& args) {
   return Fail(absl::NotFoundError(absl::StrCat("no cache or snapshot ", args[1])));
 }
 
-}  // namespace
-
-int OnServer(kvcache::Client& client, const Args& args);
-
-// A command over a fleet (--peers or --etcd_endpoints): see the file's comment.
-int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
+// The fleet of --peers or --etcd_endpoints, its clients made with `options`.
+absl::StatusOr<std::unique_ptr<kvcache::ShardedClient>> ConnectFleet(
+    const kvcache::ClientOptions& options) {
   kvcache::ShardedClientOptions fleet_options{
       .etcd = {.endpoints = absl::GetFlag(FLAGS_etcd_endpoints),
                .prefix = absl::GetFlag(FLAGS_etcd_prefix),
@@ -596,126 +544,261 @@ int OnFleet(const kvcache::ClientOptions& options, const Args& args) {
   if (!absl::GetFlag(FLAGS_peers).empty()) {
     absl::StatusOr<std::vector<kvcache::Replica>> replicas =
         kvcache::ParsePeers(absl::GetFlag(FLAGS_peers));
-    if (!replicas.ok()) return Fail(replicas.status());
+    if (!replicas.ok()) return replicas.status();
     fleet_options.replicas = *replicas;
   }
-  absl::StatusOr<std::unique_ptr<kvcache::ShardedClient>> fleet =
-      kvcache::ShardedClient::Connect(fleet_options);
-  if (!fleet.ok()) return Fail(fleet.status());
-  const std::string command = args[0];
-  if (command == "replicas") {
-    for (size_t i = 0; i < (*fleet)->size(); ++i) {
-      const kvcache::Replica replica = (*fleet)->replica(i);
-      std::printf("%s %s\n", replica.name.c_str(), replica.address.c_str());
-    }
-    return 0;
-  }
-  const bool everywhere = command == "stats" || command == "caches" || command == "prefixes" ||
-                          command == "saved" || command == "health" || command == "evict" ||
-                          (command == "snapshots" && args.size() == 1);
-  if (everywhere) {
-    int worst = 0;
-    for (size_t i = 0; i < (*fleet)->size(); ++i) {
-      std::printf("== replica %s (%s)\n", (*fleet)->replica(i).name.c_str(),
-                  (*fleet)->replica(i).address.c_str());
-      worst = std::max(worst, OnServer((*fleet)->client(i), args));
-    }
-    return worst;
-  }
-  if (command == "load" || command == "load-saved" || command == "download" ||
-      command == "delete-saved" || command == "pull") {
-    const std::string wanted = absl::GetFlag(FLAGS_replica);
-    for (size_t i = 0; i < (*fleet)->size(); ++i) {
-      if ((*fleet)->replica(i).name == wanted) return OnServer((*fleet)->client(i), args);
-    }
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("replica: with --peers, ", command, " needs --replica=NAME of the fleet")));
-  }
-  if (command == "restore" && args.size() == 3 && absl::GetFlag(FLAGS_target) >= 0) {
-    auto cache = (*fleet)->Restore(args[1], args[2], absl::GetFlag(FLAGS_target));
-    if (!cache.ok()) return Fail(cache.status());
-    PrintCache(*cache);
-    return 0;
-  }
-  if (command == "renew") {
-    int worst = 0;
-    for (size_t i = 1; i < args.size(); ++i) {
-      absl::StatusOr<kvcache::Client*> owner = (*fleet)->Owner(args[i]);
-      worst = std::max(worst,
-                       owner.ok() ? OnServer(**owner, {args[0], args[i]}) : Fail(owner.status()));
-    }
-    return worst;
-  }
-  if (args.size() < 2) return OnServer((*fleet)->client(0), args);  // its usage message
-  absl::StatusOr<kvcache::Client*> owner = (*fleet)->Owner(args[1]);
-  if (!owner.ok()) return Fail(owner.status());
-  return OnServer(**owner, args);
+  return kvcache::ShardedClient::Connect(fleet_options);
 }
 
+using ServerCommand = int (*)(kvcache::Client&, const Args&);
+using FleetCommand = int (*)(kvcache::ShardedClient&, const Args&);
+using LocalCommand = int (*)(const Args&);
+
+// Each replica in turn, under a header naming it; the worst exit code.
+int OnEveryReplica(kvcache::ShardedClient& fleet, ServerCommand run, const Args& args) {
+  int worst = 0;
+  for (size_t i = 0; i < fleet.size(); ++i) {
+    std::printf("== replica %s (%s)\n", fleet.replica(i).name.c_str(),
+                fleet.replica(i).address.c_str());
+    worst = std::max(worst, run(fleet.client(i), args));
+  }
+  return worst;
+}
+
+// On the replica the id (args[1]) names.
+int OnIdsReplica(kvcache::ShardedClient& fleet, ServerCommand run, const Args& args) {
+  if (args.size() < 2) return Usage(args);
+  absl::StatusOr<kvcache::Client*> owner = fleet.Owner(args[1]);
+  if (!owner.ok()) return Fail(owner.status());
+  return run(**owner, args);
+}
+
+// On the replica --replica names.
+int OnNamedReplica(kvcache::ShardedClient& fleet, ServerCommand run, const Args& args) {
+  const std::string wanted = absl::GetFlag(FLAGS_replica);
+  for (size_t i = 0; i < fleet.size(); ++i) {
+    if (fleet.replica(i).name == wanted) return run(fleet.client(i), args);
+  }
+  return Fail(absl::InvalidArgumentError(
+      absl::StrCat("replica: with --peers, ", args[0], " needs --replica=NAME of the fleet")));
+}
+
+int Replicas(kvcache::ShardedClient& fleet, const Args&) {
+  for (size_t i = 0; i < fleet.size(); ++i) {
+    const kvcache::Replica replica = fleet.replica(i);
+    std::printf("%s %s\n", replica.name.c_str(), replica.address.c_str());
+  }
+  return 0;
+}
+
+// From a snapshot of another replica, the fleet copies it over first.
+int RestoreOnFleet(kvcache::ShardedClient& fleet, const Args& args) {
+  if (args.size() != 3 || absl::GetFlag(FLAGS_target) < 0) {
+    return OnIdsReplica(fleet, Restore, args);
+  }
+  auto cache = fleet.Restore(args[1], args[2], absl::GetFlag(FLAGS_target));
+  if (!cache.ok()) return Fail(cache.status());
+  PrintCache(*cache);
+  return 0;
+}
+
+// Each id on the replica it names.
+int RenewOnFleet(kvcache::ShardedClient& fleet, const Args& args) {
+  if (args.size() < 2) return Usage(args);
+  int worst = 0;
+  for (size_t i = 1; i < args.size(); ++i) {
+    absl::StatusOr<kvcache::Client*> owner = fleet.Owner(args[i]);
+    worst = std::max(worst, owner.ok() ? Renew(**owner, {args[0], args[i]}) : Fail(owner.status()));
+  }
+  return worst;
+}
+
+// Where a command runs: here, or on one kvcached (--server); over a fleet
+// (--peers or --etcd_endpoints), on which of its replicas.
+enum class Runs {
+  kHere,                     // this machine, or an endpoint of its own flag: no kvcached client
+  kOnlyOverAFleet,           // needs --peers or --etcd_endpoints
+  kOnEveryReplica,           // each replica in turn
+  kOnEveryReplicaWithoutId,  // each replica, or with an id the replica it names
+  kOnIdsReplica,             // the replica its id (the first argument) names
+  kOnNamedReplica,           // --replica=NAME
+};
+
+struct Command {
+  const char* name;
+  const char* usage;  // its arguments and flags, after the name
+  Runs runs;
+  ServerCommand on_server = nullptr;
+  // Over a fleet in place of `runs`' choice of replicas; for kOnlyOverAFleet, the command.
+  FleetCommand on_fleet = nullptr;
+  LocalCommand here = nullptr;  // for kHere
+};
+
+// Every command, in the order the usage lists them.
+constexpr Command kCommands[] = {
+    {.name = "replicas", .usage = "", .runs = Runs::kOnlyOverAFleet, .on_fleet = Replicas},
+    {.name = "stats", .usage = "", .runs = Runs::kOnEveryReplica, .on_server = Stats},
+    {.name = "caches",
+     .usage = "[--tenant=NAME]",
+     .runs = Runs::kOnEveryReplica,
+     .on_server = Caches},
+    {.name = "snapshots",
+     .usage = "[CACHE] [--tenant=NAME]",
+     .runs = Runs::kOnEveryReplicaWithoutId,
+     .on_server = Snapshots},
+    // Idle snapshots' device pages down a tier now (all of them without BYTES).
+    {.name = "evict",
+     .usage = "[BYTES] [--tenant=NAME]",
+     .runs = Runs::kOnEveryReplica,
+     .on_server = Evict},
+    {.name = "snapshot",
+     .usage = "CACHE [--from=N] [--pinned] [--ttl=S]",
+     .runs = Runs::kOnIdsReplica,
+     .on_server = Snapshot},
+    // Without a snapshot, rewinds the live cache.
+    {.name = "restore",
+     .usage = "CACHE [SNAPSHOT] --target=N",
+     .runs = Runs::kOnIdsReplica,
+     .on_server = Restore,
+     .on_fleet = RestoreOnFleet},
+    {.name = "release", .usage = "SNAPSHOT", .runs = Runs::kOnIdsReplica, .on_server = Release},
+    {.name = "pin", .usage = "SNAPSHOT", .runs = Runs::kOnIdsReplica, .on_server = Pin},
+    {.name = "unpin", .usage = "SNAPSHOT", .runs = Runs::kOnIdsReplica, .on_server = Unpin},
+    // Caches' or snapshots' leases.
+    {.name = "renew",
+     .usage = "ID...",
+     .runs = Runs::kOnIdsReplica,
+     .on_server = Renew,
+     .on_fleet = RenewOnFleet},
+    // The published prefixes.
+    {.name = "prefixes", .usage = "", .runs = Runs::kOnEveryReplica, .on_server = Prefixes},
+    // Prompt-cache files (mlx-lm's save_prompt_cache layout): to this machine.
+    {.name = "save",
+     .usage = "SNAPSHOT FILE [--metadata=k=v,...]",
+     .runs = Runs::kOnIdsReplica,
+     .on_server = Save},
+    // From this machine (--pinned, --ttl=S too).
+    {.name = "load",
+     .usage = "FILE [--name=NAME]",
+     .runs = Runs::kOnNamedReplica,
+     .on_server = Load},
+    // The server copies a peer's snapshot itself.
+    {.name = "pull",
+     .usage = "SNAPSHOT [--pinned] [--ttl=S]",
+     .runs = Runs::kOnNamedReplica,
+     .on_server = Pull},
+    // The files in the server's data dir.
+    {.name = "saved", .usage = "", .runs = Runs::kOnEveryReplica, .on_server = Saved},
+    // Into the server's data dir (--metadata=k=v,... too).
+    {.name = "store", .usage = "SNAPSHOT NAME", .runs = Runs::kOnIdsReplica, .on_server = Store},
+    {.name = "load-saved", .usage = "NAME", .runs = Runs::kOnNamedReplica, .on_server = LoadSaved},
+    {.name = "download",
+     .usage = "NAME FILE",
+     .runs = Runs::kOnNamedReplica,
+     .on_server = Download},
+    {.name = "delete-saved",
+     .usage = "NAME",
+     .runs = Runs::kOnNamedReplica,
+     .on_server = DeleteSaved},
+    // Every field of a cache or a snapshot.
+    {.name = "describe", .usage = "ID", .runs = Runs::kOnIdsReplica, .on_server = Describe},
+    // grpc.health.v1; exit 0 only when SERVING.
+    {.name = "health", .usage = "[SERVICE]", .runs = Runs::kOnEveryReplica, .on_server = Health},
+    // kvcached's Prometheus endpoint (its --metrics_listen).
+    {.name = "metrics",
+     .usage = "[FILTER] [--metrics=HOST:PORT]",
+     .runs = Runs::kHere,
+     .here = Metrics},
+    // The KV events a replica still buffers, from batch FROM: what a vLLM-style
+    // router has been told (--json, --kv_events_replay=tcp://HOST:PORT; with
+    // CURVE, --kv_events_server_key=Z85 --kv_events_curve_key_file=FILE).
+    {.name = "kv-events", .usage = "[FROM]", .runs = Runs::kHere, .here = KvEvents},
+    // A new CURVE pair: the secret key into SECRET_FILE (mode 600), the public
+    // key printed, for a replica's or a subscriber's list.
+    {.name = "curve-keypair", .usage = "SECRET_FILE", .runs = Runs::kHere, .here = CurveKeypair},
+};
+
+const Command* FindCommand(absl::string_view name) {
+  for (const Command& command : kCommands) {
+    if (name == command.name) return &command;
+  }
+  return nullptr;
+}
+
+std::string UsageLine(const Command& command) {
+  return *command.usage == '\0' ? command.name : absl::StrCat(command.name, " ", command.usage);
+}
+
+int Usage(const Args& args) {
+  return Fail(
+      absl::InvalidArgumentError(absl::StrCat("usage: ", UsageLine(*FindCommand(args[0])))));
+}
+
+// The program's usage: the connection flags, then every command's line.
+std::string ProgramUsage() {
+  std::vector<std::string> lines;
+  for (const Command& command : kCommands) lines.push_back(UsageLine(command));
+  return absl::StrCat(
+      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,... | --etcd_endpoints=HOST:PORT,...] ",
+      absl::StrJoin(lines, " | "));
+}
+
+int OnFleet(const Command& command, const kvcache::ClientOptions& options, const Args& args) {
+  absl::StatusOr<std::unique_ptr<kvcache::ShardedClient>> fleet = ConnectFleet(options);
+  if (!fleet.ok()) return Fail(fleet.status());
+  if (command.on_fleet != nullptr) return command.on_fleet(**fleet, args);
+  switch (command.runs) {
+    case Runs::kOnEveryReplicaWithoutId:
+      if (args.size() > 1) return OnIdsReplica(**fleet, command.on_server, args);
+      return OnEveryReplica(**fleet, command.on_server, args);
+    case Runs::kOnEveryReplica:
+      return OnEveryReplica(**fleet, command.on_server, args);
+    case Runs::kOnNamedReplica:
+      return OnNamedReplica(**fleet, command.on_server, args);
+    default:
+      return OnIdsReplica(**fleet, command.on_server, args);
+  }
+}
+
+// The connection flags' ClientOptions; the token from $KVCACHE_TOKEN where
+// --token is empty.
+absl::StatusOr<kvcache::ClientOptions> OptionsFromFlags() {
+  return kvcache::ClientOptionsFrom(
+      {.address = absl::GetFlag(FLAGS_server),
+       .token = kvcache::OrEnvironment(absl::GetFlag(FLAGS_token), "KVCACHE_TOKEN"),
+       .tls = absl::GetFlag(FLAGS_tls),
+       .tls_ca_file = absl::GetFlag(FLAGS_tls_ca),
+       .tls_cert_file = absl::GetFlag(FLAGS_tls_cert),
+       .tls_key_file = absl::GetFlag(FLAGS_tls_key),
+       .tls_server_name = absl::GetFlag(FLAGS_tls_server_name)});
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "kvcachectl [--server=ADDR | --peers=NAME=ADDR,... | --etcd_endpoints=HOST:PORT,...] "
-      "replicas | stats | caches [--tenant=NAME] | "
-      "snapshots [CACHE] [--tenant=NAME] | evict [BYTES] [--tenant=NAME] | "
-      "snapshot CACHE [--from=N] "
-      "[--pinned] [--ttl=S] | restore CACHE [SNAPSHOT] --target=N | release SNAPSHOT | pin "
-      "SNAPSHOT "
-      "| unpin SNAPSHOT | renew ID... | prefixes | save SNAPSHOT FILE [--metadata=k=v,...] | load "
-      "FILE "
-      "[--name=NAME] | pull SNAPSHOT [--pinned] [--ttl=S] | saved | store SNAPSHOT NAME | "
-      "load-saved NAME | download NAME FILE | "
-      "delete-saved NAME | describe ID | health [SERVICE] | metrics [FILTER] "
-      "[--metrics=HOST:PORT] | kv-events [FROM] | curve-keypair SECRET_FILE");
+  const std::string usage = ProgramUsage();
+  absl::SetProgramUsageMessage(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   args.erase(args.begin());
   if (args.empty()) {
-    std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
+    std::fprintf(stderr, "%s\n", usage.c_str());
     return 2;
   }
-  std::string token = absl::GetFlag(FLAGS_token);
-  if (const char* from_env = std::getenv("KVCACHE_TOKEN"); token.empty() && from_env != nullptr) {
-    token = from_env;
+  const Command* command = FindCommand(args[0]);
+  if (command == nullptr) {
+    std::fprintf(stderr, "kvcachectl: unknown command \"%s\"\n%s\n", args[0], usage.c_str());
+    return 2;
   }
-  absl::StatusOr<kvcache::ClientOptions> options = TlsOptions();
+  absl::StatusOr<kvcache::ClientOptions> options = OptionsFromFlags();
   if (!options.ok()) return Fail(options.status());
-  options->address = absl::GetFlag(FLAGS_server);
-  options->token = token;
-  const std::string command = args[0];
-  if (command == "metrics") return Metrics(args);
-  if (command == "kv-events") return KvEvents(args);
-  if (command == "curve-keypair") return CurveKeypair(args);
+  if (command->runs == Runs::kHere) return command->here(args);
   if (!absl::GetFlag(FLAGS_peers).empty() || !absl::GetFlag(FLAGS_etcd_endpoints).empty()) {
-    return OnFleet(*options, args);
+    return OnFleet(*command, *options, args);
+  }
+  if (command->runs == Runs::kOnlyOverAFleet) {
+    std::fprintf(stderr, "kvcachectl: %s needs a fleet: --peers or --etcd_endpoints\n", args[0]);
+    return 2;
   }
   auto client = kvcache::Client::Connect(*options);
-  return OnServer(*client, args);
-}
-
-int OnServer(kvcache::Client& server, const Args& args) {
-  const std::string command = args[0];
-  kvcache::Client* client = &server;
-  if (command == "stats") return Stats(*client);
-  if (command == "health") return Health(*client, args);
-  if (command == "describe") return Describe(*client, args);
-  if (command == "caches") return Caches(*client);
-  if (command == "snapshots") return Snapshots(*client, args);
-  if (command == "snapshot") return Snapshot(*client, args);
-  if (command == "evict") return Evict(*client, args);
-  if (command == "restore") return Restore(*client, args);
-  if (command == "release") return Release(*client, args);
-  if (command == "pin") return Pin(*client, args, true);
-  if (command == "unpin") return Pin(*client, args, false);
-  if (command == "renew") return Renew(*client, args);
-  if (command == "prefixes") return Prefixes(*client);
-  if (command == "save") return Save(*client, args);
-  if (command == "load") return Load(*client, args);
-  if (command == "pull") return Pull(*client, args);
-  if (command == "saved") return Saved(*client);
-  if (command == "store") return Store(*client, args);
-  if (command == "load-saved") return LoadSaved(*client, args);
-  if (command == "download") return Download(*client, args);
-  if (command == "delete-saved") return DeleteSaved(*client, args);
-  std::fprintf(stderr, "kvcachectl: unknown command \"%s\"\n%s\n", command.c_str(),
-               absl::ProgramUsageMessage().data());
-  return 2;
+  return command->on_server(*client, args);
 }

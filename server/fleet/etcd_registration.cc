@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
@@ -39,16 +38,12 @@ etcdserverpb::TxnRequest PutIf(const Compare& compare, const std::string& key,
   return txn;
 }
 
-// host:port with a port; whether the host is a loopback one.
+// host:port that clients connect to; whether the host is a loopback one.
 absl::StatusOr<bool> CheckAdvertised(absl::string_view address) {
-  const size_t colon = address.rfind(':');
-  uint32_t port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("advertise_address: \"", address.substr(0, 64), "\" is not host:port"));
-  }
-  return net::IsLoopbackHost(std::string(address.substr(0, colon)));
+  absl::StatusOr<net::HostPort> advertised =
+      net::ParseHostPort(address, "advertise_address", net::AddressUse::kConnect);
+  if (!advertised.ok()) return advertised.status();
+  return net::IsLoopbackHost(advertised->host);
 }
 
 }  // namespace

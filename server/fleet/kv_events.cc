@@ -53,6 +53,19 @@ size_t QueuedBytes(const BlockEvent& event) {
 constexpr char kZapEndpoint[] = "inproc://zeromq.zap.01";
 constexpr char kZapDomain[] = "kvcached-kv-events";
 
+// The HOST:PORT of a tcp:// endpoint to bind, by the one rule for listening
+// (wire/net/address.h): ZeroMQ's "*" port (any free one) is its port 0, and
+// its "*" host its wildcard. None where it is no such endpoint.
+std::optional<net::HostPort> TcpHostPort(const std::string& endpoint) {
+  if (!absl::StartsWith(endpoint, "tcp://")) return std::nullopt;
+  std::string address = endpoint.substr(6);
+  if (absl::EndsWith(address, ":*")) address.back() = '0';
+  absl::StatusOr<net::HostPort> parsed =
+      net::ParseHostPort(address, "tcp", net::AddressUse::kListen);
+  if (!parsed.ok()) return std::nullopt;
+  return *std::move(parsed);
+}
+
 // tcp on loopback, or beyond it where allowed; ipc (a socket file; an
 // abstract name, which any local user reaches, where allowed).
 absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool allow_remote,
@@ -68,13 +81,12 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool a
         ": an abstract socket is open to every local user, and KV events carry prompts' "
         "token ids: use a socket file, or pass --kv_events_allow_remote"));
   }
-  const size_t colon = endpoint.rfind(':');
-  if (!absl::StartsWith(endpoint, "tcp://") || colon == std::string::npos || colon < 6 ||
-      colon + 1 == endpoint.size()) {
+  const std::optional<net::HostPort> bound = TcpHostPort(endpoint);
+  if (!bound.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", endpoint.substr(0, 64),
                                                    "\" is not tcp://HOST:PORT or ipc://PATH"));
   }
-  const std::string host = endpoint.substr(6, colon - 6);
+  const std::string& host = bound->host;
   if (net::IsLoopbackHost(host)) return absl::OkStatus();
   if (!allow_remote) {
     return absl::InvalidArgumentError(absl::StrCat(

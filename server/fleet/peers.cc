@@ -9,34 +9,15 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "wire/ids/replica_id.h"
+#include "wire/net/address.h"
 
 namespace kvcache::service {
-namespace {
-
-// host:port: a host (a name or an address, no scheme, no path) and a port,
-// so that a listed value can only ever name a TCP peer.
-bool IsHostPort(absl::string_view address) {
-  const size_t colon = address.rfind(':');
-  uint32_t port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0 || port > 65535) {
-    return false;
-  }
-  const absl::string_view host = address.substr(0, colon);
-  return std::all_of(host.begin(), host.end(), [](char c) {
-    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' ||
-           c == ':' || c == '[' || c == ']';
-  });
-}
-
-}  // namespace
 
 absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_view list,
                                                                  absl::string_view field) {
@@ -44,10 +25,13 @@ absl::StatusOr<std::map<std::string, std::string>> ParsePeerList(absl::string_vi
   for (absl::string_view entry : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
     entry = absl::StripAsciiWhitespace(entry);
     const std::vector<absl::string_view> parts = absl::StrSplit(entry, absl::MaxSplits('=', 1));
-    if (parts.size() != 2 || !IsHostPort(parts[1])) {
+    if (parts.size() != 2) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": \"", entry.substr(0, 80), "\" is not name=host:port"));
     }
+    // host:port only, so that a listed value can only ever name a TCP peer
+    // (no other gRPC target: no scheme, no unix socket).
+    RETURN_IF_ERROR(net::ParseHostPort(parts[1], field, net::AddressUse::kConnect).status());
     if (absl::Status name = ids::CheckReplicaName(parts[0], field); !name.ok()) return name;
     if (!peers.emplace(std::string(parts[0]), std::string(parts[1])).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": ", parts[0], " is listed twice"));
@@ -127,7 +111,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Peers::Find(const std::string& na
     return absl::NotFoundError(
         absl::StrCat("snapshot_id: replica \"", name, "\" is not listed in etcd (", key, ")"));
   }
-  if (!IsHostPort(listed->second)) {
+  // A listing is held to the rule of --peers: a TCP peer's host:port.
+  if (!net::ParseHostPort(listed->second, "snapshot_id", net::AddressUse::kConnect).ok()) {
     return absl::UnavailableError(absl::StrCat(
         "snapshot_id: replica \"", name, "\" is listed in etcd (", key, ") without a host:port"));
   }

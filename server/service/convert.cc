@@ -154,4 +154,43 @@ void ToProto(const engine::LeaseInfo& lease, v1::Lease* out) {
   }
 }
 
+void ToProto(const engine::EngineStats& stats, v1::Stats* out) {
+  out->set_page_bytes(stats.pool.page_bytes);
+  out->set_pages_total(stats.pool.max_pages);
+  out->set_pages_used(stats.pool.used_pages);
+  out->set_pool_bytes_total(uint64_t{stats.pool.max_pages} * stats.pool.page_bytes);
+  out->set_pool_bytes_used(uint64_t{stats.pool.used_pages} * stats.pool.page_bytes);
+  out->set_caches(stats.caches);
+  out->set_snapshots(stats.snapshots);
+  out->set_evictions(stats.pool.evictions);
+  out->set_host_pages_used(stats.pool.host_pages);
+  out->set_host_pages_total(stats.pool.max_host_pages);
+  out->set_disk_pages_used(stats.pool.disk_pages);
+  out->set_disk_pages_total(stats.pool.max_disk_pages);
+  out->set_demotions(stats.pool.demotions);
+  out->set_promotions_from_host(stats.pool.promotions_from_host);
+  out->set_promotions_from_disk(stats.pool.promotions_from_disk);
+  out->set_caches_expired(stats.caches_expired);
+  out->set_snapshots_expired(stats.snapshots_expired);
+  out->set_pinned_bytes(stats.pinned_bytes);
+  out->set_max_pinned_bytes(stats.max_pinned_bytes);
+  out->set_metadata_bytes(stats.metadata_bytes);
+  out->set_max_metadata_bytes(stats.max_metadata_bytes);
+  out->set_prefix_entries(stats.prefixes.entries);
+  out->set_prefix_tokens(stats.prefixes.stored_tokens);
+  out->set_prefix_lookups(stats.prefixes.lookups);
+  out->set_prefix_hits(stats.prefixes.hits);
+  out->set_prefix_matched_tokens(stats.prefixes.matched_tokens);
+  out->set_prefix_entries_dropped(stats.prefixes.dropped);
+  const uint64_t page_bytes = stats.pool.page_bytes;
+  out->set_tenant_device_bytes(stats.account.device_pages * page_bytes);
+  out->set_tenant_host_bytes(stats.account.host_pages * page_bytes);
+  out->set_tenant_disk_bytes(stats.account.disk_pages * page_bytes);
+  out->set_tenant_max_device_bytes(stats.account.limits.device_pages * page_bytes);
+  out->set_tenant_max_host_bytes(stats.account.limits.host_pages * page_bytes);
+  out->set_tenant_max_disk_bytes(stats.account.limits.disk_pages * page_bytes);
+  out->set_saved_bytes(stats.saved_bytes);
+  out->set_max_saved_bytes(stats.max_saved_bytes);
+}
+
 }  // namespace kvcache::service

@@ -15,6 +15,9 @@ void ToProto(const engine::CacheSpec& spec, v1::CacheSpec* out);
 void ToProto(const engine::CacheInfo& info, v1::CacheInfo* out);
 void ToProto(const engine::SnapshotInfo& info, v1::SnapshotInfo* out);
 void ToProto(const engine::LeaseInfo& lease, v1::Lease* out);
+// What `stats` knows of Stats: everything but the server's settings
+// (device, addresses, replica name), the caller's identity and its request log.
+void ToProto(const engine::EngineStats& stats, v1::Stats* out);
 void ToProto(absl::Time time, google::protobuf::Timestamp* out);
 
 v1::DType ToProto(DType dtype);

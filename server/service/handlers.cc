@@ -322,47 +322,11 @@ absl::Status Handlers::ListSnapshots(const v1::ListSnapshotsRequest& request,
 }
 
 absl::Status Handlers::GetStats(const v1::GetStatsRequest&, v1::Stats* response) {
-  const engine::EngineStats stats = engine_.Stats();
+  ToProto(engine_.Stats(), response);
   response->set_device(options_.device_name);
   response->set_transfer_path(options_.transfer_path);
   response->set_data_lane_address(options_.data_lane_address);
   response->set_replica_name(options_.replica_name);
-  response->set_page_bytes(stats.pool.page_bytes);
-  response->set_pages_total(stats.pool.max_pages);
-  response->set_pages_used(stats.pool.used_pages);
-  response->set_pool_bytes_total(uint64_t{stats.pool.max_pages} * stats.pool.page_bytes);
-  response->set_pool_bytes_used(uint64_t{stats.pool.used_pages} * stats.pool.page_bytes);
-  response->set_caches(stats.caches);
-  response->set_snapshots(stats.snapshots);
-  response->set_evictions(stats.pool.evictions);
-  response->set_host_pages_used(stats.pool.host_pages);
-  response->set_host_pages_total(stats.pool.max_host_pages);
-  response->set_disk_pages_used(stats.pool.disk_pages);
-  response->set_disk_pages_total(stats.pool.max_disk_pages);
-  response->set_demotions(stats.pool.demotions);
-  response->set_promotions_from_host(stats.pool.promotions_from_host);
-  response->set_promotions_from_disk(stats.pool.promotions_from_disk);
-  response->set_caches_expired(stats.caches_expired);
-  response->set_snapshots_expired(stats.snapshots_expired);
-  response->set_pinned_bytes(stats.pinned_bytes);
-  response->set_max_pinned_bytes(stats.max_pinned_bytes);
-  response->set_metadata_bytes(stats.metadata_bytes);
-  response->set_max_metadata_bytes(stats.max_metadata_bytes);
-  response->set_prefix_entries(stats.prefixes.entries);
-  response->set_prefix_tokens(stats.prefixes.stored_tokens);
-  response->set_prefix_lookups(stats.prefixes.lookups);
-  response->set_prefix_hits(stats.prefixes.hits);
-  response->set_prefix_matched_tokens(stats.prefixes.matched_tokens);
-  response->set_prefix_entries_dropped(stats.prefixes.dropped);
-  const uint64_t page_bytes = stats.pool.page_bytes;
-  response->set_tenant_device_bytes(stats.account.device_pages * page_bytes);
-  response->set_tenant_host_bytes(stats.account.host_pages * page_bytes);
-  response->set_tenant_disk_bytes(stats.account.disk_pages * page_bytes);
-  response->set_tenant_max_device_bytes(stats.account.limits.device_pages * page_bytes);
-  response->set_tenant_max_host_bytes(stats.account.limits.host_pages * page_bytes);
-  response->set_tenant_max_disk_bytes(stats.account.limits.disk_pages * page_bytes);
-  response->set_saved_bytes(stats.saved_bytes);
-  response->set_max_saved_bytes(stats.max_saved_bytes);
   const RequestLogCounts log = request_log_.Counts(absl::Now());
   response->set_request_log_entries(log.entries);
   response->set_request_log_bytes(log.bytes);

@@ -7,40 +7,13 @@
 #include "absl/strings/strip.h"
 #include "core/client_text.h"
 #include "core/log.h"
+#include "service/convert.h"
+#include "service/stats_scopes.h"
 
 namespace kvcache::service {
 namespace {
 
 constexpr absl::string_view kBearer = "Bearer ";
-
-// Adds what `engine` holds for its tenant to server-wide totals.
-void AddTenantCounts(const engine::EngineStats& stats, v1::Stats& totals) {
-  totals.set_caches(totals.caches() + stats.caches);
-  totals.set_snapshots(totals.snapshots() + stats.snapshots);
-  totals.set_caches_expired(totals.caches_expired() + stats.caches_expired);
-  totals.set_snapshots_expired(totals.snapshots_expired() + stats.snapshots_expired);
-  totals.set_pinned_bytes(totals.pinned_bytes() + stats.pinned_bytes);
-  totals.set_metadata_bytes(totals.metadata_bytes() + stats.metadata_bytes);
-  totals.set_prefix_entries(totals.prefix_entries() + stats.prefixes.entries);
-  totals.set_prefix_tokens(totals.prefix_tokens() + stats.prefixes.stored_tokens);
-  totals.set_prefix_lookups(totals.prefix_lookups() + stats.prefixes.lookups);
-  totals.set_prefix_hits(totals.prefix_hits() + stats.prefixes.hits);
-  totals.set_prefix_matched_tokens(totals.prefix_matched_tokens() + stats.prefixes.matched_tokens);
-  totals.set_prefix_entries_dropped(totals.prefix_entries_dropped() + stats.prefixes.dropped);
-  totals.set_saved_bytes(totals.saved_bytes() + stats.saved_bytes);
-}
-
-// The shared pool's use, which says how busy the other tenants are.
-void ClearServerWide(v1::Stats& stats) {
-  stats.set_pages_used(0);
-  stats.set_pool_bytes_used(0);
-  stats.set_evictions(0);
-  stats.set_host_pages_used(0);
-  stats.set_disk_pages_used(0);
-  stats.set_demotions(0);
-  stats.set_promotions_from_host(0);
-  stats.set_promotions_from_disk(0);
-}
 
 }  // namespace
 
@@ -187,7 +160,7 @@ absl::Status Tenants::Recheck(const Admitted& admitted) const {
 absl::StatusOr<Admitted> Tenants::Admit(const Credential& credential,
                                         std::atomic<uint32_t> Tenant::*gauge,
                                         std::atomic<uint32_t> Tenant::*limit,
-                                        const char* limit_name) {
+                                        absl::string_view limit_name) {
   Tenant* tenant = credential.tenant;
   const uint32_t most = (tenant->*limit).load(std::memory_order_relaxed);
   const uint32_t before = (tenant->*gauge).fetch_add(1, std::memory_order_relaxed);
@@ -216,7 +189,7 @@ absl::StatusOr<Admitted> Tenants::AdmitCall(absl::string_view authorization) {
   if (!credential.ok()) return credential.status();
   absl::StatusOr<Admitted> admitted =
       Admit(*credential, &Tenant::requests_in_flight, &Tenant::max_requests_in_flight,
-            "max_requests_in_flight");
+            TenantQuotaName(&TenantQuotas::max_requests_in_flight));
   if (admitted.ok()) {
     credential->tenant->calls_admitted.fetch_add(1, std::memory_order_relaxed);
     admitted->CountAlive(&calls_alive_);
@@ -229,42 +202,22 @@ absl::StatusOr<Admitted> Tenants::AdmitLane(absl::string_view token) {
   if (!credential.ok()) return credential.status();
   absl::StatusOr<Admitted> admitted =
       Admit(*credential, &Tenant::lane_connections, &Tenant::max_lane_connections,
-            "max_lane_connections");
+            TenantQuotaName(&TenantQuotas::max_lane_connections));
   if (admitted.ok()) credential->tenant->lane_connections_admitted.fetch_add(1, std::memory_order_relaxed);
   return admitted;
 }
 
 void Tenants::ScopeStats(const Tenant& tenant, v1::Stats& stats) const {
-  stats.set_tenant(tenant.name);
   if (!authenticates()) {
-    stats.set_server_wide(true);
-    return;
+    ScopeStatsFor(StatsViewer::kOnlyCaller, tenant.name, {}, stats);
+  } else if (!tenant.admin.load(std::memory_order_relaxed)) {
+    ScopeStatsFor(StatsViewer::kTenant, tenant.name, {}, stats);
+  } else {
+    // Each tenant's own counts, gathered for an admin only, who sees their sum.
+    std::vector<v1::Stats> every_tenant;
+    for (engine::Engine* engine : Engines()) ToProto(engine->Stats(), &every_tenant.emplace_back());
+    ScopeStatsFor(StatsViewer::kAdmin, tenant.name, every_tenant, stats);
   }
-  if (!tenant.admin.load(std::memory_order_relaxed)) {
-    ClearServerWide(stats);
-    return;
-  }
-  const uint64_t max_pinned = stats.max_pinned_bytes();
-  const uint64_t max_metadata = stats.max_metadata_bytes();
-  v1::Stats totals = stats;
-  totals.clear_caches();
-  totals.clear_snapshots();
-  totals.clear_caches_expired();
-  totals.clear_snapshots_expired();
-  totals.clear_pinned_bytes();
-  totals.clear_metadata_bytes();
-  totals.clear_prefix_entries();
-  totals.clear_prefix_tokens();
-  totals.clear_prefix_lookups();
-  totals.clear_prefix_hits();
-  totals.clear_prefix_matched_tokens();
-  totals.clear_prefix_entries_dropped();
-  totals.clear_saved_bytes();
-  for (engine::Engine* engine : Engines()) AddTenantCounts(engine->Stats(), totals);
-  totals.set_max_pinned_bytes(max_pinned);
-  totals.set_max_metadata_bytes(max_metadata);
-  totals.set_server_wide(true);
-  stats = std::move(totals);
 }
 
 absl::StatusOr<Handlers*> Tenants::HandlersFor(const Admitted& call, absl::string_view tenant,

@@ -170,6 +170,7 @@ class Tenants {
   // GetStats as `tenant` may see it: its own caches, snapshots and prefixes;
   // the pool's use by everyone (pages used, tiers, evictions) only when it is
   // the only tenant or an admin, who sees every tenant's counts summed.
+  // Each field's scope is declared in stats_scopes.h.
   void ScopeStats(const Tenant& tenant, v1::Stats& stats) const;
   // gRPC calls admitted that gRPC has not yet finished with (their answer
   // may still be on its way): a shutdown waits for these, not for clients.
@@ -196,7 +197,8 @@ class Tenants {
   };
   absl::StatusOr<Credential> Authenticate(absl::string_view token) const;
   absl::StatusOr<Admitted> Admit(const Credential& credential, std::atomic<uint32_t> Tenant::*gauge,
-                                 std::atomic<uint32_t> Tenant::*limit, const char* limit_name);
+                                 std::atomic<uint32_t> Tenant::*limit,
+                                 absl::string_view limit_name);
   // Whether `admitted`'s token still names its tenant in the tokens file in
   // force; records the generation it was found in.
   absl::Status Recheck(const Admitted& admitted) const;

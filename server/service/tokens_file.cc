@@ -4,7 +4,9 @@
 #include <openssl/sha.h>
 
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <variant>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -54,6 +56,27 @@ absl::Status ParseDigest(int line, absl::string_view hex, TokenDigest& out) {
   return absl::OkStatus();
 }
 
+// The bytes of the fields kTenantQuotaKeys sets, each counted once per row.
+constexpr size_t QuotaKeyFieldBytes() {
+  size_t bytes = 0;
+  for (const TenantQuotaKey& quota : kTenantQuotaKeys) {
+    bytes += std::holds_alternative<uint64_t TenantQuotas::*>(quota.field) ? sizeof(uint64_t)
+                                                                           : sizeof(uint32_t);
+  }
+  return bytes;
+}
+// A new TenantQuotas field needs its row in kTenantQuotaKeys, or no file
+// could set it; a field without one (or a row twice) breaks this.
+static_assert(sizeof(TenantQuotas) == QuotaKeyFieldBytes(),
+              "every TenantQuotas field needs exactly one row in kTenantQuotaKeys");
+
+// The message for a key the file does not know, with the keys it does.
+std::string UnknownKey(absl::string_view key) {
+  std::string known = "tenant, token, sha256";
+  for (const TenantQuotaKey& quota : kTenantQuotaKeys) absl::StrAppend(&known, ", ", quota.name);
+  return absl::StrCat("unknown key ", Quoted(key), " (known: ", known, ")");
+}
+
 // One line's fields into `tenant`; whether it named a token.
 absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig& tenant) {
   if (field == "admin") {
@@ -66,7 +89,6 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
   }
   const absl::string_view key = field.substr(0, equals);
   const absl::string_view value = field.substr(equals + 1);
-  TenantQuotas& quotas = tenant.quotas;
   if (key == "tenant") {
     if (!ValidTenantName(value)) {
       return LineError(line, "tenant: must be 1-64 of [A-Za-z0-9_-]");
@@ -90,32 +112,15 @@ absl::StatusOr<bool> ParseField(int line, absl::string_view field, TenantConfig&
     }
     return true;
   }
-  absl::Status status;
-  if (key == "max_pinned_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_pinned_bytes);
-  } else if (key == "max_metadata_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_metadata_bytes);
-  } else if (key == "max_device_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_device_bytes);
-  } else if (key == "max_host_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_host_bytes);
-  } else if (key == "max_disk_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_disk_bytes);
-  } else if (key == "max_saved_bytes") {
-    status = ParseLimit(line, key, value, quotas.max_saved_bytes);
-  } else if (key == "max_caches") {
-    status = ParseLimit(line, key, value, quotas.max_caches);
-  } else if (key == "max_snapshots") {
-    status = ParseLimit(line, key, value, quotas.max_snapshots);
-  } else if (key == "max_requests_in_flight") {
-    status = ParseLimit(line, key, value, quotas.max_requests_in_flight);
-  } else if (key == "max_lane_connections") {
-    status = ParseLimit(line, key, value, quotas.max_lane_connections);
-  } else {
-    status = LineError(line, absl::StrCat("unknown key ", Quoted(key)));
+  for (const TenantQuotaKey& quota : kTenantQuotaKeys) {
+    if (key != quota.name) continue;
+    absl::Status parsed = std::visit(
+        [&](auto field) { return ParseLimit(line, key, value, tenant.quotas.*field); },
+        quota.field);
+    if (!parsed.ok()) return parsed;
+    return false;
   }
-  if (!status.ok()) return status;
-  return false;
+  return LineError(line, UnknownKey(key));
 }
 
 absl::StatusOr<TenantConfig> ParseLine(int line, absl::string_view text) {

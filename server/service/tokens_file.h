@@ -5,6 +5,7 @@
 //   tenant=alice token=3f1c...   max_pinned_bytes=1073741824 max_requests_in_flight=64
 //   tenant=ops   sha256=9a0b...  admin
 //
+// The quota keys, each a count (0 or absent: no limit), are kTenantQuotaKeys.
 // `token=` holds the bearer token itself (at least kMinTokenBytes); `sha256=`
 // its SHA-256 in hex, so that the file need not hold the secret. Only the
 // digest is kept in memory, and tokens are compared digest to digest in
@@ -14,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -49,6 +51,40 @@ struct TenantQuotas {
   uint32_t max_requests_in_flight = 0;
   uint32_t max_lane_connections = 0;
 };
+
+// One quota key of the tokens file: its name, as the file, the messages that
+// name the quota and the docs spell it, and the TenantQuotas field it sets.
+// The field's type bounds the value: a count from 0 to its largest.
+struct TenantQuotaKey {
+  absl::string_view name;
+  std::variant<uint64_t TenantQuotas::*, uint32_t TenantQuotas::*> field;
+};
+
+// Every quota key: the parser and its unknown-key message read this table, so
+// a new quota is a field above and a row here.
+inline constexpr TenantQuotaKey kTenantQuotaKeys[] = {
+    {"max_pinned_bytes", &TenantQuotas::max_pinned_bytes},
+    {"max_metadata_bytes", &TenantQuotas::max_metadata_bytes},
+    {"max_device_bytes", &TenantQuotas::max_device_bytes},
+    {"max_host_bytes", &TenantQuotas::max_host_bytes},
+    {"max_disk_bytes", &TenantQuotas::max_disk_bytes},
+    {"max_saved_bytes", &TenantQuotas::max_saved_bytes},
+    {"max_caches", &TenantQuotas::max_caches},
+    {"max_snapshots", &TenantQuotas::max_snapshots},
+    {"max_requests_in_flight", &TenantQuotas::max_requests_in_flight},
+    {"max_lane_connections", &TenantQuotas::max_lane_connections},
+};
+
+// The tokens file's name of a TenantQuotas field, for messages that name the
+// quota a tenant ran into; empty for a field with no row.
+template <typename Int>
+constexpr absl::string_view TenantQuotaName(Int TenantQuotas::*field) {
+  for (const TenantQuotaKey& key : kTenantQuotaKeys) {
+    const auto* member = std::get_if<Int TenantQuotas::*>(&key.field);
+    if (member != nullptr && *member == field) return key.name;
+  }
+  return {};
+}
 
 struct TenantConfig {
   std::string name;  // 1-64 of [A-Za-z0-9_-]; names its files' directory too

@@ -6,7 +6,6 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
-#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,6 +21,7 @@
 #include "wire/lane/frame_reader.h"
 #include "wire/lane/frame_writer.h"
 #include "wire/lane/socket.h"
+#include "wire/net/address.h"
 
 namespace kvcache::testing {
 namespace {
@@ -30,11 +30,12 @@ using ::testing::HasSubstr;
 
 // A plain TCP connection to host:port.
 lane::OwnedFd ConnectPlain(const std::string& address) {
-  const size_t colon = address.rfind(':');
+  const net::HostPort host_port =
+      net::ParseHostPort(address, "address", net::AddressUse::kConnect).value();
   addrinfo hints{.ai_family = AF_INET, .ai_socktype = SOCK_STREAM};
   addrinfo* found = nullptr;
-  EXPECT_EQ(getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(),
-                        &hints, &found),
+  EXPECT_EQ(getaddrinfo(host_port.host.c_str(), std::to_string(host_port.port).c_str(), &hints,
+                        &found),
             0);
   lane::OwnedFd fd(socket(found->ai_family, found->ai_socktype, 0));
   EXPECT_EQ(connect(fd.get(), found->ai_addr, found->ai_addrlen), 0);
@@ -54,14 +55,17 @@ std::string Framed(int kind, const google::protobuf::MessageLite& message) {
   return Framed(kind, message.SerializeAsString());
 }
 
+// The preamble of the lane's one version.
+const std::string kPreamble(lane::kMagic, sizeof(lane::kMagic));
+
 // A socket to the lane, written and read frame by frame.
 class RawLane {
  public:
   // `magic`: the preamble sent first (the lane's own unless a test says).
-  explicit RawLane(const std::string& address, const std::string& magic = "KVLANE01")
+  explicit RawLane(const std::string& address, const std::string& magic = kPreamble)
       : fd_(ConnectPlain(address)), reader_(fd_.get(), 64 << 20) {
     SendBytes(magic);
-    if (magic == "KVLANE02") {  // answered in kind
+    if (magic == kPreamble) {  // answered in kind
       absl::StatusOr<absl::Span<const std::byte>> answer = reader_.ReadRaw(8);
       EXPECT_TRUE(answer.ok() && std::string(reinterpret_cast<const char*>(answer->data()),
                                              answer->size()) == magic);
@@ -120,7 +124,7 @@ class E2eDataLaneTest : public ::testing::Test {
     if (server_) server_->CleanUpAndCheck();
   }
 
-  std::unique_ptr<RawLane> OpenRaw(const std::string& magic = "KVLANE01") {
+  std::unique_ptr<RawLane> OpenRaw(const std::string& magic = kPreamble) {
     return std::make_unique<RawLane>(server_->server().data_lane_address(), magic);
   }
   v1::UpdateRequest NewUpdate(uint32_t layer, uint64_t tokens) {
@@ -274,6 +278,7 @@ TEST_F(E2eDataLaneTest, AFailedRequestEndsTheCallKeepingWhatCameBefore) {
   fetch.set_cache_id(cache_id_);
   fetch.add_layers(0);
   raw->Send(v1::LANE_FRAME_FETCH, fetch);
+  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_FETCH_LENGTH);
   std::tie(kind, payload) = raw->Read();
   ASSERT_EQ(kind, v1::LANE_FRAME_FETCH_CHUNK);
   v1::FetchResponse chunk;
@@ -399,17 +404,37 @@ TEST_F(E2eDataLaneTest, ProtocolErrorsCloseTheConnectionAndChangeNothing) {
     if (std::string(c.name) == "FETCH inside an Update call") expected[0] += 1;
     EXPECT_EQ(Offsets(), expected);
   }
-  // A connection that does not open with the preamble is closed unanswered.
-  auto stranger = OpenRaw("GET / HT");
-  stranger->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 1));
-  EXPECT_TRUE(stranger->Closed());
   ExpectHealthy();
 }
 
-// On a KVLANE02 connection a Fetch of keys and values announces the bytes
-// of its chunk frames first; on a KVLANE01 one the frames come alone. A
-// Fetch refused before any chunk is a STATUS alone, the connection kept.
-TEST_F(E2eDataLaneTest, Kvlane02FetchesAnnounceTheirLength) {
+// A connection that opens with anything but the lane's preamble is closed
+// unanswered, its calls not taken, and the server's log says what it opened
+// with. KVLANE01, a draft of the lane that never shipped, is one of them.
+TEST_F(E2eDataLaneTest, AConnectionOpeningWithAnotherPreambleIsClosedUnanswered) {
+  service::DataLane& lane = *server_->server().data_lane();
+  for (const std::string preamble : {"KVLANE01", "GET / HT"}) {
+    SCOPED_TRACE(preamble);
+    const std::vector<uint64_t> before = Offsets();
+    ::testing::internal::CaptureStderr();
+    auto refused = OpenRaw(preamble);
+    refused->Send(v1::LANE_FRAME_UPDATE, NewUpdate(0, 1));
+    EXPECT_TRUE(refused->Closed());
+    // The server logs why before it counts the connection closed.
+    for (int i = 0; i < 500 && lane.open_connections() > 1; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(lane.open_connections(), 1);  // lane_client_'s probe connection only
+    EXPECT_THAT(log, HasSubstr("data lane: closed a connection: data lane: the connection "
+                               "opened with \"" + preamble + "\", not the preamble KVLANE02"));
+    EXPECT_EQ(Offsets(), before);
+  }
+  ExpectHealthy();
+}
+
+// A Fetch of keys and values announces the bytes of its chunk frames first.
+// A Fetch refused before any chunk is a STATUS alone, the connection kept.
+TEST_F(E2eDataLaneTest, FetchesAnnounceTheirLength) {
   for (uint32_t layer = 0; layer < 2; ++layer) {
     const v1::UpdateRequest request = NewUpdate(layer, 15);
     const LayerUpdate update = ToLayerUpdate(request);
@@ -420,42 +445,31 @@ TEST_F(E2eDataLaneTest, Kvlane02FetchesAnnounceTheirLength) {
   fetch.add_layers(0);
   fetch.add_layers(1);
   fetch.set_max_chunk_tokens(4);
-  for (const std::string magic : {"KVLANE02", "KVLANE01"}) {
-    SCOPED_TRACE(magic);
-    const bool announces = magic == "KVLANE02";
-    auto raw = OpenRaw(magic);
-    raw->Send(v1::LANE_FRAME_FETCH, fetch);
-    auto [kind, payload] = raw->Read();
-    std::optional<uint64_t> announced;
-    if (kind == v1::LANE_FRAME_FETCH_LENGTH) {
-      v1::LaneFetchLength length;
-      ASSERT_TRUE(length.ParseFromString(payload));
-      announced = length.chunk_frame_bytes();
-      std::tie(kind, payload) = raw->Read();
-    }
-    uint64_t bytes = 0;
-    int chunks = 0;
-    for (; kind == v1::LANE_FRAME_FETCH_CHUNK; std::tie(kind, payload) = raw->Read()) {
-      bytes += lane::kHeaderBytes + payload.size();
-      ++chunks;
-    }
-    ASSERT_EQ(kind, v1::LANE_FRAME_STATUS) << payload;
-    EXPECT_EQ(chunks, 8);  // 2 layers of 15 tokens, 4 to a chunk
-    EXPECT_EQ(announced.has_value(), announces);
-    if (announced.has_value()) {
-      EXPECT_EQ(*announced, bytes);
-    }
-
-    v1::FetchRequest unknown = fetch;
-    unknown.set_cache_id("no-such-cache");
-    raw->Send(v1::LANE_FRAME_FETCH, unknown);
-    const absl::Status refused = raw->ReadStatus();
-    EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
-    EXPECT_THAT(refused.message(), HasSubstr("cache_id"));
-    raw->Send(v1::LANE_FRAME_FETCH, fetch);
-    EXPECT_EQ(raw->Read().first,
-              announces ? v1::LANE_FRAME_FETCH_LENGTH : v1::LANE_FRAME_FETCH_CHUNK);
+  auto raw = OpenRaw();
+  raw->Send(v1::LANE_FRAME_FETCH, fetch);
+  auto [kind, payload] = raw->Read();
+  ASSERT_EQ(kind, v1::LANE_FRAME_FETCH_LENGTH) << payload;
+  v1::LaneFetchLength length;
+  ASSERT_TRUE(length.ParseFromString(payload));
+  uint64_t bytes = 0;
+  int chunks = 0;
+  for (std::tie(kind, payload) = raw->Read(); kind == v1::LANE_FRAME_FETCH_CHUNK;
+       std::tie(kind, payload) = raw->Read()) {
+    bytes += lane::kHeaderBytes + payload.size();
+    ++chunks;
   }
+  ASSERT_EQ(kind, v1::LANE_FRAME_STATUS) << payload;
+  EXPECT_EQ(chunks, 8);  // 2 layers of 15 tokens, 4 to a chunk
+  EXPECT_EQ(length.chunk_frame_bytes(), bytes);
+
+  v1::FetchRequest unknown = fetch;
+  unknown.set_cache_id("no-such-cache");
+  raw->Send(v1::LANE_FRAME_FETCH, unknown);
+  const absl::Status refused = raw->ReadStatus();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(refused.message(), HasSubstr("cache_id"));
+  raw->Send(v1::LANE_FRAME_FETCH, fetch);
+  EXPECT_EQ(raw->Read().first, v1::LANE_FRAME_FETCH_LENGTH);
   ExpectHealthy();
 }
 
@@ -466,7 +480,7 @@ class FakeLane {
  public:
   enum class Answer {
     kInKind,  // a server of today
-    kClose,   // a server of the first version: closed unanswered
+    kClose,   // a server that speaks no lane of this version: closed unanswered
     kFrames,  // a busy server: `frames` at once
   };
   // `port`: 0 for any free one.
@@ -570,34 +584,32 @@ TEST_F(E2eDataLaneTest, TheClientHoldsServersToTheirAnnouncedLength) {
   }
 }
 
-// A server of the first version closes a KVLANE02 connection unanswered:
-// the client opens another with KVLANE01, and keeps to it until a connect
-// fails. A server that comes back on that address is asked for KVLANE02 again.
-TEST_F(E2eDataLaneTest, TheClientFallsBackToServersOfTheFirstVersion) {
+// A server that closes the client's connection without answering its
+// preamble fails the call UNAVAILABLE, saying so; the client opens no other
+// kind of connection. A server that comes back on that address is used.
+TEST_F(E2eDataLaneTest, TheClientFailsOnServersThatDoNotAnswerItsPreamble) {
   const v1::FetchResponse answer = OneChunkFetch().second;
   const std::string frames =
       Framed(v1::LANE_FRAME_FETCH_CHUNK, answer) +
       Framed(v1::LANE_FRAME_STATUS, lane::LaneStatusOf(absl::OkStatus()));
-  auto old = std::make_unique<FakeLane>(frames, FakeLane::Answer::kClose);
-  const std::string address = old->address();
+  auto other = std::make_unique<FakeLane>(frames, FakeLane::Answer::kClose);
+  const std::string address = other->address();
   auto client = server_->Connect(/*dedicated=*/true, address);
-  const auto expect_the_answer = [&] {
-    absl::StatusOr<LayerHistory> history = client->FetchLayer(cache_id_, "", 0);
-    ASSERT_TRUE(history.ok()) << history.status();
-    EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()),
-                          history->keys.size()),
-              answer.keys().data());
-  };
-  for (int call = 0; call < 2; ++call) expect_the_answer();
-  EXPECT_EQ(old->preambles(), (std::vector<std::string>{"KVLANE02", "KVLANE01", "KVLANE01"}));
+  for (int call = 0; call < 2; ++call) {
+    const absl::Status unanswered = client->FetchLayer(cache_id_, "", 0).status();
+    EXPECT_EQ(unanswered.code(), absl::StatusCode::kUnavailable) << unanswered;
+    EXPECT_THAT(unanswered.message(), HasSubstr("without answering its KVLANE02 preamble"));
+  }
+  EXPECT_EQ(other->preambles(), (std::vector<std::string>{kPreamble, kPreamble}));
 
-  old.reset();
-  EXPECT_EQ(client->FetchLayer(cache_id_, "", 0).status().code(),
-            absl::StatusCode::kUnavailable);
-  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  other.reset();
+  const int port = net::ParseHostPort(address, "address", net::AddressUse::kConnect).value().port;
   FakeLane current(frames, FakeLane::Answer::kInKind, port);
-  expect_the_answer();
-  EXPECT_EQ(current.preambles(), (std::vector<std::string>{"KVLANE02"}));
+  absl::StatusOr<LayerHistory> history = client->FetchLayer(cache_id_, "", 0);
+  ASSERT_TRUE(history.ok()) << history.status();
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(history->keys.data()), history->keys.size()),
+            answer.keys().data());
+  EXPECT_EQ(current.preambles(), (std::vector<std::string>{kPreamble}));
 
   // A server with too many connections answers with its STATUS instead.
   FakeLane busy(Framed(v1::LANE_FRAME_STATUS,
@@ -688,7 +700,7 @@ TEST(E2eDataLaneShutdownTest, AStallWithinALargeFrameIsCutAfterTheGrace) {
   absl::StatusOr<v1::CacheInfo> info = server->client().CreateCache(spec);
   ASSERT_TRUE(info.ok());
   std::mt19937_64 rng(6);
-  RawLane raw(server->server().data_lane_address(), "KVLANE01");
+  RawLane raw(server->server().data_lane_address());
   raw.Send(v1::LANE_FRAME_UPDATE, RandomUpdate(info->cache_id(), spec, 0, 2, rng));
   EXPECT_EQ(raw.Read().first, v1::LANE_FRAME_UPDATE_ACK);
   const std::string large = RandomUpdate(info->cache_id(), spec, 0, 4000, rng).SerializeAsString();

@@ -51,7 +51,7 @@ v1::SnapshotInfo FillSnapshot(Client& client, std::mt19937_64& rng, uint64_t tok
     EXPECT_TRUE(client.Update(cache->cache_id(), updates).ok());
     sent += step;
   }
-  auto snapshot = client.Snapshot(cache->cache_id(), 0);
+  auto snapshot = client.Snapshot(cache->cache_id());
   EXPECT_TRUE(snapshot.ok()) << snapshot.status();
   return snapshot.value_or(v1::SnapshotInfo());
 }
@@ -353,7 +353,7 @@ TEST_F(E2ePullTest, AReplicaPullsAnotherReplicasSnapshotByteForByte) {
   const v1::SnapshotInfo original = FillSnapshot(owner_->client(), rng_, 600, 4, 128);
   ASSERT_EQ(original.snapshot_id().rfind("owner:", 0), 0u) << original.snapshot_id();
 
-  auto pulled = puller_->client().PullSnapshot(original.snapshot_id(), /*pinned=*/true);
+  auto pulled = puller_->client().PullSnapshot(original.snapshot_id(), {.pinned = true});
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   const std::string& copy = pulled->snapshot().snapshot_id();
   EXPECT_EQ(copy.rfind("puller:", 0), 0u) << "not the puller's own snapshot: " << copy;
@@ -370,7 +370,7 @@ TEST_F(E2ePullTest, AReplicaPullsAnotherReplicasSnapshotByteForByte) {
   EXPECT_EQ(restored->offset(), 600u);
   // The owner's snapshot is untouched, and a lease asked for is kept.
   EXPECT_EQ(Snapshots(*owner_), 1u);
-  auto leased = puller_->client().PullSnapshot(original.snapshot_id(), false, 60);
+  auto leased = puller_->client().PullSnapshot(original.snapshot_id(), {.ttl_seconds = 60});
   ASSERT_TRUE(leased.ok()) << leased.status();
   EXPECT_EQ(leased->snapshot().ttl_seconds(), 60u);
 }

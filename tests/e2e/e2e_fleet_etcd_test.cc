@@ -121,7 +121,7 @@ TEST_F(E2eFleetEtcdTest, ReplicasJoinAndLeaveTheClientsFleet) {
   std::vector<std::pair<std::string, Written>> caches;
   for (size_t r = 0; r < kReplicas; ++r) {
     absl::StatusOr<v1::CacheInfo> cache =
-        fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(r, "bytes"));
+        fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(r, "bytes")});
     ASSERT_TRUE(cache.ok()) << cache.status();
     ASSERT_EQ(fleet_->ReplicaOf(cache->cache_id()).value(), r);
     Written written;
@@ -156,18 +156,20 @@ TEST_F(E2eFleetEtcdTest, ReplicasJoinAndLeaveTheClientsFleet) {
 // has no --peers): the bytes go from replica to replica.
 TEST_F(E2eFleetEtcdTest, AReplicaPullsASnapshotFromTheOwnerEtcdLists) {
   std::mt19937_64 random(3);
-  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "pull"));
+  absl::StatusOr<v1::CacheInfo> cache =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(0, "pull")});
   ASSERT_TRUE(cache.ok()) << cache.status();
   Written written;
   ASSERT_TRUE(Append(fleet_->client(0), cache->cache_id(), 40, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id());
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
 
   absl::StatusOr<v1::LoadSnapshotResponse> pulled =
       fleet_->client(1).PullSnapshot(snapshot->snapshot_id());
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   ASSERT_EQ(fleet_->ReplicaOf(pulled->snapshot().snapshot_id()).value(), 1u);
-  absl::StatusOr<v1::CacheInfo> copy = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(1, "copy"));
+  absl::StatusOr<v1::CacheInfo> copy =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(1, "copy")});
   ASSERT_TRUE(copy.ok()) << copy.status();
   ASSERT_TRUE(
       fleet_->client(1).Restore(copy->cache_id(), pulled->snapshot().snapshot_id(), 40).ok());
@@ -200,11 +202,12 @@ TEST_F(E2eFleetEtcdTest, AReplicaThatJoinsLaterIsFoundByThePeersWatch) {
   ASSERT_TRUE(replicas_[2]->Start());
   ASSERT_TRUE(MembersAre({0, 1, 2}));
   std::mt19937_64 random(5);
-  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "late"));
+  absl::StatusOr<v1::CacheInfo> cache =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(2, "late")});
   ASSERT_TRUE(cache.ok()) << cache.status();
   Written written;
   ASSERT_TRUE(Append(fleet_->client(2), cache->cache_id(), 24, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(cache->cache_id());
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
   absl::StatusOr<v1::LoadSnapshotResponse> pulled;
   // The puller's watch may see the new key a moment after the client's did.
@@ -275,11 +278,12 @@ TEST_F(E2eFleetEtcdTest, AnEtcdRestartLosesNeitherListingsNorTheWatch) {
 TEST_F(E2eFleetEtcdTest, AReplicaThatMovedIsReachedAtItsNewAddress) {
   // A snapshot saved in replica 0's data dir, before it moves to another port.
   std::mt19937_64 random(9);
-  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "move"));
+  absl::StatusOr<v1::CacheInfo> cache =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(0, "move")});
   ASSERT_TRUE(cache.ok()) << cache.status();
   Written written;
   ASSERT_TRUE(Append(fleet_->client(0), cache->cache_id(), 40, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(cache->cache_id());
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
   ASSERT_TRUE(fleet_->client(0).SaveSnapshot(snapshot->snapshot_id(), "before-move").ok());
   const std::string old_address = replicas_[0]->address();

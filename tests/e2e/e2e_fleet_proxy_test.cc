@@ -87,8 +87,8 @@ TEST_F(E2eFleetTest, HaproxyInFrontSendsEachCallToTheReplicaItNames) {
       absl::StatusOr<v1::Stats> stats = (*through)->client(r).GetStats();
       ASSERT_TRUE(stats.ok()) << stats.status();
       EXPECT_EQ(stats->replica_name(), replicas_[r]->name()) << "answered by another replica";
-      absl::StatusOr<v1::CacheInfo> cache =
-          (*through)->CreateCache(OneLayer(), 0, KeyFirstOn(r, "proxied" + data_lane));
+      absl::StatusOr<v1::CacheInfo> cache = (*through)->CreateCache(
+          OneLayer(), {.placement_key = KeyFirstOn(r, "proxied" + data_lane)});
       ASSERT_TRUE(cache.ok()) << cache.status();
       Written written;
       Client& owner = *(*through)->Owner(cache->cache_id()).value();

@@ -36,7 +36,8 @@ TEST_F(E2eFleetTest, IdsNameTheirReplicaAndCachesSpreadOverAll) {
   std::map<size_t, int> per_replica;
   std::vector<std::string> ids;
   for (int i = 0; i < kCaches; ++i) {
-    absl::StatusOr<v1::CacheInfo> info = fleet_->CreateCache(OneLayer(), 0, absl::StrCat("c", i));
+    absl::StatusOr<v1::CacheInfo> info =
+        fleet_->CreateCache(OneLayer(), {.placement_key = absl::StrCat("c", i)});
     ASSERT_TRUE(info.ok()) << info.status();
     absl::StatusOr<size_t> owner = fleet_->ReplicaOf(info->cache_id());
     ASSERT_TRUE(owner.ok()) << owner.status();
@@ -59,12 +60,11 @@ TEST_F(E2eFleetTest, IdsNameTheirReplicaAndCachesSpreadOverAll) {
   std::mt19937_64 random(7);
   Written written;
   ASSERT_TRUE(Append(**owner, ids[0], 5, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = (*owner)->Snapshot(ids[0], 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = (*owner)->Snapshot(ids[0]);
   ASSERT_TRUE(snapshot.ok());
   EXPECT_EQ(fleet_->ReplicaOf(snapshot->snapshot_id()).value(), fleet_->ReplicaOf(ids[0]).value());
   EXPECT_TRUE(Holds(**fleet_->Owner(snapshot->snapshot_id()), "", snapshot->snapshot_id(), written));
-  absl::StatusOr<v1::BeginSpeculationResponse> speculation =
-      (*owner)->BeginSpeculation(ids[0], false);
+  absl::StatusOr<v1::BeginSpeculationResponse> speculation = (*owner)->BeginSpeculation(ids[0]);
   ASSERT_TRUE(speculation.ok());
   EXPECT_EQ(fleet_->ReplicaOf(speculation->speculation_id()).value(),
             fleet_->ReplicaOf(ids[0]).value());
@@ -110,12 +110,13 @@ TEST_F(E2eFleetTest, NamesAreLearnedAndChecked) {
 // cannot reach again.
 TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
   // A snapshot on replica 2, to be copied to the renamed replica below.
-  absl::StatusOr<v1::CacheInfo> source = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "src"));
+  absl::StatusOr<v1::CacheInfo> source =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(2, "src")});
   ASSERT_TRUE(source.ok()) << source.status();
   std::mt19937_64 random(3);
   Written written;
   ASSERT_TRUE(Append(fleet_->client(2), source->cache_id(), 4, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(source->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(2).Snapshot(source->cache_id());
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
 
   ASSERT_EQ(replicas_[0]->Stop(), 0);
@@ -127,7 +128,7 @@ TEST_F(E2eFleetTest, ACacheNamedForAnotherReplicaIsRefusedAndDeleted) {
   absl::StatusOr<v1::Stats> back = fleet_->client(0).GetStats();
   ASSERT_TRUE(back.ok()) << back.status();
   absl::StatusOr<v1::CacheInfo> created =
-      fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "renamed"));
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(0, "renamed")});
   EXPECT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition) << created.status();
   EXPECT_NE(created.status().message().find("--replica_name"), absl::string_view::npos);
   absl::StatusOr<std::vector<v1::CacheInfo>> left = fleet_->client(0).ListCaches();
@@ -172,8 +173,8 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
   };
   std::vector<Tracked> caches;
   for (int i = 0; i < 12; ++i) {
-    absl::StatusOr<v1::CacheInfo> info =
-        fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(i % kReplicas, absl::StrCat("k", i)));
+    absl::StatusOr<v1::CacheInfo> info = fleet_->CreateCache(
+        OneLayer(), {.placement_key = KeyFirstOn(i % kReplicas, absl::StrCat("k", i))});
     ASSERT_TRUE(info.ok()) << info.status();
     Tracked tracked{info->cache_id(), fleet_->ReplicaOf(info->cache_id()).value(), {}};
     ASSERT_EQ(tracked.replica, static_cast<size_t>(i % kReplicas));
@@ -185,7 +186,7 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
   for (const Tracked& cache : caches) {
     if (cache.replica != kVictim) continue;
     Client& client = fleet_->client(kVictim);
-    absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache.id, 0);
+    absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache.id);
     ASSERT_TRUE(snapshot.ok());
     const std::string name = absl::StrCat("saved-", saved.size());
     ASSERT_TRUE(client.SaveSnapshot(snapshot->snapshot_id(), name).ok());
@@ -227,7 +228,7 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
   // Creates that would go to the victim go to their key's next replica.
   for (int i = 0; i < 4; ++i) {
     const std::string key = KeyFirstOn(kVictim, absl::StrCat("while-down", i));
-    absl::StatusOr<v1::CacheInfo> info = fleet_->CreateCache(OneLayer(), 0, key);
+    absl::StatusOr<v1::CacheInfo> info = fleet_->CreateCache(OneLayer(), {.placement_key = key});
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(fleet_->ReplicaOf(info->cache_id()).value(), fleet_->Order(key)[1]);
   }
@@ -258,12 +259,14 @@ TEST_F(E2eFleetTest, AKilledReplicaTakesOnlyItsOwnCachesAndFindsItsSavedSnapshot
 TEST_F(E2eFleetTest, SnapshotsRestoreAndPrefixesPublishAcrossReplicas) {
   std::mt19937_64 random(21);
   // A snapshot on replica 0 restored into a cache on replica 2.
-  absl::StatusOr<v1::CacheInfo> source = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(0, "src"));
-  absl::StatusOr<v1::CacheInfo> target = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "dst"));
+  absl::StatusOr<v1::CacheInfo> source =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(0, "src")});
+  absl::StatusOr<v1::CacheInfo> target =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(2, "dst")});
   ASSERT_TRUE(source.ok() && target.ok());
   Written written;
   ASSERT_TRUE(Append(fleet_->client(0), source->cache_id(), 40, random, written).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(source->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = fleet_->client(0).Snapshot(source->cache_id());
   ASSERT_TRUE(snapshot.ok());
   absl::StatusOr<v1::CacheInfo> restored =
       fleet_->Restore(target->cache_id(), snapshot->snapshot_id(), 40);
@@ -285,12 +288,12 @@ TEST_F(E2eFleetTest, SnapshotsRestoreAndPrefixesPublishAcrossReplicas) {
   // the snapshot is copied to the prompt's replica.
   const size_t elsewhere = (home + 1) % kReplicas;
   absl::StatusOr<v1::CacheInfo> prefill =
-      fleet_->CreateCache(spec, 0, KeyFirstOn(elsewhere, "prefill"));
+      fleet_->CreateCache(spec, {.placement_key = KeyFirstOn(elsewhere, "prefill")});
   ASSERT_TRUE(prefill.ok());
   Written prefix;
   ASSERT_TRUE(Append(fleet_->client(elsewhere), prefill->cache_id(), 200, random, prefix).ok());
   absl::StatusOr<v1::SnapshotInfo> prompt_snapshot =
-      fleet_->client(elsewhere).Snapshot(prefill->cache_id(), 0);
+      fleet_->client(elsewhere).Snapshot(prefill->cache_id());
   ASSERT_TRUE(prompt_snapshot.ok());
   absl::StatusOr<v1::PublishPrefixResponse> published =
       fleet_->PublishPrefix(spec, prompt_snapshot->snapshot_id(), prompt);
@@ -338,7 +341,8 @@ TEST_F(E2eFleetTest, KvcachectlWorksOnTheFleet) {
     EXPECT_NE(stats.find("replica       " + replica->name()), std::string::npos) << stats;
   }
   // describe and snapshot go to the replica an id names.
-  absl::StatusOr<v1::CacheInfo> cache = fleet_->CreateCache(OneLayer(), 0, KeyFirstOn(2, "ctl"));
+  absl::StatusOr<v1::CacheInfo> cache =
+      fleet_->CreateCache(OneLayer(), {.placement_key = KeyFirstOn(2, "ctl")});
   ASSERT_TRUE(cache.ok());
   const auto [described, described_code] = Kvcachectl(fleet, "describe " + cache->cache_id());
   EXPECT_EQ(described_code, 0) << described;

@@ -179,7 +179,7 @@ class E2eKvEventsTest : public ::testing::Test {
     EXPECT_TRUE(cache.ok()) << cache.status();
     v1::UpdateRequest request = RandomUpdate(cache->cache_id(), spec, 0, tokens.size(), rng_);
     EXPECT_TRUE(client.Update(cache->cache_id(), {ToLayerUpdate(request)}).ok());
-    auto snapshot = client.Snapshot(cache->cache_id(), 0);
+    auto snapshot = client.Snapshot(cache->cache_id());
     EXPECT_TRUE(snapshot.ok()) << snapshot.status();
     auto published = client.PublishPrefix(snapshot->snapshot_id(), tokens);
     EXPECT_TRUE(published.ok()) << published.status();

@@ -110,7 +110,7 @@ class E2eLayerKindsTest : public E2eTest {
 
   // A snapshot from `from`, mirrored.
   std::pair<std::string, RefCacheSnapshotPtr> Snapshot(uint64_t from) {
-    absl::StatusOr<v1::SnapshotInfo> info = client().Snapshot(cache_id_, from);
+    absl::StatusOr<v1::SnapshotInfo> info = client().Snapshot(cache_id_, {.from_offset = from});
     EXPECT_TRUE(info.ok()) << info.status();
     return {info.ok() ? info->snapshot_id() : "", reference_->Snapshot(from)};
   }

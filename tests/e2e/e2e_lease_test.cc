@@ -81,14 +81,14 @@ class E2eLeaseTest : public ::testing::Test {
 
 TEST_F(E2eLeaseTest, HandlesNoCallNamesRunOutWhileUpdatesKeepTheirCacheAlive) {
   ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1)));
-  auto cache = client().CreateCache(ProtoSpec(2, 2, 8), /*ttl_seconds=*/2);
+  auto cache = client().CreateCache(ProtoSpec(2, 2, 8), {.ttl_seconds = 2});
   ASSERT_TRUE(cache.ok()) << cache.status();
   EXPECT_EQ(cache->ttl_seconds(), 2u);
   EXPECT_TRUE(cache->has_expires_at());
   EXPECT_NEAR(cache->expires_at().seconds(), absl::ToUnixSeconds(absl::Now() + absl::Seconds(2)),
               1);
   ASSERT_TRUE(Step(client(), *cache).ok());
-  auto snapshot = client().Snapshot(cache->cache_id(), 0);  // the server's default: 1 s
+  auto snapshot = client().Snapshot(cache->cache_id());  // the server's default: 1 s
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
   EXPECT_EQ(snapshot->ttl_seconds(), 1u);
   const std::string snapshot_id = snapshot->snapshot_id();
@@ -125,12 +125,12 @@ TEST_F(E2eLeaseTest, HandlesNoCallNamesRunOutWhileUpdatesKeepTheirCacheAlive) {
 
 TEST_F(E2eLeaseTest, FetchRestoreAndRenewLeaseRenew) {
   ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1)));
-  auto cache = client().CreateCache(ProtoSpec(1, 2, 8), /*ttl_seconds=*/60);
+  auto cache = client().CreateCache(ProtoSpec(1, 2, 8), {.ttl_seconds = 60});
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(Step(client(), *cache).ok());
-  auto fetched = client().Snapshot(cache->cache_id(), 0);
-  auto restored = client().Snapshot(cache->cache_id(), 0);
-  auto renewed = client().Snapshot(cache->cache_id(), 0);
+  auto fetched = client().Snapshot(cache->cache_id());
+  auto restored = client().Snapshot(cache->cache_id());
+  auto renewed = client().Snapshot(cache->cache_id());
   ASSERT_TRUE(fetched.ok() && restored.ok() && renewed.ok());
   for (int i = 0; i < 8; ++i) {  // 2.4 s, past every 1 s lease
     ASSERT_TRUE(lane_client_->FetchLayer("", fetched->snapshot_id(), 0).ok()) << i;
@@ -142,7 +142,7 @@ TEST_F(E2eLeaseTest, FetchRestoreAndRenewLeaseRenew) {
     EXPECT_EQ(leases->snapshots(0).ttl_seconds(), 1u);
     absl::SleepFor(absl::Milliseconds(300));
   }
-  auto listed = client().ListSnapshots(cache->cache_id());
+  auto listed = client().ListSnapshots({.cache_id = cache->cache_id()});
   ASSERT_TRUE(listed.ok());
   EXPECT_EQ(listed->size(), 3u);
 }
@@ -169,10 +169,10 @@ TEST_F(E2eLeaseTest, RenewLeaseRefusesBadIdsNamingThem) {
 
 TEST_F(E2eLeaseTest, PinsOutliveLeasesWithinTheirBudget) {
   ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(1), /*max_pinned_bytes=*/64 << 10));
-  auto cache = client().CreateCache(ProtoSpec(2, 2, 8), /*ttl_seconds=*/60);
+  auto cache = client().CreateCache(ProtoSpec(2, 2, 8), {.ttl_seconds = 60});
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(Step(client(), *cache).ok());
-  auto pinned = client().Snapshot(cache->cache_id(), 0, /*pinned=*/true);
+  auto pinned = client().Snapshot(cache->cache_id(), {.pinned = true});
   ASSERT_TRUE(pinned.ok()) << pinned.status();
   EXPECT_FALSE(pinned->has_expires_at());
   auto stats = client().GetStats();
@@ -184,7 +184,7 @@ TEST_F(E2eLeaseTest, PinsOutliveLeasesWithinTheirBudget) {
   std::vector<std::string> more;
   absl::Status refused;
   for (int i = 0; i < 64 && refused.ok(); ++i) {
-    auto snapshot = client().Snapshot(cache->cache_id(), 0, /*pinned=*/true);
+    auto snapshot = client().Snapshot(cache->cache_id(), {.pinned = true});
     if (snapshot.ok()) more.push_back(snapshot->snapshot_id());
     refused = snapshot.status();
   }

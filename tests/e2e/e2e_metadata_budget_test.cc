@@ -57,7 +57,7 @@ TEST(E2eMetadataBudgetTest, HandlesPastTheBudgetAreRefusedNamingIt) {
   std::vector<std::string> snapshots;
   absl::Status snapshot_refused;
   while (snapshot_refused.ok() && snapshots.size() < 1000) {
-    auto snapshot = client.Snapshot(caches[0], 0);
+    auto snapshot = client.Snapshot(caches[0]);
     if (snapshot.ok()) snapshots.push_back(snapshot->snapshot_id());
     snapshot_refused = snapshot.status();
   }

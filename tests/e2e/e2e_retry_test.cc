@@ -206,7 +206,7 @@ std::pair<std::string, std::string> ExportedFile(Client& client) {
   RefCache reference(TwoLayers());
   std::mt19937_64 rng(11);
   EXPECT_TRUE(StepBoth(client, cache->cache_id(), reference, 6, rng).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id());
   EXPECT_TRUE(snapshot.ok()) << snapshot.status();
   EXPECT_TRUE(client.DeleteCache(cache->cache_id()).ok());
   v1::ExportSnapshotRequest request;

@@ -91,7 +91,7 @@ class E2eSpeculationTest : public E2eTest {
 
   std::string Begin(bool isolated) {
     absl::StatusOr<v1::BeginSpeculationResponse> begun =
-        client().BeginSpeculation(cache_id_, isolated);
+        client().BeginSpeculation(cache_id_, {.isolated = isolated});
     EXPECT_TRUE(begun.ok()) << begun.status();
     if (!begun.ok()) return "";
     EXPECT_EQ(begun->offset(), reference_->CommonOffset().value());
@@ -153,7 +153,7 @@ TEST_P(E2eSpeculationTest, RefusalsNameTheirFieldAndChangeNothing) {
   const std::string id = Begin(false);
   DraftTokens(id, 2);
   ExpectRefused(Code::kFailedPrecondition, "cache_id",
-                [&] { return client().BeginSpeculation(cache_id_, false).status(); });
+                [&] { return client().BeginSpeculation(cache_id_).status(); });
   ExpectRefused(Code::kInvalidArgument, "accepted",
                 [&] { return client().CommitSpeculation(id, 3).status(); });
   ExpectRefused(Code::kNotFound, "speculation_id", [&] {

@@ -109,7 +109,7 @@ class E2eTenantsTest : public ::testing::Test {
                                             std::min<uint64_t>(256, tokens - done), rng_);
       EXPECT_TRUE(stepped.ok()) << stepped;
     }
-    absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id(), 0);
+    absl::StatusOr<v1::SnapshotInfo> snapshot = client.Snapshot(cache->cache_id());
     EXPECT_TRUE(snapshot.ok()) << snapshot.status();
     return {cache->cache_id(), snapshot.ok() ? snapshot->snapshot_id() : ""};
   }
@@ -173,7 +173,7 @@ TEST_F(E2eTenantsTest, AnotherTenantsIdsAreUnknownOnEveryCall) {
       {"Fetch", [&](auto& c, auto&) { return bob_->FetchLayer(c, "", 0).status(); }},
       {"Fetch snapshot", [&](auto&, auto& s) { return bob_->FetchLayer("", s, 0).status(); }},
       {"Trim", [&](auto& c, auto&) { return bob_->Trim(c, 1).status(); }},
-      {"Snapshot", [&](auto& c, auto&) { return bob_->Snapshot(c, 0).status(); }},
+      {"Snapshot", [&](auto& c, auto&) { return bob_->Snapshot(c).status(); }},
       {"Restore into", [&](auto& c, auto& s) { return bob_->Restore(c, s, 0).status(); }},
       {"Restore from", [&](auto&, auto& s) { return bob_->Restore(bobs_cache, s, 0).status(); }},
       {"MergeSnapshots parent",
@@ -190,8 +190,7 @@ TEST_F(E2eTenantsTest, AnotherTenantsIdsAreUnknownOnEveryCall) {
          return bob_->MergeCaches(ids).status();
        }},
       {"ExtendCache", [&](auto& c, auto&) { return bob_->ExtendCache(bobs_cache, c).status(); }},
-      {"BeginSpeculation",
-       [&](auto& c, auto&) { return bob_->BeginSpeculation(c, false).status(); }},
+      {"BeginSpeculation", [&](auto& c, auto&) { return bob_->BeginSpeculation(c).status(); }},
       {"RenewLease cache",
        [&](auto& c, auto&) {
          const std::string ids[] = {c};
@@ -232,7 +231,7 @@ TEST_F(E2eTenantsTest, AnotherTenantsIdsAreUnknownOnEveryCall) {
     EXPECT_EQ(swapped, nobodys.message());
   }
   // A list by alice's cache id is as empty as one by an id nobody holds.
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = bob_->ListSnapshots(cache);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = bob_->ListSnapshots({.cache_id = cache});
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_TRUE(listed->empty());
   EXPECT_TRUE(WireFingerprint(*alice_) == before) << "bob's calls changed alice's state";
@@ -357,17 +356,17 @@ TEST_F(E2eTenantsTest, CachesAndSnapshotsStopAtTheTenantsQuotas) {
   EXPECT_THAT(third.status().message(), HasSubstr("max_caches"));
   EXPECT_EQ(carol->ListCaches()->size(), 2u);
 
-  ASSERT_TRUE(carol->Snapshot(cache, 0).ok());
-  absl::StatusOr<v1::SnapshotInfo> last = carol->Snapshot(cache, 4);
+  ASSERT_TRUE(carol->Snapshot(cache).ok());
+  absl::StatusOr<v1::SnapshotInfo> last = carol->Snapshot(cache, {.from_offset = 4});
   ASSERT_TRUE(last.ok()) << last.status();
-  absl::StatusOr<v1::SnapshotInfo> fourth = carol->Snapshot(cache, 0);
+  absl::StatusOr<v1::SnapshotInfo> fourth = carol->Snapshot(cache);
   EXPECT_EQ(fourth.status().code(), Code::kResourceExhausted) << fourth.status();
   EXPECT_THAT(fourth.status().message(), HasSubstr("max_snapshots"));
   // A split takes one and gives two: past the quota, so nothing happens.
   absl::StatusOr<v1::SplitSnapshotResponse> split = carol->SplitSnapshot(first, 4);
   EXPECT_EQ(split.status().code(), Code::kResourceExhausted) << split.status();
   EXPECT_EQ(carol->ListSnapshots()->size(), 3u);
-  ASSERT_TRUE(carol->ListSnapshots(cache).ok());
+  ASSERT_TRUE(carol->ListSnapshots({.cache_id = cache}).ok());
   EXPECT_TRUE(carol->RenewLease({}, {first}).ok()) << "the refused split consumed its snapshot";
 
   ASSERT_TRUE(carol->ReleaseSnapshot(last->snapshot_id()).ok());
@@ -605,41 +604,43 @@ TEST_F(E2eTenantsTest, OnlyAnAdminNamesAnotherTenant) {
   ASSERT_FALSE(alice_snapshot.empty());
   std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
 
-  absl::StatusOr<std::vector<v1::CacheInfo>> bobs_caches = ops->ListCaches("bob");
+  absl::StatusOr<std::vector<v1::CacheInfo>> bobs_caches = ops->ListCaches({.tenant = "bob"});
   ASSERT_TRUE(bobs_caches.ok()) << bobs_caches.status();
   ASSERT_EQ(bobs_caches->size(), 1u);
   EXPECT_EQ((*bobs_caches)[0].cache_id(), bob_cache);
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> bobs_snapshots = ops->ListSnapshots("", "bob");
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> bobs_snapshots =
+      ops->ListSnapshots({.tenant = "bob"});
   ASSERT_TRUE(bobs_snapshots.ok()) << bobs_snapshots.status();
   ASSERT_EQ(bobs_snapshots->size(), 1u);
   EXPECT_EQ((*bobs_snapshots)[0].snapshot_id(), bob_snapshot);
   absl::StatusOr<std::vector<v1::CacheInfo>> ops_own = ops->ListCaches();
   ASSERT_TRUE(ops_own.ok()) << ops_own.status();
   EXPECT_TRUE(ops_own->empty()) << "an admin's own list is still its own";
-  absl::StatusOr<std::vector<v1::CacheInfo>> alice_by_name = alice_->ListCaches("alice");
+  absl::StatusOr<std::vector<v1::CacheInfo>> alice_by_name =
+      alice_->ListCaches({.tenant = "alice"});
   ASSERT_TRUE(alice_by_name.ok()) << alice_by_name.status();
   ASSERT_EQ(alice_by_name->size(), 1u);
   EXPECT_EQ((*alice_by_name)[0].cache_id(), alice_cache);
 
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> ops_by_name = ops->ListSnapshots("", "ops");
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> ops_by_name = ops->ListSnapshots({.tenant = "ops"});
   ASSERT_TRUE(ops_by_name.ok()) << ops_by_name.status();
   EXPECT_TRUE(ops_by_name->empty());
 
   for (const char* other : {"bob", "ops", "nobody"}) {
     SCOPED_TRACE(other);
-    const absl::Status caches = alice_->ListCaches(other).status();
+    const absl::Status caches = alice_->ListCaches({.tenant = other}).status();
     EXPECT_EQ(caches.code(), Code::kPermissionDenied);
     EXPECT_THAT(caches.message(), HasSubstr("tenant"));
-    EXPECT_EQ(alice_->ListSnapshots("", other).status(), caches);
+    EXPECT_EQ(alice_->ListSnapshots({.tenant = other}).status(), caches);
   }
   for (const char* any : {"", "alice", "bob", "nobody"}) {
-    const absl::Status evict = alice_->EvictSnapshots(0, any).status();
+    const absl::Status evict = alice_->EvictSnapshots({.tenant = any}).status();
     EXPECT_EQ(evict.code(), Code::kPermissionDenied) << any;
     EXPECT_THAT(evict.message(), HasSubstr("admin")) << any;
   }
-  for (const absl::Status& unknown :
-       {ops->ListCaches("nobody").status(), ops->ListSnapshots("", "nobody").status(),
-        ops->EvictSnapshots(0, "nobody").status()}) {
+  for (const absl::Status& unknown : {ops->ListCaches({.tenant = "nobody"}).status(),
+                                      ops->ListSnapshots({.tenant = "nobody"}).status(),
+                                      ops->EvictSnapshots({.tenant = "nobody"}).status()}) {
     EXPECT_EQ(unknown.code(), Code::kNotFound) << unknown;
     EXPECT_THAT(unknown.message(), HasSubstr("tenant"));
   }
@@ -677,24 +678,25 @@ TEST_F(E2eTenantsTest, EvictSnapshotsMovesOnlyTheTenantsIdleSnapshotsDown) {
   ASSERT_GT(snapshot_bytes, 8192u) << "the snapshot should span several 8 KiB pages";
 
   std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
-  absl::StatusOr<v1::EvictSnapshotsResponse> one = ops->EvictSnapshots(1, "alice");
+  absl::StatusOr<v1::EvictSnapshotsResponse> one =
+      ops->EvictSnapshots({.bytes = 1, .tenant = "alice"});
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_EQ(one->pages_moved(), 1u);
   EXPECT_EQ(one->bytes_moved(), 8192u);
   EXPECT_EQ(where(*alice_, alice_snapshot).host_bytes(), 8192u);
-  absl::StatusOr<v1::EvictSnapshotsResponse> rest = ops->EvictSnapshots(0, "alice");
+  absl::StatusOr<v1::EvictSnapshotsResponse> rest = ops->EvictSnapshots({.tenant = "alice"});
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(rest->bytes_moved() + one->bytes_moved(), snapshot_bytes);
   EXPECT_EQ(where(*alice_, alice_snapshot).device_bytes(), 0u);
   EXPECT_EQ(where(*alice_, pinned_snapshot).host_bytes(), 0u) << "a pinned snapshot moved";
   EXPECT_EQ(where(*bob_, bob_snapshot).host_bytes(), 0u) << "another tenant's snapshot moved";
-  absl::StatusOr<v1::EvictSnapshotsResponse> nothing = ops->EvictSnapshots(0, "alice");
+  absl::StatusOr<v1::EvictSnapshotsResponse> nothing = ops->EvictSnapshots({.tenant = "alice"});
   ASSERT_TRUE(nothing.ok()) << nothing.status();
   EXPECT_EQ(nothing->pages_moved(), 0u) << "a live cache's pages moved";
 
   // Every byte there is, without wrapping to none.
   absl::StatusOr<v1::EvictSnapshotsResponse> bobs =
-      ops->EvictSnapshots(std::numeric_limits<uint64_t>::max(), "bob");
+      ops->EvictSnapshots({.bytes = std::numeric_limits<uint64_t>::max(), .tenant = "bob"});
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   EXPECT_GT(bobs->pages_moved(), 0u);
   EXPECT_EQ(where(*bob_, bob_snapshot).device_bytes(), 0u);
@@ -717,10 +719,10 @@ TEST_F(E2eTenantsTest, EvictSnapshotsIntoFullTiersIsRefusedNamingThem) {
   std::unique_ptr<Client> ops = server_->ConnectAs(kOps);
   const auto [cache, snapshot] = CacheWithSnapshot(*carol, 64);
   ASSERT_TRUE(carol->DeleteCache(cache).ok());
-  absl::StatusOr<v1::EvictSnapshotsResponse> first = ops->EvictSnapshots(0, "carol");
+  absl::StatusOr<v1::EvictSnapshotsResponse> first = ops->EvictSnapshots({.tenant = "carol"});
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(first->pages_moved(), 1u) << "carol's host share is one page";
-  const absl::Status full = ops->EvictSnapshots(0, "carol").status();
+  const absl::Status full = ops->EvictSnapshots({.tenant = "carol"}).status();
   EXPECT_EQ(full.code(), Code::kResourceExhausted);
   EXPECT_THAT(full.message(), HasSubstr("host_bytes"));
   ASSERT_TRUE(carol->ReleaseSnapshot(snapshot).ok());
@@ -736,7 +738,7 @@ TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTierAndTenantsNeedATokensFile) {
   ASSERT_NE(server_, nullptr);
   alice_ = server_->ConnectAs(kAlice);
   bob_ = server_->ConnectAs(kBob);
-  const absl::Status refused = server_->ConnectAs(kOps)->EvictSnapshots(0).status();
+  const absl::Status refused = server_->ConnectAs(kOps)->EvictSnapshots().status();
   EXPECT_EQ(refused.code(), Code::kFailedPrecondition);
   EXPECT_THAT(refused.message(), HasSubstr("host_bytes"));
 
@@ -745,10 +747,10 @@ TEST_F(E2eTenantsTest, EvictSnapshotsNeedsALowerTierAndTenantsNeedATokensFile) {
   server_.reset();
   server_ = TestServer::Start({.budget_bytes = 1 << 20, .host_bytes = 4 << 20});
   ASSERT_NE(server_, nullptr);
-  absl::StatusOr<v1::EvictSnapshotsResponse> anonymous = server_->client().EvictSnapshots(0);
+  absl::StatusOr<v1::EvictSnapshotsResponse> anonymous = server_->client().EvictSnapshots();
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
   EXPECT_EQ(anonymous->pages_moved(), 0u);
-  const absl::Status named = server_->client().ListCaches("bob").status();
+  const absl::Status named = server_->client().ListCaches({.tenant = "bob"}).status();
   EXPECT_EQ(named.code(), Code::kFailedPrecondition);
   EXPECT_THAT(named.message(), HasSubstr("tenant"));
   server_->CleanUpAndCheck();  // TearDown's tenants are not this server's

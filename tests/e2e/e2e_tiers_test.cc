@@ -51,7 +51,7 @@ class E2eTiersTest : public ::testing::Test {
     for (const v1::UpdateRequest& request : requests) updates.push_back(ToLayerUpdate(request));
     const absl::Status updated = client.Update(cache->cache_id(), updates).status();
     EXPECT_TRUE(updated.ok()) << updated;
-    auto snapshot = client.Snapshot(cache->cache_id(), 0);
+    auto snapshot = client.Snapshot(cache->cache_id());
     EXPECT_TRUE(snapshot.ok()) << snapshot.status();
     EXPECT_TRUE(client.DeleteCache(cache->cache_id()).ok());
     return snapshot.ok() ? snapshot->snapshot_id() : "";

@@ -342,7 +342,7 @@ TEST_F(E2eTlsTest, ReplicasPullSnapshotsFromEachOtherOverMutualTls) {
   RefCache reference(spec);
   std::mt19937_64 rng(17);
   ASSERT_TRUE(StepBoth(server_->client(), cache->cache_id(), reference, 40, rng).ok());
-  absl::StatusOr<v1::SnapshotInfo> snapshot = server_->client().Snapshot(cache->cache_id(), 0);
+  absl::StatusOr<v1::SnapshotInfo> snapshot = server_->client().Snapshot(cache->cache_id());
   ASSERT_TRUE(snapshot.ok()) << snapshot.status();
 
   const std::string peers = "owner=" + server_->server().address();

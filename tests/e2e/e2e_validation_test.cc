@@ -41,7 +41,7 @@ class E2eValidationTest : public E2eTest {
     ASSERT_TRUE(info.ok()) << info.status();
     cache_id_ = info->cache_id();
     for (uint32_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(Append(layer, 5).ok());
-    absl::StatusOr<v1::SnapshotInfo> snapshot = client().Snapshot(cache_id_, 0);
+    absl::StatusOr<v1::SnapshotInfo> snapshot = client().Snapshot(cache_id_);
     ASSERT_TRUE(snapshot.ok()) << snapshot.status();
     snapshot_id_ = snapshot->snapshot_id();
   }
@@ -136,7 +136,7 @@ TEST_P(E2eValidationTest, UnknownAndMissingIds) {
   ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.GetCache(kUnknownId).status(); });
   ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.DeleteCache(kUnknownId); });
   ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.Trim(kUnknownId, 1).status(); });
-  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] { return c.Snapshot("", 0).status(); });
+  ExpectRefused(Code::kInvalidArgument, "cache_id", [&] { return c.Snapshot("").status(); });
   ExpectRefused(Code::kNotFound, "cache_id", [&] { return c.Restore(kUnknownId, "", 0).status(); });
   ExpectRefused(Code::kNotFound, "snapshot_id",
                 [&] { return c.Restore(cache_id_, kUnknownId, 0).status(); });
@@ -212,14 +212,15 @@ TEST_P(E2eValidationTest, FetchRefusesBadRequests) {
 TEST_P(E2eValidationTest, RefusedSnapshotOperationsChangeNothing) {
   Client& c = client();
   ExpectRefused(Code::kFailedPrecondition, "from_offset",
-                [&] { return c.Snapshot(cache_id_, 5).status(); });
+                [&] { return c.Snapshot(cache_id_, {.from_offset = 5}).status(); });
   ExpectRefused(Code::kFailedPrecondition, "beyond the live offset",
                 [&] { return c.Restore(cache_id_, "", 6).status(); });
   ExpectRefused(Code::kFailedPrecondition, "beyond the snapshot's end",
                 [&] { return c.Restore(cache_id_, snapshot_id_, 6).status(); });
   ExpectRefused(Code::kFailedPrecondition, "child_id",
                 [&] { return c.MergeSnapshots(snapshot_id_, snapshot_id_).status(); });
-  absl::StatusOr<v1::SnapshotInfo> other = c.Snapshot(cache_id_, 2);  // [2, 5): not after [0, 5)
+  // [2, 5): not after [0, 5)
+  absl::StatusOr<v1::SnapshotInfo> other = c.Snapshot(cache_id_, {.from_offset = 2});
   ASSERT_TRUE(other.ok()) << other.status();
   ExpectRefused(Code::kFailedPrecondition, "adjacent",
                 [&] { return c.MergeSnapshots(snapshot_id_, other->snapshot_id()).status(); });
@@ -233,7 +234,7 @@ TEST_P(E2eValidationTest, RefusedWhileOutOfStepOrWrapped) {
   Client& c = client();
   ASSERT_TRUE(Append(0, 1).ok());  // layer 0 at 6, the others at 5
   ExpectRefused(Code::kFailedPrecondition, "out of step",
-                [&] { return c.Snapshot(cache_id_, 0).status(); });
+                [&] { return c.Snapshot(cache_id_).status(); });
   ExpectRefused(Code::kFailedPrecondition, "out of step",
                 [&] { return c.Trim(cache_id_, 1).status(); });
   for (uint32_t layer : {1, 2}) ASSERT_TRUE(Append(layer, 1).ok());

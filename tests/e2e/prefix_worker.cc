@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
   const std::vector<uint32_t> tokens = RequestTokens();
   const std::vector<uint64_t> hashes = prefix_kv::PrefixHashes(tokens);
 
-  auto found = client->LookupPrefix(Spec(), tokens, /*ttl_seconds=*/60);
+  auto found = client->LookupPrefix(Spec(), tokens, {.ttl_seconds = 60});
   if (!found.ok()) return Fail("LookupPrefix", found.status());
   auto cache = client->CreateCache(Spec());
   if (!cache.ok()) return Fail("CreateCache", cache.status());
@@ -142,9 +142,9 @@ int main(int argc, char** argv) {
       !filled.ok()) {
     return Fail("Update", filled);
   }
-  auto snapshot = client->Snapshot(cache->cache_id(), 0);
+  auto snapshot = client->Snapshot(cache->cache_id());
   if (!snapshot.ok()) return Fail("Snapshot", snapshot.status());
-  auto published = client->PublishPrefix(snapshot->snapshot_id(), tokens, /*ttl_seconds=*/600);
+  auto published = client->PublishPrefix(snapshot->snapshot_id(), tokens, {.ttl_seconds = 600});
   if (!published.ok()) return Fail("PublishPrefix", published.status());
   if (auto released = client->ReleaseSnapshot(snapshot->snapshot_id()); !released.ok()) {
     return Fail("ReleaseSnapshot", released);

@@ -89,7 +89,8 @@ Client& WireAdapter::For(absl::string_view id) {
 
 absl::StatusOr<CacheState> WireAdapter::CreateCache(const engine::CacheSpec& spec) {
   if (fleet_ == nullptr) return StateOr(client_->CreateCache(ToWireSpec(spec)));
-  absl::StatusOr<v1::CacheInfo> created = fleet_->CreateCache(ToWireSpec(spec), 0, placement_key_);
+  absl::StatusOr<v1::CacheInfo> created =
+      fleet_->CreateCache(ToWireSpec(spec), {.placement_key = placement_key_});
   if (!created.ok()) return created.status();
   client_ = &For(created->cache_id());
   return StateOr(std::move(created));
@@ -142,7 +143,7 @@ absl::StatusOr<TrimResult> WireAdapter::Trim(const std::string& cache_id, uint64
 
 absl::StatusOr<SnapshotState> WireAdapter::Snapshot(const std::string& cache_id, uint64_t from,
                                                     bool pinned) {
-  return SnapshotStateOr(For(cache_id).Snapshot(cache_id, from, pinned));
+  return SnapshotStateOr(For(cache_id).Snapshot(cache_id, {.from_offset = from, .pinned = pinned}));
 }
 
 absl::StatusOr<CacheState> WireAdapter::Restore(const std::string& cache_id,
@@ -172,7 +173,8 @@ absl::Status WireAdapter::ReadSnapshot(const std::string& snapshot_id) {
 
 absl::StatusOr<std::vector<SnapshotState>> WireAdapter::ListSnapshots(
     const std::string& cache_id) {
-  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed = For(cache_id).ListSnapshots(cache_id);
+  absl::StatusOr<std::vector<v1::SnapshotInfo>> listed =
+      For(cache_id).ListSnapshots({.cache_id = cache_id});
   if (!listed.ok()) return listed.status();
   std::vector<SnapshotState> states;
   for (const v1::SnapshotInfo& info : *listed) states.push_back(SnapshotStateOf(info));
@@ -211,7 +213,7 @@ absl::StatusOr<uint64_t> WireAdapter::PagesInUse() {
 absl::StatusOr<SpeculationState> WireAdapter::BeginSpeculation(const std::string& cache_id,
                                                                bool isolated) {
   absl::StatusOr<v1::BeginSpeculationResponse> begun =
-      For(cache_id).BeginSpeculation(cache_id, isolated);
+      For(cache_id).BeginSpeculation(cache_id, {.isolated = isolated});
   if (!begun.ok()) return begun.status();
   return SpeculationState{.speculation_id = begun->speculation_id(),
                           .committed_offset = begun->offset()};

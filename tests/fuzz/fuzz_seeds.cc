@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   chunk.mutable_values()->clear_data();
   Write(root / "fetch_chunk_fuzzer", "empty_values", chunk.SerializeAsString());
 
-  // A lane connection: preamble, AUTH, an Update call, a Fetch.
+  // Lane connections: preamble, AUTH, an Update call, a Fetch; and a Fetch
+  // alone, as a server without tenants takes it.
   kvcache::v1::LaneAuth auth;
   auth.set_token("a-token-of-sixteen-bytes");
   FetchRequest fetch;
@@ -98,9 +99,7 @@ int main(int argc, char** argv) {
             Frame(kvcache::v1::LANE_FRAME_UPDATE, state) +
             Frame(kvcache::v1::LANE_FRAME_UPDATE_END, "") +
             Frame(kvcache::v1::LANE_FRAME_FETCH, fetch.SerializeAsString()));
-  Write(lane, "v1_fetch",
-        std::string(kvcache::lane::kMagicV1, sizeof(kvcache::lane::kMagicV1)) +
-            Frame(kvcache::v1::LANE_FRAME_FETCH, fetch.SerializeAsString()));
+  Write(lane, "fetch", magic + Frame(kvcache::v1::LANE_FRAME_FETCH, fetch.SerializeAsString()));
   // Prompt-cache files: one kvcached writes (with its checksum), and one
   // laid out by hand as mlx-lm writes it (no checksum, no padding).
   kvcache::engine::PromptCacheFile file;

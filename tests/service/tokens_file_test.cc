@@ -2,7 +2,10 @@
 // field, never quoting a token), and finding a token's tenant.
 #include "service/tokens_file.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -78,6 +81,62 @@ TEST(TokensFileTest, RefusesBadLinesByNumberWithoutQuotingTokens) {
     EXPECT_THAT(tenants.status().message(), HasSubstr(names));
     EXPECT_THAT(tenants.status().message(), Not(HasSubstr("secret")));
   }
+}
+
+// The field a row of kTenantQuotaKeys sets, read from `quotas`.
+uint64_t QuotaOf(const TenantQuotas& quotas, const TenantQuotaKey& key) {
+  return std::visit([&](auto field) { return uint64_t{quotas.*field}; }, key.field);
+}
+
+// The largest count the row's field holds.
+uint64_t LargestOf(const TenantQuotaKey& key) {
+  return std::holds_alternative<uint32_t TenantQuotas::*>(key.field)
+             ? std::numeric_limits<uint32_t>::max()
+             : std::numeric_limits<uint64_t>::max();
+}
+
+// One more than that, in decimal.
+std::string OnePastLargestOf(const TenantQuotaKey& key) {
+  return std::holds_alternative<uint32_t TenantQuotas::*>(key.field)
+             ? absl::StrCat(uint64_t{std::numeric_limits<uint32_t>::max()} + 1)
+             : "18446744073709551616";
+}
+
+TEST(TokensFileTest, EveryQuotaKeySetsItsOwnFieldUpToItsLargestCount) {
+  for (const TenantQuotaKey& key : kTenantQuotaKeys) {
+    SCOPED_TRACE(key.name);
+    const std::string line = absl::StrCat("tenant=bob token=bob-secret-token-0002 ", key.name, "=");
+    absl::StatusOr<std::vector<TenantConfig>> largest =
+        ParseTokensFile(absl::StrCat(line, LargestOf(key), "\n"));
+    ASSERT_TRUE(largest.ok()) << largest.status();
+    for (const TenantQuotaKey& other : kTenantQuotaKeys) {
+      EXPECT_EQ(QuotaOf((*largest)[0].quotas, other), other.name == key.name ? LargestOf(key) : 0)
+          << other.name;
+    }
+    absl::StatusOr<std::vector<TenantConfig>> past =
+        ParseTokensFile(absl::StrCat(line, OnePastLargestOf(key), "\n"));
+    ASSERT_FALSE(past.ok());
+    EXPECT_THAT(past.status().message(),
+                HasSubstr(absl::StrCat("line 1: ", key.name, ": \"", OnePastLargestOf(key),
+                                       "\" is not a count in range")));
+  }
+}
+
+TEST(TokensFileTest, AnUnknownKeyListsTheKnownOnes) {
+  absl::StatusOr<std::vector<TenantConfig>> tenants =
+      ParseTokensFile("tenant=bob token=bob-secret-token-0002 max_pinned=1\n");
+  ASSERT_FALSE(tenants.ok());
+  EXPECT_THAT(tenants.status().message(),
+              HasSubstr("line 1: unknown key \"max_pinned\" (known: tenant, token, sha256, "));
+  for (const TenantQuotaKey& key : kTenantQuotaKeys) {
+    EXPECT_THAT(tenants.status().message(), HasSubstr(absl::StrCat(", ", key.name))) << key.name;
+  }
+}
+
+TEST(TokensFileTest, AQuotaFieldIsNamedAsTheFileSpellsIt) {
+  static_assert(TenantQuotaName(&TenantQuotas::max_host_bytes) == "max_host_bytes");
+  EXPECT_EQ(TenantQuotaName(&TenantQuotas::max_pinned_bytes), "max_pinned_bytes");
+  EXPECT_EQ(TenantQuotaName(&TenantQuotas::max_lane_connections), "max_lane_connections");
 }
 
 TEST(TokensFileTest, ReadingAMissingFileSaysWhich) {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "wire/ids/replica_id.h"
+#include "wire/net/address.h"
 
 namespace kvcache::etcd {
 namespace {
@@ -70,9 +71,11 @@ absl::StatusOr<EtcdChannels> EtcdChannels::Make(const EtcdOptions& options) {
           absl::StrCat("etcd_endpoints: http://", entry, " with etcd_ca (TLS): write https://"));
     }
     entry = absl::StripSuffix(entry, "/");
-    if (entry.empty() || entry.find_first_of("/?#@") != absl::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("etcd_endpoints: \"", entry, "\" is not host:port"));
+    // host:port, no path, query or user: the channel's whole gRPC target.
+    if (absl::Status address =
+            net::ParseHostPort(entry, "etcd_endpoints", net::AddressUse::kConnect).status();
+        !address.ok()) {
+      return address;
     }
     if (!tls && !cert->empty()) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -1,4 +1,4 @@
-// The data lane's frames (kvcache.proto, LaneFrameKind): the preambles a
+// The data lane's frames (kvcache.proto, LaneFrameKind): the preamble a
 // connection opens with, the 8-byte header before every payload, and the
 // LaneStatus frame's payload as an absl::Status. The server (service/lane/data_lane.h)
 // and the client library each build their calls on these.
@@ -13,11 +13,10 @@
 
 namespace kvcache::lane {
 
-// What a client sends first on a connection: the current version, whose
-// Fetch calls announce their length (FETCH_LENGTH) and which the server
-// answers with the same 8 bytes, and the first, which it still serves.
+// What a client sends first on a connection, and the server answers with
+// the same 8 bytes: the lane's version, whose Fetch calls announce their
+// length (FETCH_LENGTH). The server closes any other opening unanswered.
 inline constexpr char kMagic[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '2'};
-inline constexpr char kMagicV1[8] = {'K', 'V', 'L', 'A', 'N', 'E', '0', '1'};
 inline constexpr size_t kHeaderBytes = 8;
 // The longest AUTH frame a server reads: a LaneAuth holds one bearer token,
 // a few KiB at most (gRPC's metadata, where the same token travels, is

@@ -9,41 +9,27 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "wire/lane/frame_writer.h"
+#include "wire/net/address.h"
 
 namespace kvcache::lane {
 namespace {
 
-absl::StatusOr<std::pair<std::string, std::string>> SplitAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data lane address \"", address, "\" is not host:port"));
-  }
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return std::make_pair(host, address.substr(colon + 1));
-}
-
 // The addresses of host:port, for connecting or (passive) for listening.
 absl::StatusOr<addrinfo*> Resolve(const std::string& address, bool passive) {
-  auto host_port = SplitAddress(address);
+  absl::StatusOr<net::HostPort> host_port = net::ParseHostPort(
+      address, "data lane address", passive ? net::AddressUse::kListen : net::AddressUse::kConnect);
   if (!host_port.ok()) return host_port.status();
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   if (passive) hints.ai_flags = AI_PASSIVE;
   addrinfo* found = nullptr;
-  const char* host = host_port->first.empty() ? nullptr : host_port->first.c_str();
-  if (const int error = getaddrinfo(host, host_port->second.c_str(), &hints, &found); error != 0) {
+  const char* host = host_port->host.empty() ? nullptr : host_port->host.c_str();
+  const std::string port = absl::StrCat(host_port->port);
+  if (const int error = getaddrinfo(host, port.c_str(), &hints, &found); error != 0) {
     return absl::UnavailableError(
         absl::StrCat("data lane: cannot resolve \"", address, "\": ", gai_strerror(error)));
   }

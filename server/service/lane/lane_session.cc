@@ -4,7 +4,9 @@
 #include <cstring>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "service/tokens_file.h"
@@ -41,6 +43,17 @@ absl::Status LaneSession::CheckOpeningFrame(const lane::FrameHeader& header) {
   return absl::OkStatus();
 }
 
+// Any other opening, another lane version's preamble included, is closed
+// unanswered, as a stranger's is (DataLane logs why): a peer that speaks
+// another protocol would not read a STATUS frame.
+absl::Status LaneSession::CheckPreamble(absl::Span<const std::byte> magic) {
+  if (std::memcmp(magic.data(), lane::kMagic, sizeof(lane::kMagic)) == 0) return absl::OkStatus();
+  const absl::string_view opened(reinterpret_cast<const char*>(magic.data()), magic.size());
+  return absl::InvalidArgumentError(absl::StrCat(
+      "data lane: the connection opened with \"", absl::CHexEscape(opened), "\", not the preamble ",
+      absl::string_view(lane::kMagic, sizeof(lane::kMagic)), " (the only lane version served)"));
+}
+
 absl::Status LaneSession::Run() {
   const absl::Status status = Serve();
   ReportBytes();
@@ -50,19 +63,10 @@ absl::Status LaneSession::Run() {
 
 absl::Status LaneSession::Serve() {
   ASSIGN_OR_RETURN(absl::Span<const std::byte> magic, reader_.ReadRaw(sizeof(lane::kMagic)));
-  const auto opened_with = [&](const char (&preamble)[sizeof(lane::kMagic)]) {
-    return std::memcmp(magic.data(), preamble, sizeof(preamble)) == 0;
-  };
-  announces_lengths_ = opened_with(lane::kMagic);
-  if (!announces_lengths_ && !opened_with(lane::kMagicV1)) {
-    return absl::InvalidArgumentError(
-        "data lane: the connection did not open with KVLANE02 or KVLANE01");
-  }
+  RETURN_IF_ERROR(CheckPreamble(magic));
   if (!tenants_.authenticates()) opened_.store(true, std::memory_order_release);
-  if (announces_lengths_) {  // the client waits for this before its first call
-    writer_.AddCopy(magic);
-    RETURN_IF_ERROR(writer_.Send());
-  }
+  writer_.AddCopy(magic);  // the client waits for this before its first call
+  RETURN_IF_ERROR(writer_.Send());
   while (true) {
     absl::StatusOr<lane::Frame> frame = NextFrame();
     if (!frame.ok()) {
@@ -238,18 +242,16 @@ absl::Status LaneSession::OnFetch(absl::Span<const std::byte> payload) {
 // A chunk of keys and values goes out from the pages it lies in where they
 // are host-mapped (the kernel's copy into the socket is the only one), else
 // read into chunk_buffer_ first. Small chunks go out many to a send: up to
-// kChunkBatchBytes of frames are queued before they are written. On a
-// KVLANE02 connection the chunks' length goes first where every chunk is
-// keys and values (their sizes known before their data is read).
+// kChunkBatchBytes of frames are queued before they are written. The
+// chunks' length goes first where every chunk is keys and values (their
+// sizes known before their data is read).
 absl::Status LaneSession::SendChunks(FetchCall& call, bool& announced) {
-  if (announces_lengths_) {
-    const std::optional<uint64_t> bytes = call.TokenChunksBytes(lane::kHeaderBytes);
-    if (bytes.has_value() && *bytes > 0) {
-      v1::LaneFetchLength length;
-      length.set_chunk_frame_bytes(*bytes);
-      writer_.AddMessage(v1::LANE_FRAME_FETCH_LENGTH, length);
-      announced = true;
-    }
+  const std::optional<uint64_t> bytes = call.TokenChunksBytes(lane::kHeaderBytes);
+  if (bytes.has_value() && *bytes > 0) {
+    v1::LaneFetchLength length;
+    length.set_chunk_frame_bytes(*bytes);
+    writer_.AddMessage(v1::LANE_FRAME_FETCH_LENGTH, length);
+    announced = true;
   }
   size_t queued = 0;  // bytes of frames queued in writer_
   size_t used = 0;    // bytes of chunk_buffer_ they use

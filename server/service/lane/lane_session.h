@@ -53,6 +53,8 @@ class LaneSession {
   absl::Status OnFrame(const lane::Frame& frame);
   // An AUTH frame: the connection's tenant, answered by a STATUS.
   absl::Status OnAuth(absl::Span<const std::byte> payload);
+  // OK where the connection opened with lane::kMagic, else why it is closed.
+  static absl::Status CheckPreamble(absl::Span<const std::byte> magic);
   // Until the connection authenticates: only an AUTH frame of at most
   // lane::kMaxAuthFrameBytes is read, judged by its header alone.
   static absl::Status CheckOpeningFrame(const lane::FrameHeader& header);
@@ -88,7 +90,6 @@ class LaneSession {
   std::atomic<bool> opened_{false};
   bool updating_ = false;  // an Update call is open (UPDATE frames seen, no UPDATE_END yet)
   int unsent_acks_ = 0;    // acknowledgements queued in writer_ (at most, once a STATUS is)
-  bool announces_lengths_ = false;  // the client opened with KVLANE02
   bool broke_announcement_ = false;  // a Fetch failed after its FETCH_LENGTH
   bool revoked_ = false;  // a call was refused for a revoked token: the connection ends
 };

@@ -190,7 +190,7 @@ class FaultTest(unittest.TestCase):
             sock = socket.create_connection((host, int(port)), timeout=10)
             # Half open with the right preamble, then garbage frames; half
             # garbage from the first byte.
-            opening = b"KVLANE01" if round_ % 2 else b""
+            opening = it.LANE_PREAMBLE if round_ % 2 else b""
             sock.sendall(opening + rng.randbytes(rng.randint(1, 64 << 10)))
             sock.settimeout(10)
             try:

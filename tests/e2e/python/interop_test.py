@@ -149,26 +149,29 @@ class Mirror:
         return other
 
 
+# What a lane connection opens with, answered in kind: the lane's one version.
+LANE_PREAMBLE = b"KVLANE02"
+
+
 class Lane:
     """The data lane from Python: a socket, 8-byte frame headers (payload
     length, kind) and the generated messages, as the .proto describes it."""
 
-    def __init__(self, address, preamble=b"KVLANE01", tls=None):
+    def __init__(self, address, tls=None):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=30)
         if tls is not None:  # an ssl.SSLContext: TLS from the first byte
             self.sock = tls.wrap_socket(self.sock, server_hostname=host)
-        self.sock.sendall(preamble)
+        self.sock.sendall(LANE_PREAMBLE)
         self.buffer = b""
-        if preamble == b"KVLANE02":  # answered in kind
-            while len(self.buffer) < 8:
-                data = self.sock.recv(8 - len(self.buffer))
-                if not data:
-                    raise ConnectionError("the data lane closed")
-                self.buffer += data
-            if self.buffer != preamble:
-                raise AssertionError("KVLANE02 answered with %r" % self.buffer)
-            self.buffer = b""
+        while len(self.buffer) < len(LANE_PREAMBLE):
+            data = self.sock.recv(len(LANE_PREAMBLE) - len(self.buffer))
+            if not data:
+                raise ConnectionError("the data lane closed")
+            self.buffer += data
+        if self.buffer != LANE_PREAMBLE:
+            raise AssertionError("%r answered with %r" % (LANE_PREAMBLE, self.buffer))
+        self.buffer = b""
 
     def send(self, kind, message=None):
         payload = message.SerializeToString() if message is not None else b""
@@ -212,8 +215,8 @@ class InteropTest(unittest.TestCase):
         grpc.channel_ready_future(cls.channel).result(timeout=30)
         cls.stub = pb_grpc.KvCacheServiceStub(cls.channel)
 
-    def open_lane(self, address, preamble=b"KVLANE01"):
-        return Lane(address, preamble, self.lane_tls)
+    def open_lane(self, address):
+        return Lane(address, self.lane_tls)
 
     @classmethod
     def tearDownClass(cls):
@@ -332,14 +335,11 @@ class InteropTest(unittest.TestCase):
         self.assertEqual(acks, expected)
         self.assertEqual(lane.read_status().code, 0)
 
-        # KVLANE02: each Fetch says first how many bytes of chunk frames follow.
-        announcing = self.open_lane(address, b"KVLANE02")
+        # Each Fetch says first how many bytes of chunk frames follow.
         for layer in range(3):
-            for fetching in (lane, announcing):
-                held, announced, chunk_bytes = self.lane_fetch(fetching, cache_id, layer)
-                self.assertEqual(held, mirror.layers[layer], "layer %d" % layer)
-                self.assertEqual(announced, chunk_bytes if fetching is announcing else None)
-        announcing.sock.close()
+            held, announced, chunk_bytes = self.lane_fetch(lane, cache_id, layer)
+            self.assertEqual(held, mirror.layers[layer], "layer %d" % layer)
+            self.assertEqual(announced, chunk_bytes)
         self.assert_holds(cache_id, mirror)  # and over gRPC
 
         # A bad request: INVALID_ARGUMENT naming the field, nothing changed.
@@ -435,11 +435,11 @@ class InteropTlsTest(InteropTest):
     def test_the_lane_refuses_plaintext_and_other_cas(self):
         address = self.stub.GetStats(pb.GetStatsRequest()).data_lane_address
         with self.assertRaises((ConnectionError, AssertionError, OSError)):
-            Lane(address, b"KVLANE02")  # plaintext: closed unanswered
+            Lane(address)  # plaintext: closed unanswered
         stranger = ssl.create_default_context(cafile=os.path.join(self.certs, "other_ca.pem"))
         with self.assertRaises(ssl.SSLCertVerificationError):
-            Lane(address, b"KVLANE02", stranger)
-        lane = self.open_lane(address, b"KVLANE02")  # still served
+            Lane(address, tls=stranger)
+        lane = self.open_lane(address)  # still served
         lane.sock.close()
 
 
