@@ -4,15 +4,24 @@
 // and share what they do with the chunks.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "fetch_view.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
 namespace kvcache::internal {
+
+// A tensor's bytes as a chunk's parser hands them out, where they lie in
+// the parsed message (no copy).
+inline absl::Span<const std::byte> BytesOf(const std::string& data) {
+  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
+}
 
 // One chunk as its transport received it; valid during the callback that
 // receives it.

@@ -7,10 +7,6 @@
 namespace kvcache::internal {
 namespace {
 
-absl::Span<const std::byte> BytesOf(const std::string& data) {
-  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
-}
-
 // A chunk gRPC has parsed already.
 class ParsedChunk final : public ReceivedChunk {
  public:

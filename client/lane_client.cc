@@ -318,10 +318,6 @@ absl::Status FetchOn(LaneConnection& connection, const v1::FetchRequest& request
   }
 }
 
-absl::Span<const std::byte> BytesOf(const std::string& data) {
-  return {reinterpret_cast<const std::byte*>(data.data()), data.size()};
-}
-
 // A chunk as the lane delivered it: the bytes of its frame, parsed as asked.
 class FrameChunk final : public ReceivedChunk {
  public:

@@ -21,7 +21,6 @@ namespace {
 
 using Code = absl::StatusCode;
 
-constexpr char kUnknownId[] = "00112233445566778899aabbccddeeff";
 
 // K element d of row `row` at position `position` of cache `tag`; V is its
 // negation. Exact in float32 for the sizes used here.

@@ -17,7 +17,7 @@ namespace kvcache::testing {
 namespace {
 
 // A loopback port nothing listens on now.
-int FreePort() {
+int UnusedLoopbackPort() {
   lane::OwnedFd fd(socket(AF_INET, SOCK_STREAM, 0));
   sockaddr_in address{.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_LOOPBACK)}};
   EXPECT_EQ(bind(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
@@ -38,7 +38,7 @@ std::unique_ptr<Client> ConnectTo(const std::string& address, absl::Duration fir
 const v1::CacheSpec kSpec = ToWireSpec(MakeSpec({StandardLayerSpec(1, 8)}));
 
 TEST(E2eClientConnectTest, AClientMadeBeforeItsServerListensGetsItsFirstCallThrough) {
-  const std::string address = absl::StrCat("127.0.0.1:", FreePort());
+  const std::string address = absl::StrCat("127.0.0.1:", UnusedLoopbackPort());
   std::unique_ptr<Client> failing_fast = ConnectTo(address, absl::ZeroDuration());
   std::unique_ptr<Client> waiting = ConnectTo(address, absl::Seconds(10));
   // Without a wait a create is not sent: nothing listens yet.
@@ -63,7 +63,7 @@ TEST(E2eClientConnectTest, AClientMadeBeforeItsServerListensGetsItsFirstCallThro
 }
 
 TEST(E2eClientConnectTest, AServerThatNeverComesFailsTheFirstCallAfterTheWait) {
-  const std::string address = absl::StrCat("127.0.0.1:", FreePort());
+  const std::string address = absl::StrCat("127.0.0.1:", UnusedLoopbackPort());
   std::unique_ptr<Client> client = ConnectTo(address, absl::Milliseconds(500));
   const absl::Time start = absl::Now();
   EXPECT_EQ(client->CreateCache(kSpec).status().code(), absl::StatusCode::kUnavailable);

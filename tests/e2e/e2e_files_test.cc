@@ -30,7 +30,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
 
 // A cache of two standard layers and a rotating one (window 8, 4 sinks)
 // holding `tokens` tokens, and a snapshot of it from 0.
@@ -437,8 +436,6 @@ TEST_F(E2ePullTest, APullSentAgainWithItsRequestIdMakesOneCopy) {
 }
 
 TEST_F(E2ePullTest, APullCarriesTheCallersTokenSoOtherTenantsSnapshotsStayOutOfReach) {
-  constexpr char kAlice[] = "alice-token-0123456789abcdef";
-  constexpr char kBob[] = "bob-token-0123456789abcdef";
   ASSERT_NO_FATAL_FAILURE(Start(
       absl::StrCat("tenant=alice token=", kAlice, "\ntenant=bob token=", kBob, "\n"), kAlice));
   const v1::SnapshotInfo alices = FillSnapshot(owner_->client(), rng_, 30);

@@ -26,7 +26,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
 
 class E2eKeepaliveTest : public ::testing::Test {
  protected:

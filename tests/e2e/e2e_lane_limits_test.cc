@@ -26,7 +26,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
 
 // A TCP connection to host:port that sends nothing.
 lane::OwnedFd ConnectSilent(const std::string& address) {

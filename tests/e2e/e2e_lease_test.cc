@@ -21,7 +21,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
 
 class E2eLeaseTest : public ::testing::Test {
  protected:

@@ -31,8 +31,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
-constexpr char kBob[] = "bob-token-0123456789abcdef";
 
 // The value of `series` (name and labels as exposed: sorted by name, a
 // histogram bucket's "le" last)

@@ -21,7 +21,6 @@
 namespace kvcache::testing {
 namespace {
 
-constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
 constexpr uint64_t kPrompt = 4096;
 constexpr uint64_t kExtra = 16;
 constexpr uint64_t kPageTokens = 16;

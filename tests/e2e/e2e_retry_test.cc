@@ -299,8 +299,6 @@ TEST_F(E2eRetryTest, AFailedImportRunsAgainWhenSentAgain) {
   ASSERT_TRUE(server_->client().ReleaseSnapshot(exported).ok());
 }
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
-constexpr char kBob[] = "bob-token-0123456789abcdef";
 
 TEST(E2eRetryTenantsTest, TenantsUsingTheSameIdGetTheirOwnAnswers) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /

@@ -35,8 +35,6 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
-constexpr char kBob[] = "bob-token-0123456789abcdef";
 
 // The server's resident memory in bytes (it runs in this process).
 uint64_t ResidentBytes() {

@@ -35,8 +35,6 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-constexpr char kAlice[] = "alice-token-0123456789abcdef";
-constexpr char kBob[] = "bob-token-0123456789abcdef";
 constexpr char kOps[] = "ops-token-0123456789abcdef";
 constexpr char kCarol[] = "carol-token-0123456789abcdef";
 constexpr char kErin[] = "erin-token-0123456789abcdef";

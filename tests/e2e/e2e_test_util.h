@@ -28,6 +28,12 @@
 
 namespace kvcache::testing {
 
+// Bearer tokens the tenant tests give their tokens files, and an id that no
+// cache, snapshot or file has.
+inline constexpr char kAlice[] = "alice-token-0123456789abcdef";
+inline constexpr char kBob[] = "bob-token-0123456789abcdef";
+inline constexpr char kUnknownId[] = "0123456789abcdef0123456789abcdef";
+
 struct ServerSetup {
   TransferPath path = TransferPath::kDirect;
   uint32_t page_tokens = 16;

@@ -21,7 +21,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct StreamResult {
+struct RawStreamResult {
   std::vector<v1::UpdateResponse> acks;
   grpc::Status status;
 };
@@ -57,7 +57,7 @@ class E2eUpdateWireTest : public E2eTest {
   }
 
   // Sends each message's bytes, cut into slices at random, on one Update stream.
-  StreamResult SendRaw(const std::vector<std::string>& messages) {
+  RawStreamResult SendRaw(const std::vector<std::string>& messages) {
     auto channel = grpc::CreateChannel(server_->server().address(),
                                        grpc::InsecureChannelCredentials());
     const grpc::internal::RpcMethod method("/kvcache.v1.KvCacheService/Update",
@@ -72,7 +72,7 @@ class E2eUpdateWireTest : public E2eTest {
       if (!stream->Write(grpc::ByteBuffer(slices.data(), slices.size()))) break;
     }
     stream->WritesDone();
-    StreamResult result;
+    RawStreamResult result;
     v1::UpdateResponse ack;
     while (stream->Read(&ack)) result.acks.push_back(ack);
     result.status = stream->Finish();
@@ -90,7 +90,7 @@ TEST_P(E2eUpdateWireTest, UnusualEncodingsAreAppliedAsProtobufReadsThem) {
   // Fields reordered, shapes unpacked, maybe unknown fields (which make it
   // protobuf's). A group: protobuf's. Then a state, reordered.
   const std::string group = WireTag(99, 3) + VarintField(1, 5) + WireTag(99, 4);
-  const StreamResult result =
+  const RawStreamResult result =
       SendRaw({RandomEncoding(first, rng_, UnknownFields::kSome),
                second.SerializeAsString() + group,
                RandomEncoding(StateUpdate(4), rng_, UnknownFields::kSome)});
@@ -113,7 +113,7 @@ TEST_P(E2eUpdateWireTest, UnusualEncodingsAreAppliedAsProtobufReadsThem) {
 
 TEST_P(E2eUpdateWireTest, MalformedMessageEndsTheStreamAfterEarlierAcknowledgements) {
   const std::string good = RandomUpdate(cache_id_, spec_, 0, 2, rng_).SerializeAsString();
-  const StreamResult result = SendRaw({good, good.substr(0, good.size() - 5), good});
+  const RawStreamResult result = SendRaw({good, good.substr(0, good.size() - 5), good});
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(result.status.error_message(), HasSubstr("UpdateRequest"));
   ASSERT_EQ(result.acks.size(), 1u);

@@ -28,7 +28,6 @@ namespace {
 using ::testing::HasSubstr;
 using Code = absl::StatusCode;
 
-constexpr char kUnknownId[] = "00112233445566778899aabbccddeeff";
 
 class E2eValidationTest : public E2eTest {
  protected:

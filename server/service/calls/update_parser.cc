@@ -65,7 +65,7 @@ bool PieceReader::ReadString(uint64_t bytes, std::string& out) {
 namespace {
 
 // The wire types of the fields parsed here.
-constexpr int kVarint = 0, kLengthDelimited = 2;
+constexpr int kWireTypeVarint = 0, kWireTypeLengthDelimited = 2;
 // Longest encodings protobuf accepts for tags and lengths, and for values.
 constexpr int kTagBytes = 5, kValueBytes = 10;
 
@@ -117,21 +117,21 @@ class UpdateParser {
     uint64_t value = 0;
     switch (tag.field) {
       case Request::kCacheIdFieldNumber:
-        return tag.wire_type == kLengthDelimited && ParseAscii(end, out.cache_id);
+        return tag.wire_type == kWireTypeLengthDelimited && ParseAscii(end, out.cache_id);
       case Request::kLayerFieldNumber:
-        if (tag.wire_type != kVarint || !ReadValue(end, value)) return false;
+        if (tag.wire_type != kWireTypeVarint || !ReadValue(end, value)) return false;
         out.layer = static_cast<uint32_t>(value);  // protobuf keeps the low 32 bits
         return true;
       case Request::kKeysFieldNumber:
-        return tag.wire_type == kLengthDelimited && ParseTensorOnce(end, out.keys);
+        return tag.wire_type == kWireTypeLengthDelimited && ParseTensorOnce(end, out.keys);
       case Request::kValuesFieldNumber:
-        return tag.wire_type == kLengthDelimited && ParseTensorOnce(end, out.values);
+        return tag.wire_type == kWireTypeLengthDelimited && ParseTensorOnce(end, out.values);
       case Request::kStateFieldNumber:
-        return tag.wire_type == kLengthDelimited && ParseStateOnce(end, out.state);
+        return tag.wire_type == kWireTypeLengthDelimited && ParseStateOnce(end, out.state);
       case Request::kSpeculationIdFieldNumber:
-        return tag.wire_type == kLengthDelimited && ParseAscii(end, out.speculation_id);
+        return tag.wire_type == kWireTypeLengthDelimited && ParseAscii(end, out.speculation_id);
       case Request::kExpectedOffsetFieldNumber:
-        if (tag.wire_type != kVarint || !ReadValue(end, value)) return false;
+        if (tag.wire_type != kWireTypeVarint || !ReadValue(end, value)) return false;
         out.expected_offset = value;
         return true;
       default:
@@ -169,14 +169,14 @@ class UpdateParser {
       bool ok = false;  // stays false for a field not read here
       switch (tag.field) {
         case Tensor::kDtypeFieldNumber:
-          ok = tag.wire_type == kVarint && ReadValue(end, value);
+          ok = tag.wire_type == kWireTypeVarint && ReadValue(end, value);
           out.dtype = static_cast<int32_t>(value);  // an open enum: any int32 is kept
           break;
         case Tensor::kShapeFieldNumber:
           ok = ParseShapeField(tag, end, out.shape);
           break;
         case Tensor::kDataFieldNumber:
-          ok = !seen_data && tag.wire_type == kLengthDelimited && ReadLength(end, value) &&
+          ok = !seen_data && tag.wire_type == kWireTypeLengthDelimited && ReadLength(end, value) &&
                in_.ReadPieces(value, out.data);
           seen_data = true;
           break;
@@ -189,12 +189,12 @@ class UpdateParser {
   // repeated uint64: one value, or a packed run of them.
   bool ParseShapeField(const Tag& tag, uint64_t end, absl::InlinedVector<uint64_t, 4>& shape) {
     uint64_t value = 0;
-    if (tag.wire_type == kVarint) {
+    if (tag.wire_type == kWireTypeVarint) {
       if (!ReadValue(end, value)) return false;
       shape.push_back(value);
       return true;
     }
-    if (tag.wire_type != kLengthDelimited || !ReadLength(end, value)) return false;
+    if (tag.wire_type != kWireTypeLengthDelimited || !ReadLength(end, value)) return false;
     const uint64_t packed_end = in_.position() + value;
     while (in_.position() < packed_end) {
       if (!ReadValue(packed_end, value)) return false;
@@ -213,11 +213,11 @@ class UpdateParser {
       switch (tag.field) {
         case State::kConvStateFieldNumber:
         case State::kDeltaStateFieldNumber:
-          ok = tag.wire_type == kLengthDelimited &&
+          ok = tag.wire_type == kWireTypeLengthDelimited &&
                ParseTensorOnce(end, tag.field == State::kConvStateFieldNumber ? conv : delta);
           break;
         case State::kAdvanceFieldNumber:
-          ok = tag.wire_type == kVarint && ReadValue(end, value);
+          ok = tag.wire_type == kWireTypeVarint && ReadValue(end, value);
           out.advance = value;
           break;
       }
