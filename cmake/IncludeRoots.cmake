@@ -18,9 +18,10 @@
 
 # kv_export_headers(TARGET ROOT <source root> [FOLDER <folder>] [INTERFACE]):
 # TARGET exports the headers of <folder> (by default that of the calling
-# CMakeLists.txt), named by their path below <source root>. The link list follows the folder's headers at build
-# time (CONFIGURE_DEPENDS): a new header is seen without re-running cmake by
-# hand. Sources stay explicit in each add_library.
+# CMakeLists.txt), named by their path below <source root>. The link list
+# follows the folder's headers at build time (CONFIGURE_DEPENDS): a new header
+# is seen without re-running cmake by hand. Sources stay explicit in each
+# add_library.
 function(kv_export_headers target)
   cmake_parse_arguments(PARSE_ARGV 1 arg "INTERFACE" "ROOT;FOLDER" "")
   set(folder "${CMAKE_CURRENT_SOURCE_DIR}")

@@ -47,8 +47,10 @@ while (($# > 0)); do
   esac
   shift
 done
+# What the image holds, by their paths in a build directory.
+image_binaries=(server/kvcached client/kvcachectl client/kvcache_demo)
 if [[ -n $binaries ]]; then
-  for binary in server/kvcached client/kvcachectl client/kvcache_demo; do
+  for binary in "${image_binaries[@]}"; do
     if [[ ! -x $binaries/$binary ]]; then
       echo "build-and-test: --binaries $binaries: no $binaries/$binary (build it first)" >&2
       exit 2
@@ -150,7 +152,7 @@ prebuilt=()
 if [[ -n $binaries ]]; then
   rm -rf "$work/prebuilt"
   mkdir -p "$work/prebuilt/out/bin"
-  for binary in server/kvcached client/kvcachectl client/kvcache_demo; do
+  for binary in "${image_binaries[@]}"; do
     strip -o "$work/prebuilt/out/bin/$(basename "$binary")" "$binaries/$binary"
   done
   prebuilt=(--build-context "build=$work/prebuilt")
