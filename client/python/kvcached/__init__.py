@@ -1,0 +1,1 @@
+"""kvcached's Python client (see client.py)."""
