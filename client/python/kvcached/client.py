@@ -10,6 +10,7 @@ ClientOptions.data_lane says so (lane.py), else over gRPC (grpc_bulk.py).
 Every failure raises KvCacheError with the status code and the server's message.
 """
 
+import dataclasses
 import random
 import threading
 import time
@@ -23,7 +24,7 @@ from .errors import KvCacheError, from_rpc_error
 from .fetch import FetchAssembler, LayerAssembler, LayerHistory, OutPair
 from .grpc_bulk import GrpcBulk, GrpcUpdateStream
 from .handles import Cache, Snapshot, Speculation
-from .lane import LanePool, LaneUpdateStream, lane_fetch
+from .lane import LanePool, LaneUpdateStream, lane_fetch, message_chunks, placing_chunks
 from .options import ClientOptions
 from .proto import health_pb, health_pb_grpc, pb, pb_grpc
 from .rpcs import UnaryCalls
@@ -56,7 +57,7 @@ class Client(UnaryCalls):
         Keyword arguments override fields of `options` (Client(address=...))."""
         options = options or ClientOptions()
         if overrides:
-            options = ClientOptions(**{**options.__dict__, **overrides})
+            options = dataclasses.replace(options, **overrides)
         self.options = options
         self.channel = make_channel(options)
         self._metadata = call_metadata(options)
@@ -191,11 +192,40 @@ class Client(UnaryCalls):
             request.end = end
         assembler = FetchAssembler(dict(out) if out else None)
         if self.uses_data_lane():
-            lane_fetch(self._lanes, request, assembler)
+            lane_fetch(self._lanes, request, placing_chunks(assembler))
         else:
             self._await_first_connect()
             self._grpc_bulk.fetch(request, assembler)
         return assembler.results()
+
+    def fetch_chunks(self, request: pb.FetchRequest) -> List[pb.FetchResponse]:
+        """Every chunk of `request` as a protobuf message (its tensors copied
+        into it): for recurrent states and packed quantized tensors, which
+        fetch and fetch_layers do not assemble."""
+        chunks: List[pb.FetchResponse] = []
+        if self.uses_data_lane():
+            lane_fetch(self._lanes, request, message_chunks(chunks.append))
+        else:
+            self._await_first_connect()
+            self._grpc_bulk.fetch_messages(request, chunks.append)
+        return chunks
+
+    def fetch_state(self, cache_id: str, layer: int, *,
+                    snapshot_id: str = "") -> pb.RecurrentState:
+        """A recurrent layer's state (conv_state, delta_state as Tensors)."""
+        chunks = self.fetch_chunks(pb.FetchRequest(cache_id=cache_id, snapshot_id=snapshot_id,
+                                                   layers=[layer]))
+        if len(chunks) != 1 or not chunks[0].HasField("state"):
+            raise KvCacheError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "layer %d returned no recurrent state (is it recurrent, and set?)"
+                               % layer)
+        return chunks[0].state
+
+    def fetch_packed(self, cache_id: str, layer: int, *,
+                     snapshot_id: str = "") -> List[pb.FetchResponse]:
+        """A quantized layer's chunks as stored (packed_keys, packed_values)."""
+        return self.fetch_chunks(pb.FetchRequest(cache_id=cache_id, snapshot_id=snapshot_id,
+                                                 layers=[layer], packed=True))
 
     def fetch(self, cache_id: str, layer: int, *, start: int = 0, end: Optional[int] = None,
               snapshot_id: str = "", speculation_id: str = "", out: Optional[OutPair] = None,

@@ -63,6 +63,16 @@ class GrpcBulk:
             call.cancel()  # a placer's refusal (out too small): no more chunks wanted
             raise
 
+    def fetch_messages(self, request: pb.FetchRequest,
+                       on_chunk: Callable[[pb.FetchResponse], None]) -> None:
+        """Every chunk of `request` parsed whole by protobuf (states, packed tensors)."""
+        call = self._fetch(request, timeout=self._deadline, metadata=self._metadata)
+        try:
+            for message in call:
+                on_chunk(pb.FetchResponse.FromString(message))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
     def open_update(self, cache_id: str) -> "GrpcUpdateStream":
         return GrpcUpdateStream(self._update, cache_id, self._deadline, self._metadata)
 

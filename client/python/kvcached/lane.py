@@ -262,9 +262,30 @@ class _FetchProgress:
         return self.announced is None or self.received == self.announced
 
 
-def _fetch_on(lane: LaneSocket, request: pb.FetchRequest, place: wire.Placer,
+# Reads one FETCH_CHUNK frame's payload of the given length from the lane.
+ChunkReader = Callable[[LaneSocket, int], None]
+
+
+def placing_chunks(place: wire.Placer) -> ChunkReader:
+    """Token chunks whose tensors go where `place` says, as they arrive."""
+    def read(lane: LaneSocket, length: int) -> None:
+        try:
+            wire.read_token_chunk(lane, length, place)
+        except wire.WireError as error:
+            raise chunk_error(error) from None
+    return read
+
+
+def message_chunks(on_chunk: Callable[[pb.FetchResponse], None]) -> ChunkReader:
+    """Chunks parsed whole by protobuf (recurrent states, packed tensors)."""
+    def read(lane: LaneSocket, length: int) -> None:
+        on_chunk(pb.FetchResponse.FromString(lane.read_exact(length)))
+    return read
+
+
+def _fetch_on(lane: LaneSocket, request: pb.FetchRequest, read_chunk: ChunkReader,
               progress: _FetchProgress) -> bytes:
-    """One Fetch call on `lane`: chunks placed as they arrive; the STATUS payload."""
+    """One Fetch call on `lane`: each chunk read as it arrives; the STATUS payload."""
     lane.send_message(frames.FrameKind.FETCH, request)
     while True:
         header = lane.read_header()
@@ -272,10 +293,7 @@ def _fetch_on(lane: LaneSocket, request: pb.FetchRequest, place: wire.Placer,
             progress.announce(lane.read_exact(header.length))
         elif header.kind == frames.FrameKind.FETCH_CHUNK:
             progress.count(header.length)
-            try:
-                wire.read_token_chunk(lane, header.length, place)
-            except wire.WireError as error:
-                raise chunk_error(error) from None
+            read_chunk(lane, header.length)
         elif header.kind == frames.FrameKind.STATUS:
             return lane.read_exact(header.length)
         else:
@@ -283,8 +301,8 @@ def _fetch_on(lane: LaneSocket, request: pb.FetchRequest, place: wire.Placer,
                                "data lane: a frame of kind %d in a Fetch" % header.kind)
 
 
-def lane_fetch(pool: LanePool, request: pb.FetchRequest, place: wire.Placer) -> None:
-    """Every chunk of `request` over the lane, its tensors where `place` says.
+def lane_fetch(pool: LanePool, request: pb.FetchRequest, read_chunk: ChunkReader) -> None:
+    """Every chunk of `request` over the lane, each to `read_chunk`.
 
     Sent once more on a fresh connection where a kept one turns out closed
     before any chunk arrived (a Fetch is safe to repeat)."""
@@ -292,7 +310,7 @@ def lane_fetch(pool: LanePool, request: pb.FetchRequest, place: wire.Placer) -> 
         lane = pool.take()
         progress = _FetchProgress()
         try:
-            status = _fetch_on(lane, request, place, progress)
+            status = _fetch_on(lane, request, read_chunk, progress)
         except LaneClosed:
             lane.close()
             if attempt == 0 and lane.reused and not progress.received:

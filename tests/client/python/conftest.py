@@ -34,6 +34,17 @@ def _load_generator():
     return module
 
 
+def kvcached_binary(config):
+    """The server binary the integration tests start, or None where there is none."""
+    given = config.getoption("--kvcached") or os.environ.get("KVCACHED_BINARY")
+    if given:
+        if not os.access(given, os.X_OK):
+            raise FileNotFoundError("--kvcached %s is no executable" % given)
+        return given
+    default = os.path.join(REPO_ROOT, "build", "server", "kvcached")
+    return default if os.access(default, os.X_OK) else None
+
+
 def pytest_configure(config):
     stubs_dir = (config.getoption("--kvcached-stubs-dir")
                  or os.environ.get("KVCACHED_STUBS_DIR")
@@ -42,3 +53,15 @@ def pytest_configure(config):
     _load_generator().generate(stubs_dir, os.path.join(REPO_ROOT, "protos"))
     os.environ["KVCACHED_STUBS_DIR"] = stubs_dir
     sys.path.insert(0, PACKAGE_ROOT)
+
+
+import pytest  # noqa: E402 (after the path set-up above, which the fixtures do not need)
+
+
+@pytest.fixture(scope="session")
+def kvcached_path(pytestconfig):
+    """The kvcached binary; the test is skipped where none was built or given."""
+    path = kvcached_binary(pytestconfig)
+    if path is None:
+        pytest.skip("no kvcached binary (build it, or pass --kvcached)")
+    return path

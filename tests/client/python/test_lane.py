@@ -12,7 +12,8 @@ import pytest
 from kvcached import frames
 from kvcached.errors import KvCacheError
 from kvcached.fetch import FetchAssembler
-from kvcached.lane import LanePool, LaneUpdateStream, lane_fetch, reachable
+from kvcached.lane import (LanePool, LaneUpdateStream, lane_fetch, message_chunks, placing_chunks,
+                           reachable)
 from kvcached.options import ClientOptions
 from kvcached.proto import pb
 from kvcached.update_encoding import LayerUpdate
@@ -267,11 +268,11 @@ def test_fetched_chunks_land_in_the_callers_arrays(announce):
     pool = pool_for(server)
     out = (np.zeros((1, 3, 700, 8), np.float16), np.zeros((1, 3, 700, 8), np.float16))
     assembler = FetchAssembler({4: out})
-    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[4]), assembler)
+    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[4]), placing_chunks(assembler))
     got = assembler.results()[4]
     assert got.ranges == [(0, 700)]
     assert out[0].tobytes() == keys.tobytes() and out[1].tobytes() == values.tobytes()
-    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[4]), FetchAssembler())
+    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[4]), placing_chunks(FetchAssembler()))
     assert server.connections == 1
     server.stop(pool)
 
@@ -280,7 +281,8 @@ def test_chunks_past_the_announced_length_are_data_loss():
     keys, values = history(10)
     server = ScriptedServer(serve_fetch(keys, values, [(0, 5), (5, 5)], announce_extra=-1))
     with pytest.raises(KvCacheError) as lost:
-        lane_fetch(pool_for(server), pb.FetchRequest(cache_id="c", layers=[0]), FetchAssembler())
+        lane_fetch(pool_for(server), pb.FetchRequest(cache_id="c", layers=[0]),
+                   placing_chunks(FetchAssembler()))
     assert lost.value.code == grpc.StatusCode.DATA_LOSS
     server.stop()
 
@@ -292,7 +294,7 @@ def test_a_kept_connection_closed_since_is_replaced_once():
     lane = pool.take()
     pool.give(lane)  # kept, then closed by the server before the call
     assembler = FetchAssembler()
-    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[0]), assembler)
+    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[0]), placing_chunks(assembler))
     assert assembler.results()[0].keys.tobytes() == keys.tobytes()
     assert server.connections == 2
     server.stop(pool)
@@ -319,4 +321,42 @@ def test_a_refusal_seen_while_writing_raises_from_write():
             written += 1
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert written < 200 and stream.acknowledged == []
+    server.stop(pool)
+
+
+def test_whole_messages_for_states_and_packed_chunks():
+    state = pb.FetchResponse(layer=1, start=9, state=pb.RecurrentState(
+        conv_state=pb.Tensor(dtype=1, shape=[1, 2, 2], data=bytes(16)), advance=0))
+
+    def script(peer):
+        peer.answer_preamble()
+        kind, _ = peer.read_frame()
+        assert kind == frames.FrameKind.FETCH
+        peer.send_frame(frames.FrameKind.FETCH_CHUNK, state)
+        peer.send_status()
+        peer.read_exact(1)
+
+    server = ScriptedServer(script)
+    pool = pool_for(server)
+    got = []
+    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[1]), message_chunks(got.append))
+    assert got == [state]
+    server.stop(pool)
+
+
+def test_a_state_chunk_where_tokens_were_expected_is_invalid_argument():
+    def script(peer):
+        peer.answer_preamble()
+        peer.read_frame()
+        peer.send_frame(frames.FrameKind.FETCH_CHUNK,
+                        pb.FetchResponse(layer=1, state=pb.RecurrentState(advance=2)))
+        peer.send_status()
+        peer.read_exact(1)
+
+    server = ScriptedServer(script)
+    pool = pool_for(server)
+    with pytest.raises(KvCacheError) as refused:
+        lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[1]),
+                   placing_chunks(FetchAssembler()))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     server.stop(pool)
