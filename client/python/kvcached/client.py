@@ -18,6 +18,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import grpc
 
+from google.protobuf.message import Message
+
 from .channel import (BACKOFF_MULTIPLIER, INITIAL_BACKOFF_S, MAX_ATTEMPTS, MAX_BACKOFF_S,
                       call_metadata, make_channel)
 from .errors import KvCacheError, from_rpc_error
@@ -41,7 +43,7 @@ def new_request_id() -> str:
     return "%032x" % random.SystemRandom().getrandbits(128)
 
 
-def with_request_id(request):
+def with_request_id(request: Message) -> Message:
     """`request` with a fresh request_id where its type has one and none is set."""
     fields = request.DESCRIPTOR.fields_by_name
     if "request_id" in fields and not request.request_id:
@@ -262,8 +264,8 @@ class Client(UnaryCalls):
             name=name, pinned=pinned, ttl_seconds=ttl_seconds, request_id=request_id))
         deadline = time.monotonic() + self.options.deadline
         return _retry_unavailable(deadline, lambda: self._stub.ImportSnapshot(
-            _import_requests(first, memoryview(data)), timeout=max(0.0, deadline - time.monotonic()),
-            metadata=self._metadata))
+            _import_requests(first, memoryview(data)),
+            timeout=max(0.0, deadline - time.monotonic()), metadata=self._metadata))
 
 
 def _import_requests(first: pb.ImportSnapshotRequest, data: memoryview):

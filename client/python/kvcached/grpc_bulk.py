@@ -8,7 +8,7 @@ tensors are copied once, into the caller's arrays (wire.read_token_chunk).
 
 import queue
 import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import grpc
 
@@ -74,6 +74,7 @@ class GrpcBulk:
             raise from_rpc_error(error) from None
 
     def open_update(self, cache_id: str) -> "GrpcUpdateStream":
+        """A new Update call for `cache_id`."""
         return GrpcUpdateStream(self._update, cache_id, self._deadline, self._metadata)
 
 
@@ -111,7 +112,8 @@ class GrpcUpdateStream:
             raise ValueError("the Update stream is finished")
         self._requests.put(join(encode_update(self._cache_id, update)))
 
-    def write_many(self, updates: Sequence[LayerUpdate]) -> None:
+    def write_many(self, updates: Iterable[LayerUpdate]) -> None:
+        """write() of each update, in order."""
         for update in updates:
             self.write(update)
 

@@ -12,7 +12,7 @@ when the server advertises a lane (Stats.data_lane_address) that answers.
 import ssl
 import tempfile
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import grpc
 
@@ -137,6 +137,7 @@ class LanePool:
             self._idle.append(lane)
 
     def close(self) -> None:
+        """Closes the idle connections (calls under way keep theirs)."""
         with self._lock:
             idle, self._idle = self._idle, []
         for lane in idle:
@@ -178,7 +179,8 @@ class LaneUpdateStream:
             if self._ended:
                 self.finish()  # raises the server's refusal
 
-    def write_many(self, updates) -> None:
+    def write_many(self, updates: Iterable[LayerUpdate]) -> None:
+        """write() of each update, in order."""
         for update in updates:
             self.write(update)
 

@@ -18,6 +18,7 @@ import ssl
 from typing import List, Optional, Sequence, Tuple, Union
 
 import grpc
+from google.protobuf.message import Message
 
 from . import frames
 from .errors import KvCacheError, from_lane_status
@@ -81,8 +82,8 @@ class LaneSocket:
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         except ssl.SSLError as error:
-            raise KvCacheError(grpc.StatusCode.UNAVAILABLE,
-                               "data lane %s: TLS handshake failed: %s" % (address, error)) from None
+            raise KvCacheError(grpc.StatusCode.UNAVAILABLE, "data lane %s: TLS handshake "
+                               "failed: %s" % (address, error)) from None
         except OSError as error:
             raise KvCacheError(grpc.StatusCode.UNAVAILABLE,
                                "data lane %s: %s" % (address, error)) from None
@@ -149,7 +150,8 @@ class LaneSocket:
                                "%d bytes is over the data lane's 4 GiB frame" % length)
         self.send([frames.encode_header(length, kind), *pieces])
 
-    def send_message(self, kind: int, message) -> None:
+    def send_message(self, kind: int, message: Message) -> None:
+        """One frame whose payload is a protobuf message (a small one: it is serialised)."""
         self.send_frame(kind, [message.SerializeToString()])
 
     # Receiving (wire.ByteSource).
@@ -176,12 +178,15 @@ class LaneSocket:
         return data
 
     def read_exact(self, size: int) -> bytes:
+        """The next `size` bytes, through the read-ahead buffer (for small reads)."""
         self._fill(size)
         data = bytes(self._buffer[self._at:self._at + size])
         self._at += size
         return data
 
     def read_into(self, view: memoryview) -> None:
+        """The next len(view) bytes into `view`: what the buffer holds, then
+        straight from the socket (recv_into)."""
         buffered = min(len(view), len(self._buffer) - self._at)
         view[:buffered] = self._buffer[self._at:self._at + buffered]
         self._at += buffered
@@ -199,6 +204,7 @@ class LaneSocket:
             done += got
 
     def read_header(self) -> frames.FrameHeader:
+        """The next frame's header."""
         return frames.decode_header(self.read_exact(frames.HEADER_BYTES))
 
     @staticmethod
@@ -219,6 +225,7 @@ class LaneSocket:
         return bool(readable)
 
     def close(self) -> None:
+        """Closes the socket (errors in closing are of no interest)."""
         try:
             self.sock.close()
         except OSError:

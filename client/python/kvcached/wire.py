@@ -37,6 +37,7 @@ def encode_varint(value: int) -> bytes:
 
 
 def encode_tag(field: int, wire_type: int) -> bytes:
+    """A field's tag: its number and wire type, as a varint."""
     return encode_varint(field << 3 | wire_type)
 
 
@@ -80,15 +81,18 @@ class MemorySource:
 
     def _take(self, size: int) -> memoryview:
         if size > len(self._view) - self._at:
-            raise WireError("the message ends %d bytes too soon" % (size - len(self._view) + self._at))
+            missing = size - (len(self._view) - self._at)
+            raise WireError("the message ends %d bytes too soon" % missing)
         piece = self._view[self._at:self._at + size]
         self._at += size
         return piece
 
     def read_exact(self, size: int) -> bytes:
+        """The next `size` bytes (a copy: they are few)."""
         return bytes(self._take(size))
 
     def read_into(self, view: memoryview) -> None:
+        """The next len(view) bytes, copied into `view`."""
         view[:] = self._take(len(view))
 
     @property
@@ -156,7 +160,8 @@ class NotATokenChunk(WireError):
     state or packed quantized tensors): `field` is the first such field."""
 
     def __init__(self, field: int) -> None:
-        super().__init__("a Fetch chunk with field %d: not a [B, H, L, D] keys/values chunk" % field)
+        super().__init__("a Fetch chunk with field %d: not a [B, H, L, D] keys/values chunk"
+                         % field)
         self.field = field
 
 
