@@ -47,8 +47,9 @@ def test_a_token_opens_both_transports(token_server, lane):
 
 
 def test_a_wrong_token_is_unauthenticated_on_both(token_server):
-    lane_address = kvcached.Client(address=token_server.address, token=TOKEN, data_lane="",
-                                   keepalive_time=0).get_stats().data_lane_address
+    with kvcached.Client(address=token_server.address, token=TOKEN, data_lane="",
+                         keepalive_time=0) as admin:
+        lane_address = admin.get_stats().data_lane_address
     with kvcached.Client(address=token_server.address, token="wrong", keepalive_time=0,
                          data_lane=lane_address, deadline=30) as client:
         for call in (client.get_stats, lambda: client.fetch("0" * 32, 0)):
@@ -96,8 +97,9 @@ def test_tls_carries_both_transports(tls_server, lane):
 def test_tls_refuses_a_server_another_ca_signed(tls_server):
     stranger = (tls_server.certs / "other_ca.pem").read_text()
     roots = (tls_server.certs / "ca.pem").read_text()
-    lane_address = kvcached.Client(address=tls_server.address, tls=True,
-                                   tls_root_certs_pem=roots).get_stats().data_lane_address
+    with kvcached.Client(address=tls_server.address, tls=True, tls_root_certs_pem=roots,
+                         data_lane="", keepalive_time=0) as trusting:
+        lane_address = trusting.get_stats().data_lane_address
     with kvcached.Client(address=tls_server.address, tls=True, tls_root_certs_pem=stranger,
                          data_lane=lane_address, keepalive_time=0, deadline=5,
                          first_connect_wait=0) as client:
