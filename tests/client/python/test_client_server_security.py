@@ -13,7 +13,7 @@ from kvcached import specs
 from kvcached_process import Kvcached
 
 SPEC = specs.cache_spec([specs.standard(2, 8)])
-TOKEN = "a-tenant-secret"
+TOKEN = "a-tenant-secret-of-32-characters"  # the server wants 16 bytes or more
 
 
 def round_trip(client):
@@ -50,8 +50,8 @@ def test_a_wrong_token_is_unauthenticated_on_both(token_server):
     with kvcached.Client(address=token_server.address, token=TOKEN, data_lane="",
                          keepalive_time=0) as admin:
         lane_address = admin.get_stats().data_lane_address
-    with kvcached.Client(address=token_server.address, token="wrong", keepalive_time=0,
-                         data_lane=lane_address, deadline=30) as client:
+    with kvcached.Client(address=token_server.address, token="a-wrong-token-also-long-enough",
+                         keepalive_time=0, data_lane=lane_address, deadline=30) as client:
         for call in (client.get_stats, lambda: client.fetch("0" * 32, 0)):
             with pytest.raises(kvcached.KvCacheError) as refused:
                 call()
