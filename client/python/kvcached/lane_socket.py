@@ -67,6 +67,9 @@ class LaneSocket:
         self.reused = False  # it served a call before the current one
         self._buffer = bytearray()
         self._at = 0  # bytes of _buffer already read
+        # Bulk bytes (read_into) that came through the read-ahead buffer rather
+        # than straight from the socket: a copy each, so they should stay few.
+        self.bulk_bytes_buffered = 0
 
     @classmethod
     def connect(cls, address: str, timeout: float, tls: Optional[ssl.SSLContext] = None,
@@ -190,6 +193,7 @@ class LaneSocket:
         buffered = min(len(view), len(self._buffer) - self._at)
         view[:buffered] = self._buffer[self._at:self._at + buffered]
         self._at += buffered
+        self.bulk_bytes_buffered += buffered
         done = buffered
         while done < len(view):
             try:

@@ -328,3 +328,16 @@ def test_a_quantized_layer_fetches_packed_and_dequantized(client):
         # mlx affine 8-bit: within half a step of a group's range (about 6 / 255 here).
         np.testing.assert_allclose(dequantized.keys.astype(np.float32),
                                    keys.astype(np.float32), atol=0.05)
+
+
+def test_large_updates_and_fetches(client):
+    rng = np.random.default_rng(13)
+    heads, dim, tokens = 8, 128, 4096  # 8 MiB keys and 8 MiB values in one update
+    spec = specs.cache_spec([specs.standard(heads, dim)])
+    keys, values = step(rng, tokens, heads=heads, dim=dim)
+    with client.new_cache(spec) as cache:
+        assert client.update(cache.id, 0, keys, values).offset == tokens
+        out = (np.empty_like(keys), np.empty_like(values))
+        got = client.fetch(cache.id, 0, out=out)
+        assert got.ranges == [(0, tokens)]
+        assert out[0].tobytes() == keys.tobytes() and out[1].tobytes() == values.tobytes()

@@ -360,3 +360,48 @@ def test_a_state_chunk_where_tokens_were_expected_is_invalid_argument():
                    placing_chunks(FetchAssembler()))
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     server.stop(pool)
+
+
+class RecordingSocket:
+    """A socket proxy that keeps what each sendmsg was given."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.sent_buffers = []
+
+    def sendmsg(self, buffers):
+        self.sent_buffers += list(buffers)
+        return self._sock.sendmsg(buffers)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_tensors_are_sent_from_their_own_memory():
+    server = ScriptedServer(serve_updates())
+    pool = pool_for(server)
+    stream = LaneUpdateStream(pool, "cache")
+    recording = stream._lane.sock = RecordingSocket(stream._lane.sock)
+    keys, values = kv(64, 3)
+    stream.write(LayerUpdate(layer=0, keys=keys, values=values))
+    assert stream.finish()[0].offset == 64
+    shared = [view for view in recording.sent_buffers
+              if np.shares_memory(np.frombuffer(view, np.uint8), keys)
+              or np.shares_memory(np.frombuffer(view, np.uint8), values)]
+    assert sum(len(view) for view in shared) == keys.nbytes + values.nbytes
+    server.stop(pool)
+
+
+def test_fetched_bytes_come_straight_from_the_socket():
+    keys, values = history(4000)  # 4 chunks of 1000 tokens, 48 KB per tensor each
+    server = ScriptedServer(serve_fetch(keys, values, [(i * 1000, 1000) for i in range(4)]))
+    pool = pool_for(server)
+    lane = pool.take()
+    pool.give(lane)
+    out = (np.empty_like(keys), np.empty_like(values))
+    lane_fetch(pool, pb.FetchRequest(cache_id="c", layers=[0]),
+               placing_chunks(FetchAssembler({0: out})))
+    assert out[0].tobytes() == keys.tobytes() and out[1].tobytes() == values.tobytes()
+    # At most a read-ahead's worth per chunk passed through the buffer.
+    assert lane.bulk_bytes_buffered <= 4 * 2 * 256
+    server.stop(pool)
