@@ -103,7 +103,9 @@ def byte_view(tensor: Any) -> Tuple[DType, Tuple[int, ...], memoryview]:
     only where the tensor is not row-major little-endian in host memory."""
     dtype = dtype_of(tensor)
     array = _little_endian_contiguous(_as_numpy(tensor))
-    return dtype, tuple(int(d) for d in array.shape), memoryview(array).cast("B")
+    # Flattened to bytes through numpy: memoryview.cast refuses empty shapes.
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    return dtype, tuple(int(d) for d in array.shape), data
 
 
 def writable_array(tensor: Any) -> np.ndarray:

@@ -185,9 +185,15 @@ def test_bad_updates_name_the_field_and_change_nothing(client):
                 client.update(cache.id, **update)
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, field
             assert refused.value.message.startswith(field), refused.value.message
+        empty = keys[:, :, :0]
+        with pytest.raises(kvcached.KvCacheError) as no_tokens:
+            client.update(cache.id, 0, empty, empty)
+        assert no_tokens.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert no_tokens.value.message.startswith("keys.shape[2]")
         with pytest.raises(kvcached.KvCacheError) as behind:
             client.update(cache.id, 0, keys, values, expected_offset=1)
-        assert behind.value.code != grpc.StatusCode.OK
+        assert behind.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert behind.value.message.startswith("expected_offset")
         assert list(client.get_cache(cache.id).layer_offsets) == [3, 3, 3]
         assert_holds(client, cache.id, mirror)  # the same connection serves on
 
@@ -341,3 +347,17 @@ def test_large_updates_and_fetches(client):
         got = client.fetch(cache.id, 0, out=out)
         assert got.ranges == [(0, tokens)]
         assert out[0].tobytes() == keys.tobytes() and out[1].tobytes() == values.tobytes()
+
+
+def test_a_request_id_is_answered_once(client):
+    spec = specs.cache_spec([specs.standard(HEADS, DIM)])
+    request_id = kvcached.new_request_id()
+    first = client.create_cache(spec, request_id=request_id)
+    again = client.create_cache(spec, request_id=request_id)  # a retry: the same answer
+    assert again.cache_id == first.cache_id
+    assert len(client.list_caches()) == 1
+    with pytest.raises(kvcached.KvCacheError) as reused:
+        client.create_cache(specs.cache_spec([specs.standard(4, DIM)]), request_id=request_id)
+    assert reused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert reused.value.message.startswith("request_id")
+    client.delete_cache(first.cache_id)

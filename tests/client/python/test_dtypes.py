@@ -45,6 +45,11 @@ def test_byte_view_shares_contiguous_memory():
     assert bytes(data[20:]) == np.float32(-1).tobytes()
 
 
+def test_byte_view_of_an_empty_tensor_is_empty():
+    dtype, shape, data = dtypes.byte_view(np.zeros((1, 2, 0, 8), np.float16))
+    assert (dtype, shape, len(data)) == (dtypes.DType.FLOAT16, (1, 2, 0, 8), 0)
+
+
 def test_writable_array_refuses_views_it_cannot_fill():
     with pytest.raises(ValueError):
         dtypes.writable_array(np.zeros((2, 4), np.float16)[:, ::2])
