@@ -361,3 +361,19 @@ def test_a_request_id_is_answered_once(client):
     assert reused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert reused.value.message.startswith("request_id")
     client.delete_cache(first.cache_id)
+
+
+def test_batch_rows_extract_filter_and_merge(client):
+    rng = np.random.default_rng(14)
+    spec = specs.cache_spec([specs.standard(HEADS, DIM)], batch_size=2)
+    keys, values = step(rng, 6, batch=2)
+    with client.new_cache(spec) as batch:
+        client.update(batch.id, 0, keys, values)
+        with kvcached.Cache(client, client.extract_row(batch.id, 1)) as row:
+            assert client.fetch(row.id, 0).keys.tobytes() == keys[1:2].tobytes()
+            with kvcached.Cache(client, client.merge_caches([row.id, row.id])) as merged:
+                assert merged.info.spec.batch_size == 2
+                got = client.fetch(merged.id, 0)
+                assert got.values.tobytes() == np.concatenate([values[1:2]] * 2).tobytes()
+        assert client.filter_rows(batch.id, [1]).spec.batch_size == 1
+        assert client.fetch(batch.id, 0).keys.tobytes() == keys[1:2].tobytes()
