@@ -30,7 +30,7 @@ from .lane import LanePool, LaneUpdateStream, lane_fetch, message_chunks, placin
 from .options import ClientOptions
 from .proto import health_pb, health_pb_grpc, pb, pb_grpc
 from .rpcs import UnaryCalls
-from .update_encoding import LayerUpdate, RecurrentStateUpdate
+from .update_encoding import LayerUpdate, RecurrentStateUpdate, encode_update
 
 UpdateStream = Union[GrpcUpdateStream, LaneUpdateStream]
 
@@ -159,10 +159,17 @@ class Client(UnaryCalls):
     def update_many(self, cache_id: str, updates: Iterable[LayerUpdate]) -> List[pb.UpdateResponse]:
         """Every update in one call, in order; the acknowledgements (layer, offset).
 
-        A failed update raises its error; those before it stay applied."""
-        stream = self.open_update(cache_id)
+        All are encoded before any is sent, so one that cannot be (a mixed
+        dtype, a missing tensor) raises with nothing applied. A failed update
+        raises the server's error; those before it stay applied."""
+        encoded = [encode_update(cache_id, update) for update in updates]
+        if not self.uses_data_lane():
+            self._await_first_connect()
+            return self._grpc_bulk.update_many(encoded)
+        stream = LaneUpdateStream(self._lanes, cache_id)
         try:
-            stream.write_many(updates)
+            for pieces in encoded:
+                stream.write_encoded(pieces)
         except BaseException:
             stream.cancel()
             raise

@@ -8,14 +8,14 @@ tensors are copied once, into the caller's arrays (wire.read_token_chunk).
 
 import queue
 import threading
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import grpc
 
 from . import wire
 from .errors import KvCacheError, from_rpc_error
 from .proto import pb
-from .update_encoding import LayerUpdate, encode_update, join
+from .update_encoding import LayerUpdate, Piece, encode_update, join
 
 UPDATE_METHOD = "/kvcache.v1.KvCacheService/Update"
 FETCH_METHOD = "/kvcache.v1.KvCacheService/Fetch"
@@ -70,6 +70,18 @@ class GrpcBulk:
         try:
             for message in call:
                 on_chunk(pb.FetchResponse.FromString(message))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def update_many(self, encoded: Sequence[List[Piece]]) -> List[pb.UpdateResponse]:
+        """Encoded updates (update_encoding.encode_update) in one call; their
+        acknowledgements. Joined one by one as gRPC takes them, the
+        acknowledgements read on this thread: no queue and no reader thread
+        between them, which cost GrpcUpdateStream more than half its throughput."""
+        call = self._update((join(pieces) for pieces in encoded), timeout=self._deadline,
+                            metadata=self._metadata)
+        try:
+            return list(call)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

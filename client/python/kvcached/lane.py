@@ -22,7 +22,7 @@ from .grpc_bulk import chunk_error
 from .lane_socket import LaneClosed, LaneSocket, split_host_port
 from .options import ClientOptions, pem_bytes
 from .proto import pb
-from .update_encoding import LayerUpdate, encode_update
+from .update_encoding import LayerUpdate, Piece, encode_update
 
 # Sends between two looks for acknowledgements: the server batches them, and
 # a few sends' worth is far below what the socket buffers hold, so neither
@@ -161,6 +161,10 @@ class LaneUpdateStream:
     def write(self, update: LayerUpdate) -> None:
         """Sends one layer's step (copied by the kernel before this returns);
         raises the call's error once it has failed."""
+        self.write_encoded(encode_update(self._cache_id, update))
+
+    def write_encoded(self, pieces: List[Piece]) -> None:
+        """write() of an update encoded already (update_encoding.encode_update)."""
         if self._finished:
             raise ValueError("the Update stream is finished")
         if self._ended:
@@ -168,7 +172,7 @@ class LaneUpdateStream:
             raise KvCacheError(grpc.StatusCode.DATA_LOSS,
                                "data lane: the server ended the Update call before UPDATE_END")
         try:
-            self._lane.send_frame(frames.FrameKind.UPDATE, encode_update(self._cache_id, update))
+            self._lane.send_frame(frames.FrameKind.UPDATE, pieces)
         except LaneClosed:
             self._read_acks(wait=True)  # the server's STATUS says why, where it sent one
             self.finish()
@@ -234,7 +238,10 @@ class LaneUpdateStream:
             self._lane.close()
 
     def cancel(self) -> None:
-        """Abandons the call: the connection is closed, not reused."""
+        """Abandons the call: the connection is closed, not reused (a
+        finished call's connection is the pool's again: left alone)."""
+        if self._finished:
+            return
         self._finished = True
         self._lane.shutdown()
         self._lane.close()

@@ -168,3 +168,28 @@ def test_a_handle_already_gone_is_not_an_error_on_the_way_out(served):
     with client.new_cache(spec()) as cache:
         client.delete_cache(cache.id)
     assert cache.released
+
+
+def test_a_long_lived_update_stream_over_grpc(served):
+    service, client = served
+    cache = client.create_cache(spec())
+    step = np.arange(8, dtype=np.float16).reshape(1, 2, 1, 4)
+    stream = client.open_update(cache.cache_id)
+    for _ in range(3):
+        stream.write(kvcached.LayerUpdate(1, step, step))
+    assert [ack.offset for ack in stream.finish()] == [1, 2, 3]
+    failing = client.open_update(cache.cache_id)
+    failing.write(kvcached.LayerUpdate(9, step, step))
+    with pytest.raises(kvcached.KvCacheError) as refused:
+        failing.finish()
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_update_that_cannot_be_encoded_sends_nothing(served):
+    service, client = served
+    cache = client.create_cache(spec())
+    good = np.ones((1, 2, 1, 4), np.float16)
+    with pytest.raises(TypeError):
+        client.update_many(cache.cache_id, [kvcached.LayerUpdate(0, good, good),
+                                            kvcached.LayerUpdate(0, good, good.astype(np.float32))])
+    assert [method for method, _, _ in service.requests].count("Update") == 0

@@ -194,6 +194,9 @@ def test_bad_updates_name_the_field_and_change_nothing(client):
             client.update(cache.id, 0, keys, values, expected_offset=1)
         assert behind.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert behind.value.message.startswith("expected_offset")
+        with pytest.raises(TypeError):  # refused before anything is sent
+            client.update_many(cache.id, [kvcached.LayerUpdate(0, keys, values),
+                                          kvcached.LayerUpdate(1, keys, values.astype(np.float32))])
         assert list(client.get_cache(cache.id).layer_offsets) == [3, 3, 3]
         assert_holds(client, cache.id, mirror)  # the same connection serves on
 

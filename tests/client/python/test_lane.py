@@ -405,3 +405,20 @@ def test_fetched_bytes_come_straight_from_the_socket():
     # At most a read-ahead's worth per chunk passed through the buffer.
     assert lane.bulk_bytes_buffered <= 4 * 2 * 256
     server.stop(pool)
+
+
+def test_a_stream_refused_while_writing_gives_its_connection_back():
+    server = ScriptedServer(serve_updates(fail_at=0))
+    pool = pool_for(server)
+    stream = LaneUpdateStream(pool, "cache")
+    keys, values = kv(1, 1)
+    with pytest.raises(KvCacheError):
+        for _ in range(200):
+            stream.write(LayerUpdate(layer=0, keys=keys, values=values))
+    stream.cancel()  # what a caller's clean-up does: the pool's connection stays open
+    again = LaneUpdateStream(pool, "cache")
+    with pytest.raises(KvCacheError):
+        again.write(LayerUpdate(layer=0, keys=keys, values=values))
+        again.finish()
+    assert server.connections == 1
+    server.stop(pool)
