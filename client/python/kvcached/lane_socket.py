@@ -1,0 +1,255 @@
+"""One data-lane connection: its socket (TLS or not), preamble, AUTH frame,
+frames out from many buffers at once, and bytes in straight into arrays.
+
+Sending: a frame is its 8-byte header and the pieces of its payload, handed
+to the kernel in one sendmsg over memoryviews, so tensor bytes are copied
+once, by the kernel, from the caller's arrays. An ssl socket has no
+sendmsg; it encrypts each piece as it sends it (encrypting is a copy anyway).
+
+Receiving: small reads (frame headers, protobuf tags) go through a buffer
+that reads a little ahead; bulk reads (tensor data) drain what the buffer
+holds, then recv_into the destination itself. The read-ahead is kept small
+so that few tensor bytes pass through the buffer.
+"""
+
+import select
+import socket
+import ssl
+from typing import List, Optional, Sequence, Tuple, Union
+
+import grpc
+from google.protobuf.message import Message
+
+from . import frames
+from .errors import KvCacheError, from_lane_status
+from .proto import pb
+
+Piece = Union[bytes, memoryview]
+
+# How far small reads read ahead: a chunk's header is about 40 bytes.
+READ_AHEAD_BYTES = 256
+# The most buffers one sendmsg takes (Linux's IOV_MAX).
+IOV_MAX = 1024
+
+
+class LaneClosed(KvCacheError):
+    """The server closed the connection (or it broke) in the middle of a read."""
+
+    def __init__(self, message: str = "data lane: the server closed the connection") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def split_host_port(address: str) -> Tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port"; ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError("data lane address %r is not host:port" % address)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _set_keepalive(sock: socket.socket, idle: float, timeout: float) -> None:
+    """TCP keepalive: probes after `idle` s of silence, dropped after `timeout` more."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    interval = max(1, int(timeout // 3) or 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(idle)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(timeout // interval)))
+
+
+class LaneSocket:
+    """A connected lane socket whose preamble the server answered."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.reused = False  # it served a call before the current one
+        self._buffer = bytearray()
+        self._at = 0  # bytes of _buffer already read
+        # Bulk bytes (read_into) that came through the read-ahead buffer rather
+        # than straight from the socket: a copy each, so they should stay few.
+        self.bulk_bytes_buffered = 0
+
+    @classmethod
+    def connect(cls, address: str, timeout: float, tls: Optional[ssl.SSLContext] = None,
+                server_name: str = "", keepalive: Optional[Tuple[float, float]] = None
+                ) -> "LaneSocket":
+        """A connection to `address` whose KVLANE02 preamble was answered in kind."""
+        host, port = split_host_port(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if keepalive is not None:
+                _set_keepalive(sock, *keepalive)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=server_name or host)
+        except ssl.SSLError as error:
+            raise KvCacheError(grpc.StatusCode.UNAVAILABLE, "data lane %s: TLS handshake "
+                               "failed: %s" % (address, error)) from None
+        except OSError as error:
+            raise KvCacheError(grpc.StatusCode.UNAVAILABLE,
+                               "data lane %s: %s" % (address, error)) from None
+        lane = cls(sock)
+        try:
+            lane.send([frames.MAGIC])
+            lane._read_preamble_answer()
+        except BaseException:
+            lane.close()
+            raise
+        return lane
+
+    def _read_preamble_answer(self) -> None:
+        try:
+            answer = self.read_exact(len(frames.MAGIC))
+        except LaneClosed:
+            raise LaneClosed("data lane: the server closed the connection without answering "
+                             "its KVLANE02 preamble (not a lane of this version, or one that "
+                             "expects TLS)") from None
+        if answer == frames.MAGIC:
+            return
+        header = frames.decode_header(answer)  # a server that refuses says why in a STATUS
+        if header.kind == frames.FrameKind.STATUS and header.length <= 64 << 10:
+            status = pb.LaneStatus.FromString(self.read_exact(header.length))
+            if status.code:
+                raise from_lane_status(status.code, status.message)
+        raise KvCacheError(grpc.StatusCode.DATA_LOSS,
+                           "data lane: the server answered KVLANE02 with other bytes")
+
+    def authenticate(self, token: str) -> None:
+        """Sends the AUTH frame and reads the server's STATUS (raised unless OK)."""
+        self.send_message(frames.FrameKind.AUTH, pb.LaneAuth(token=token))
+        header = self.read_header()
+        if header.kind != frames.FrameKind.STATUS:
+            raise KvCacheError(grpc.StatusCode.DATA_LOSS,
+                               "data lane: the server answered AUTH with a frame of kind %d"
+                               % header.kind)
+        self.raise_status(self.read_exact(header.length))
+
+    # Sending.
+
+    def send(self, pieces: Sequence[Piece]) -> None:
+        """Sends the pieces' bytes in order, from where they lie."""
+        views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+        try:
+            if self.tls:
+                for view in views:
+                    self.sock.sendall(view)
+                return
+            while views:
+                sent = self.sock.sendmsg(views[:IOV_MAX])
+                views = _advance(views, sent)
+        except socket.timeout:
+            raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED, "data lane: a send timed out") \
+                from None
+        except OSError as error:
+            raise LaneClosed("data lane: sending failed: %s" % error) from None
+
+    def send_frame(self, kind: int, pieces: Sequence[Piece]) -> None:
+        """One frame: its header, then the pieces as its payload."""
+        length = sum(len(piece) for piece in pieces)
+        if length > frames.MAX_PAYLOAD_BYTES:
+            raise KvCacheError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "%d bytes is over the data lane's 4 GiB frame" % length)
+        self.send([frames.encode_header(length, kind), *pieces])
+
+    def send_message(self, kind: int, message: Message) -> None:
+        """One frame whose payload is a protobuf message (a small one: it is serialised)."""
+        self.send_frame(kind, [message.SerializeToString()])
+
+    # Receiving (wire.ByteSource).
+
+    def _fill(self, wanted: int) -> None:
+        """Buffers at least `wanted` bytes."""
+        if self._at and self._at * 2 >= len(self._buffer):
+            del self._buffer[:self._at]  # drop what was read before growing
+            self._at = 0
+        while len(self._buffer) - self._at < wanted:
+            data = self._recv(max(READ_AHEAD_BYTES, wanted - len(self._buffer) + self._at))
+            self._buffer += data
+
+    def _recv(self, size: int) -> bytes:
+        try:
+            data = self.sock.recv(size)
+        except socket.timeout:
+            raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "data lane: no answer within the deadline") from None
+        except OSError as error:
+            raise LaneClosed("data lane: reading failed: %s" % error) from None
+        if not data:
+            raise LaneClosed()
+        return data
+
+    def read_exact(self, size: int) -> bytes:
+        """The next `size` bytes, through the read-ahead buffer (for small reads)."""
+        self._fill(size)
+        data = bytes(self._buffer[self._at:self._at + size])
+        self._at += size
+        return data
+
+    def read_into(self, view: memoryview) -> None:
+        """The next len(view) bytes into `view`: what the buffer holds, then
+        straight from the socket (recv_into)."""
+        buffered = min(len(view), len(self._buffer) - self._at)
+        view[:buffered] = self._buffer[self._at:self._at + buffered]
+        self._at += buffered
+        self.bulk_bytes_buffered += buffered
+        done = buffered
+        while done < len(view):
+            try:
+                got = self.sock.recv_into(view[done:])
+            except socket.timeout:
+                raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "data lane: no answer within the deadline") from None
+            except OSError as error:
+                raise LaneClosed("data lane: reading failed: %s" % error) from None
+            if not got:
+                raise LaneClosed()
+            done += got
+
+    def read_header(self) -> frames.FrameHeader:
+        """The next frame's header."""
+        return frames.decode_header(self.read_exact(frames.HEADER_BYTES))
+
+    @staticmethod
+    def raise_status(payload: bytes) -> None:
+        """A STATUS frame's payload: returns on OK, raises its error otherwise."""
+        status = pb.LaneStatus.FromString(payload)
+        if status.code:
+            raise from_lane_status(status.code, status.message)
+
+    def has_input(self) -> bool:
+        """Whether bytes (or the connection's end) wait to be read, without waiting."""
+        if len(self._buffer) > self._at or (self.tls and self.sock.pending()):
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True  # a broken socket: the read will tell
+        return bool(readable)
+
+    def close(self) -> None:
+        """Closes the socket (errors in closing are of no interest)."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """Wakes any read or send under way (they fail) and ends the connection."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _advance(views: List[memoryview], sent: int) -> List[memoryview]:
+    """The views left after `sent` bytes of them went out."""
+    first = 0
+    while first < len(views) and sent >= len(views[first]):
+        sent -= len(views[first])
+        first += 1
+    rest = views[first:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest

@@ -1,0 +1,236 @@
+"""Protobuf's wire format, by hand, for the messages that carry tensors.
+
+protobuf would copy a tensor's bytes into a message and again into its
+serialised form. Here an UpdateRequest is written as small framing bytes
+around views of the caller's arrays (update_encoding.py), and a
+FetchResponse is read field by field so that its tensor bytes go straight
+into the caller's arrays (read_token_chunk). The bytes are exactly
+protobuf's encoding: tag = field << 3 | wire type, then a varint or a
+varint length and that many bytes.
+"""
+
+from typing import Callable, List, NamedTuple, Protocol, Sequence, Tuple
+
+VARINT, LENGTH_DELIMITED = 0, 2
+# Protobuf reads tags and lengths of at most 5 bytes, values of at most 10.
+_TAG_BYTES, _VALUE_BYTES = 5, 10
+
+# kvcache.v1.Tensor's fields and FetchResponse's (a unit test holds them to the .proto).
+TENSOR_DTYPE, TENSOR_SHAPE, TENSOR_DATA = 1, 2, 3
+CHUNK_LAYER, CHUNK_START, CHUNK_KEYS, CHUNK_VALUES = 1, 2, 3, 4
+
+
+class WireError(ValueError):
+    """Bytes that are not the message expected (the transport's DATA_LOSS)."""
+
+
+def encode_varint(value: int) -> bytes:
+    """A non-negative integer below 2**64 as a protobuf varint."""
+    if not 0 <= value < 1 << 64:
+        raise ValueError("a varint holds 0 to 2**64 - 1, not %d" % value)
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_tag(field: int, wire_type: int) -> bytes:
+    """A field's tag: its number and wire type, as a varint."""
+    return encode_varint(field << 3 | wire_type)
+
+
+def length_prefix(field: int, length: int) -> bytes:
+    """A length-delimited field's tag and length: `length` bytes follow it."""
+    return encode_tag(field, LENGTH_DELIMITED) + encode_varint(length)
+
+
+def tensor_prefix(field: int, dtype: int, shape: Sequence[int], data_bytes: int) -> bytes:
+    """Field `field` holding a kvcache.v1.Tensor, up to its data's length prefix.
+
+    The data's `data_bytes` bytes follow on the wire. dtype and shape come
+    first (as protobuf writes them: by field number), so that a reader knows
+    where the data goes before it arrives."""
+    header = bytearray()
+    if dtype:
+        header += encode_tag(TENSOR_DTYPE, VARINT) + encode_varint(dtype)
+    if shape:
+        packed = b"".join(encode_varint(d) for d in shape)
+        header += length_prefix(TENSOR_SHAPE, len(packed)) + packed
+    header += length_prefix(TENSOR_DATA, data_bytes)
+    return length_prefix(field, len(header) + data_bytes) + bytes(header)
+
+
+class ByteSource(Protocol):
+    """Where a message's bytes come from: memory, or a socket (lane.py)."""
+
+    def read_exact(self, size: int) -> bytes:
+        """The next `size` bytes."""
+
+    def read_into(self, view: memoryview) -> None:
+        """The next len(view) bytes, written into `view`."""
+
+
+class MemorySource:
+    """A ByteSource over bytes already received (a gRPC message)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data).cast("B")
+        self._at = 0
+
+    def _take(self, size: int) -> memoryview:
+        if size > len(self._view) - self._at:
+            missing = size - (len(self._view) - self._at)
+            raise WireError("the message ends %d bytes too soon" % missing)
+        piece = self._view[self._at:self._at + size]
+        self._at += size
+        return piece
+
+    def read_exact(self, size: int) -> bytes:
+        """The next `size` bytes (a copy: they are few)."""
+        return bytes(self._take(size))
+
+    def read_into(self, view: memoryview) -> None:
+        """The next len(view) bytes, copied into `view`."""
+        view[:] = self._take(len(view))
+
+    @property
+    def remaining(self) -> int:
+        return len(self._view) - self._at
+
+
+class _Bounded:
+    """Reads a source's next `limit` bytes (a message or a field), no further."""
+
+    def __init__(self, source: ByteSource, limit: int) -> None:
+        self._source = source
+        self.left = limit
+
+    def _claim(self, size: int) -> None:
+        if size > self.left:
+            raise WireError("a field runs %d bytes past its message" % (size - self.left))
+        self.left -= size
+
+    def read_exact(self, size: int) -> bytes:
+        self._claim(size)
+        return self._source.read_exact(size)
+
+    def read_into(self, view: memoryview) -> None:
+        self._claim(len(view))
+        self._source.read_into(view)
+
+    def varint(self, max_bytes: int = _VALUE_BYTES) -> int:
+        value = 0
+        for i in range(max_bytes):
+            byte = self.read_exact(1)[0]
+            if i == 9 and byte > 1:
+                raise WireError("a varint past 64 bits")
+            value |= (byte & 0x7F) << (7 * i)
+            if byte < 0x80:
+                return value
+        raise WireError("a varint longer than %d bytes" % max_bytes)
+
+    def tag(self) -> Tuple[int, int]:
+        tag = self.varint(_TAG_BYTES)
+        return tag >> 3, tag & 7
+
+    def sub(self) -> "_Bounded":
+        """The next length-delimited field's body, as a reader of its own."""
+        length = self.varint(_TAG_BYTES)
+        self._claim(length)
+        return _Bounded(self._source, length)
+
+
+class TensorHeader(NamedTuple):
+    """A Tensor's dtype and shape, and how many data bytes it has."""
+
+    dtype: int
+    shape: Tuple[int, ...]
+    data_bytes: int
+
+
+# Where a chunk's tensor data goes: given (layer, start, field, header), the
+# views to fill in order (their lengths sum to header.data_bytes).
+Placer = Callable[[int, int, int, TensorHeader], List[memoryview]]
+
+
+class NotATokenChunk(WireError):
+    """A chunk with fields beyond layer, start, keys and values (a recurrent
+    state or packed quantized tensors): `field` is the first such field."""
+
+    def __init__(self, field: int) -> None:
+        super().__init__("a Fetch chunk with field %d: not a [B, H, L, D] keys/values chunk"
+                         % field)
+        self.field = field
+
+
+def _read_tensor(body: _Bounded, layer: int, start: int, field: int, place: Placer) -> None:
+    """A Tensor field's body: its data into the views `place` gives."""
+    dtype, shape, placed = 0, [], False
+    while body.left:
+        number, wire = body.tag()
+        if placed:
+            raise WireError("a Tensor field after its data")
+        if number == TENSOR_DTYPE and wire == VARINT:
+            dtype = body.varint()
+        elif number == TENSOR_SHAPE and wire == VARINT:
+            shape.append(body.varint())
+        elif number == TENSOR_SHAPE and wire == LENGTH_DELIMITED:
+            packed = body.sub()
+            while packed.left:
+                shape.append(packed.varint())
+        elif number == TENSOR_DATA and wire == LENGTH_DELIMITED:
+            data = body.sub()
+            _fill(data, place(layer, start, field, TensorHeader(dtype, tuple(shape), data.left)))
+            placed = True
+        else:
+            raise WireError("an unexpected Tensor field %d (wire type %d)" % (number, wire))
+    if not placed:  # proto3 leaves empty data out
+        _fill(body, place(layer, start, field, TensorHeader(dtype, tuple(shape), 0)))
+
+
+def _fill(data: _Bounded, views: List[memoryview]) -> None:
+    if sum(len(view) for view in views) != data.left:
+        raise WireError("a tensor's %d data bytes do not match where they go" % data.left)
+    for view in views:
+        data.read_into(view)
+
+
+def read_token_chunk(source: ByteSource, length: int, place: Placer) -> Tuple[int, int]:
+    """Reads one FetchResponse of `length` bytes holding keys and values.
+
+    Tensor data goes where `place` says, as it arrives. Returns (layer, start).
+    Raises NotATokenChunk for a state or packed chunk, WireError for bytes
+    that are not a FetchResponse. layer and start must precede the tensors,
+    as protobuf writes them: they say where the data goes."""
+    message = _Bounded(source, length)
+    layer = start = 0
+    seen: List[int] = []
+    while message.left:
+        number, wire = message.tag()
+        if number in (CHUNK_LAYER, CHUNK_START) and wire == VARINT:
+            if seen:
+                raise WireError("a Fetch chunk's layer or start after its tensors")
+            value = message.varint()
+            layer, start = (value, start) if number == CHUNK_LAYER else (layer, value)
+        elif number in (CHUNK_KEYS, CHUNK_VALUES) and wire == LENGTH_DELIMITED:
+            if number in seen:
+                raise WireError("a Fetch chunk with field %d twice" % number)
+            seen.append(number)
+            _read_tensor(message.sub(), layer, start, number, place)
+        else:
+            raise NotATokenChunk(number)
+    if sorted(seen) != [CHUNK_KEYS, CHUNK_VALUES]:
+        raise WireError("a Fetch chunk without both keys and values")
+    return layer, start
+
+
+def skip(source: ByteSource, size: int, block: int = 1 << 16) -> None:
+    """Reads and drops `size` bytes (a frame nobody wants)."""
+    scratch = memoryview(bytearray(min(size, block)))
+    while size:
+        step = min(size, len(scratch))
+        source.read_into(scratch[:step])
+        size -= step
+
