@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "prometheus/collectable.h"
 #include "prometheus/exposer.h"
+#include "wire/net/address.h"
 
 namespace kvcache {
 
@@ -22,6 +23,9 @@ class MetricsExporter {
   static absl::StatusOr<std::unique_ptr<MetricsExporter>> Start(
       const std::string& listen, std::vector<std::shared_ptr<prometheus::Collectable>> sources);
 
+  // Stops listening at once (see the .cc on CivetWeb's stop).
+  ~MetricsExporter();
+
   // HOST:PORT as a scraper reaches it (the port picked, when 0 was asked).
   std::string address() const { return address_; }
 
@@ -30,6 +34,7 @@ class MetricsExporter {
   std::vector<std::shared_ptr<prometheus::Collectable>> sources_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string address_;
+  net::HostPort wake_at_;  // where a connection reaches the listener from this host
 };
 
 }  // namespace kvcache
