@@ -2,8 +2,12 @@
 transports, the no-leak check, random K/V, and a reference of what a layer
 holds, written over positions (independently of adapters/layer_state.py)."""
 
+import json
 import os
+import select
+import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
@@ -117,3 +121,30 @@ def python_env() -> Dict[str, str]:
     paths = [p for p in sys.path if p]
     env["PYTHONPATH"] = os.pathsep.join([HERE] + paths)
     return env
+
+
+def spawn_worker(address: str, role: str, count: int) -> subprocess.Popen:
+    """adapter_worker.py in a process of its own (see its docstring for roles)."""
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "adapter_worker.py"), address,
+                             role, str(count)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=python_env())
+
+
+def read_event(process: subprocess.Popen, timeout: float = 60) -> Dict:
+    """The worker's next JSON line; fails with its stderr if none comes in time."""
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else ""
+    if not line:
+        process.kill()
+        raise AssertionError("the worker said nothing:\n" + process.stderr.read())
+    return json.loads(line)
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Polls `condition` every 50 ms until it holds or `timeout` s pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()

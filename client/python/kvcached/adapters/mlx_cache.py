@@ -120,8 +120,9 @@ class KvcachedKVCache:
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Appends keys/values [B, H, L, D] (cast to the cache's dtype); returns
         what mlx-lm returns: every token's keys and values."""
-        keys = keys.detach().to(self.backing.torch_dtype).contiguous()
-        values = values.detach().to(self.backing.torch_dtype).contiguous()
+        # Copied even where no cast is needed: the mirror keeps these tensors.
+        keys = keys.detach().to(self.backing.torch_dtype, copy=True).contiguous()
+        values = values.detach().to(self.backing.torch_dtype, copy=True).contiguous()
         self.backing.send(self.layer, self.offset, keys, values)
         self._advance(int(keys.shape[2]))
         self._state = appended(self.kind, self._state, keys, values)

@@ -114,8 +114,10 @@ class KvcachedCache:
         attend over, [B, H, T, D] in temporal order in the cache's dtype."""
         del cache_kwargs  # transformers' signature; nothing here reads it
         self._note_step(layer_idx)
-        keys = key_states.detach().to(self.torch_dtype).contiguous()
-        values = value_states.detach().to(self.torch_dtype).contiguous()
+        # Copied even where no cast is needed: the mirror keeps these tensors,
+        # and the caller may reuse its own.
+        keys = key_states.detach().to(self.torch_dtype, copy=True).contiguous()
+        values = value_states.detach().to(self.torch_dtype, copy=True).contiguous()
         if keys.shape[2] == 0:
             raise ValueError("update: no new tokens (key_states.shape[2] is 0)")
         if self.mode == AUTHORITATIVE and not self._view_loaded:
