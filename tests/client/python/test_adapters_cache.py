@@ -249,3 +249,48 @@ def test_bad_input_gets_the_cpp_clients_statuses(lane_client):
     assert missing.value.code == grpc.StatusCode.NOT_FOUND
     with pytest.raises(ValueError):
         KvcachedCache(lane_client, spec, mode="write_back")
+
+
+def refused(call, code, field):
+    with pytest.raises(kvcached.KvCacheError) as error:
+        call()
+    assert error.value.code == code, error.value
+    assert field in error.value.message, error.value
+
+
+def test_bad_snapshot_fetch_and_speculation_input_gets_the_cpp_clients_statuses(lane_client):
+    spec = spec_of([(0, 0), (0, 0), (8, 4)], HEADS, DIM, DType.FLOAT16)
+    with KvcachedCache(lane_client, spec) as cache:
+        run = Run(cache, DType.FLOAT16, seed=8, layers=[(0, 0), (0, 0), (8, 4)])
+        run.step(5)
+        cache.flush()
+        row = cache.rows[0]
+        code = grpc.StatusCode
+        snapshot = row.snapshot()
+        try:
+            refused(lambda: lane_client.snapshot(row.id, from_offset=5),
+                    code.FAILED_PRECONDITION, "from_offset")
+            refused(lambda: lane_client.restore(row.id, 6), code.FAILED_PRECONDITION,
+                    "beyond the live offset")
+            refused(lambda: lane_client.restore(row.id, 6, snapshot_id=snapshot.snapshot_id),
+                    code.FAILED_PRECONDITION, "beyond the snapshot's end")
+            refused(lambda: lane_client.restore("0" * 32, 1), code.NOT_FOUND, "cache_id")
+        finally:
+            lane_client.release_snapshot(snapshot.snapshot_id)
+        refused(lambda: lane_client.fetch(row.id, 3), code.INVALID_ARGUMENT, "layers[0]")
+        refused(lambda: lane_client.fetch("0" * 32, 0), code.NOT_FOUND, "cache_id")
+        refused(lambda: lane_client.begin_speculation("0" * 32), code.NOT_FOUND, "cache_id")
+        cache.begin_speculation()
+        cache.update(*kv(torch.Generator(), 1, HEADS, 2, DIM), 0)
+        cache.flush()
+        spec_id = row.speculation_id
+        refused(lambda: lane_client.commit_speculation(spec_id, 3), code.INVALID_ARGUMENT,
+                "accepted")
+        refused(lambda: lane_client.commit_speculation(spec_id, 1), code.FAILED_PRECONDITION,
+                "")  # layers out of step: only layer 0 drafted
+        cache.abort_speculation()
+        refused(lambda: lane_client.abort_speculation(spec_id), code.NOT_FOUND,
+                "speculation_id")
+        run.local = None
+        run.step(1)
+        run.check_kvcached(lane_client)

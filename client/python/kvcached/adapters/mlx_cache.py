@@ -109,6 +109,9 @@ class KvcachedKVCache:
         self.layer = layer
         self.kind: LayerKind = backing.kinds[layer]
         self._state: Optional[LayerState] = None
+        # [B, H, 0, D] of the first update's shapes: mlx-lm keeps its buffer
+        # when trimmed to nothing, so its state is then empty, not None.
+        self._empty: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         backing.layers.append(self)
 
     @property
@@ -124,6 +127,8 @@ class KvcachedKVCache:
         keys = keys.detach().to(self.backing.torch_dtype, copy=True).contiguous()
         values = values.detach().to(self.backing.torch_dtype, copy=True).contiguous()
         self.backing.send(self.layer, self.offset, keys, values)
+        if self._empty is None:
+            self._empty = (keys[:, :, :0], values[:, :, :0])
         self._advance(int(keys.shape[2]))
         self._state = appended(self.kind, self._state, keys, values)
         return self._returned()
@@ -137,9 +142,10 @@ class KvcachedKVCache:
 
     @property
     def state(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(keys, values) as mlx-lm's `state` gives them; (None, None) when empty."""
+        """(keys, values) as mlx-lm's `state` gives them; (None, None) before
+        the first update."""
         if self._state is None:
-            return None, None
+            return self._empty if self._empty is not None else (None, None)
         return self._returned()
 
     @property
@@ -161,11 +167,11 @@ class KvcachedKVCache:
 
     def empty(self) -> bool:
         """Whether nothing was ever stored (mlx-lm: keys is None)."""
-        return self._state is None
+        return self._empty is None
 
     def size(self) -> int:
-        """Tokens held (mlx-lm size())."""
-        return self._state.held if self._state is not None else 0
+        """mlx-lm size(): the offset."""
+        return self.offset
 
     def positions(self) -> torch.Tensor:
         """Absolute positions of the held tokens, in temporal order."""
@@ -260,8 +266,12 @@ class KvcachedPromptCache(list):
     def __enter__(self) -> "KvcachedPromptCache":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never hide the error already on its way out
+            if exc is None:
+                raise
 
 
 def prompt_cache_spec(num_layers: int, heads: int, head_dim: int,

@@ -34,6 +34,8 @@ class RemoteCache:
         # Where each layer will be once every write so far is applied.
         self.offsets: List[int] = [int(offset) for offset in info.layer_offsets]
         self.speculation_id = ""
+        # Attached to another process's cache: tokens it has already are skipped.
+        self.resuming = False
         self._stream: Any = None
         self._expected_acks: List[Tuple[int, int]] = []
 
@@ -46,16 +48,18 @@ class RemoteCache:
     def attach(cls, client: Client, cache_id: str, owned: bool = True) -> "RemoteCache":
         """An existing cache (another process's, say), its layers where the
         server has them: writes resume from there."""
-        return cls(client, client.get_cache(cache_id), owned)
+        cache = cls(client, client.get_cache(cache_id), owned)
+        cache.resuming = True
+        return cache
 
     def send(self, layer: int, start: int, keys: Any, values: Any) -> None:
-        """Writes tokens [start, start + L) of `layer`. Tokens below the layer's
-        offset are there already (a resumed cache) and are skipped; a gap
-        above it is an error."""
+        """Writes tokens [start, start + L) of `layer`. Where the cache was
+        attached (resuming), tokens below the layer's offset are there
+        already and are skipped; otherwise start must be the layer's offset."""
         tokens = int(keys.shape[2])
         have = self.offsets[layer]
-        if start > have:
-            raise ValueError("layer %d: tokens from %d would leave a gap after the cache's %d"
+        if start > have or (start < have and not self.resuming):
+            raise ValueError("layer %d: tokens from %d, but the cache's layer is at %d"
                              % (layer, start, have))
         skip = have - start
         if skip >= tokens:

@@ -247,8 +247,12 @@ class KvcachedCache:
     def __enter__(self) -> "KvcachedCache":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never hide the error already on its way out
+            if exc is None:
+                raise
 
     # Steps, sends and states.
 
