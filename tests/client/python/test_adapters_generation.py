@@ -11,7 +11,8 @@ import torch
 
 from kvcached.adapters import AUTHORITATIVE, WRITE_THROUGH, KvcachedCache, cache_spec_from_config
 from kvcached.dtypes import DType
-from kvcached.models import LocalCache, beam_search, greedy, random_model, speculative, tiny_config
+from kvcached.models import (KVCache, LocalCache, beam_search, greedy, random_model, speculative,
+                             tiny_config)
 from kvcached.models.generate import prefill
 from adapter_support import TORCH_OF, assert_nothing_held, connect, layer_history, start_server
 
@@ -64,6 +65,7 @@ def test_greedy_is_token_for_token_the_local_run(client, model, mode, dtype):
     local = LocalCache.for_model(model.config, TORCH_OF[dtype])
     want = greedy(model, PROMPT, local, 20, prefill_chunk=5, return_logits=True)
     with kvcached_cache(client, model, dtype, mode) as cache:
+        assert isinstance(cache, KVCache)  # the models' cache protocol
         got = greedy(model, PROMPT, cache, 20, prefill_chunk=5, return_logits=True)
         assert torch.equal(got.tokens, want.tokens)
         for step, (mine, theirs) in enumerate(zip(got.logits, want.logits)):

@@ -15,7 +15,7 @@ longer one holds max_size - 1 + L, a superset of what its queries need.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -55,7 +55,7 @@ class LayerState:
         return int(self.positions.shape[0])
 
 
-def positions_of(ranges) -> torch.Tensor:
+def positions_of(ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
     """Absolute positions of a fetch's ranges [(begin, end), ...], in order."""
     if not ranges:
         return torch.empty(0, dtype=torch.long)
