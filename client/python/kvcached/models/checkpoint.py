@@ -62,13 +62,13 @@ def load_weights(model: LlamaModel, tensors: Dict[str, torch.Tensor]) -> None:
     if unexpected or missing:
         raise ValueError("checkpoint weights do not fit the config: missing %s, unexpected %s"
                          % (missing or "none", unexpected or "none"))
+    for name, parameter in parameters.items():  # all checked before any is copied
+        if tuple(tensors[name].shape) != tuple(parameter.shape):
+            raise ValueError("weight %s is %s, the config makes it %s"
+                             % (name, tuple(tensors[name].shape), tuple(parameter.shape)))
     with torch.no_grad():
         for name, parameter in parameters.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != tuple(parameter.shape):
-                raise ValueError("weight %s is %s, the config makes it %s"
-                                 % (name, tuple(tensor.shape), tuple(parameter.shape)))
-            parameter.copy_(tensor)
+            parameter.copy_(tensors[name])
 
 
 def load_pretrained(directory: PathLike) -> LlamaModel:
