@@ -145,3 +145,19 @@ def test_rope_scaling_kinds():
     assert llama3[0] == plain[0] and torch.isclose(llama3[-1], plain[-1] / 8)
     with pytest.raises(ValueError, match="yarn"):
         rope.inverse_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_the_kvcached_cache_spec_mirrors_the_local_layout():
+    from kvcached.models import layout
+
+    config = checkpoint.tiny_config(sliding_window=8, attention_sinks=3,
+                                    layer_types=["sliding_attention", "full_attention"])
+    spec = layout.cache_spec(config, torch.bfloat16, batch_size=2, model="tiny")
+    assert spec.batch_size == 2 and spec.model == "tiny"
+    assert spec.dtype == int(layout.DType.BFLOAT16)
+    sliding, full = spec.layers
+    assert (sliding.rotating.max_size, sliding.rotating.keep) == (11, 3)
+    assert full.HasField("standard")
+    assert (full.num_kv_heads, full.k_head_dim) == (2, 16)
+    with pytest.raises(ValueError, match="float64"):
+        layout.cache_spec(config, torch.float64)

@@ -104,7 +104,8 @@ def save_pretrained(model: LlamaModel, directory: PathLike, dtype: torch.dtype =
     """Writes config.json and the weights (in `dtype`) as HF does: one
     model.safetensors, or shards and their index past max_shard_bytes."""
     os.makedirs(directory, exist_ok=True)
-    model.config.to_json_file(os.path.join(directory, CONFIG_FILE))
+    model.config.to_json_file(os.path.join(directory, CONFIG_FILE),
+                              torch_dtype=str(dtype).replace("torch.", ""))
     tensors = _state_to_save(model, dtype)
     metadata = {"format": "pt"}
     shards = _shards(tensors, max_shard_bytes) if max_shard_bytes else [sorted(tensors)]
