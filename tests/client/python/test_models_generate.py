@@ -110,7 +110,7 @@ def perturbed(model, scale, seed):
     draft = models.LlamaModel(model.config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for (name, theirs), mine in zip(model.named_parameters(), draft.parameters()):
+        for theirs, mine in zip(model.parameters(), draft.parameters()):
             mine.copy_(theirs + scale * theirs.std() * torch.randn(theirs.shape,
                                                                   generator=generator))
     return draft.eval()
