@@ -12,6 +12,7 @@ torch is required here (Debian's python3-torch), unlike in the rest of the
 package.
 """
 
+from . import layout
 from .cache_protocol import KVCache, LayerCacheSpec
 from .checkpoint import load_pretrained, random_model, save_pretrained, tiny_config
 from .config import LlamaConfig
@@ -20,7 +21,7 @@ from .generate import (BeamSearchResult, Generation, beam_search, greedy, prefil
 from .llama import LlamaModel
 from .local_cache import LocalCache, RotatingLayerCache, StandardLayerCache
 
-__all__ = ["BeamSearchResult", "Generation", "KVCache", "LayerCacheSpec", "LlamaConfig",
+__all__ = ["BeamSearchResult", "Generation", "KVCache", "LayerCacheSpec", "LlamaConfig", "layout",
            "LlamaModel", "LocalCache", "RotatingLayerCache", "StandardLayerCache",
            "beam_search", "greedy", "load_pretrained", "prefill", "random_model",
            "sample", "save_pretrained", "speculative", "tiny_config"]

@@ -36,8 +36,10 @@ def select_needed(keys: torch.Tensor, values: torch.Tensor, key_positions: torch
         raise ValueError("the cache returned %d keys but %d key positions"
                          % (keys.shape[2], key_positions.numel()))
     needed = needed_keys(key_positions, query_positions, window, keep)
-    if bool(needed.all()):  # the usual case of a full layer: nothing to copy
-        return keys, values, key_positions
+    if bool(needed.all()):  # the usual case of a full layer: no selection
+        # Contiguous whatever the cache's layout (a view of a growing buffer,
+        # a fetched array), so the matmuls see the same memory layout too.
+        return keys.contiguous(), values.contiguous(), key_positions
     index = needed.nonzero().squeeze(1)
     return (keys.index_select(2, index), values.index_select(2, index),
             key_positions.index_select(0, index))

@@ -83,9 +83,9 @@ class KVCache(Protocol):
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Appends L new tokens to layer `layer_idx` and returns what to attend over.
 
-        key_states, value_states: [B, H_kv, L, D] float32, RoPE already
-        applied to the keys, for positions get_seq_length(layer_idx) ..
-        + L - 1. Returns (keys, values), [B, H_kv, T, D] in temporal order,
+        key_states, value_states: [B, H_kv, L, D] float32 (contiguous: the
+        model makes them so), RoPE already applied to the keys, for
+        positions get_seq_length(layer_idx) .. + L - 1. Returns (keys, values), [B, H_kv, T, D] in temporal order,
         in the cache's storage dtype (float32, float16 or bfloat16; the model
         casts to float32 itself). The new tokens are returned as stored, so
         the model attends over the cache's rounded copies, never its own

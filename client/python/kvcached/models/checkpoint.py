@@ -62,13 +62,13 @@ def load_weights(model: LlamaModel, tensors: Dict[str, torch.Tensor]) -> None:
     if unexpected or missing:
         raise ValueError("checkpoint weights do not fit the config: missing %s, unexpected %s"
                          % (missing or "none", unexpected or "none"))
+    for name, parameter in parameters.items():  # all checked before any is copied
+        if tuple(tensors[name].shape) != tuple(parameter.shape):
+            raise ValueError("weight %s is %s, the config makes it %s"
+                             % (name, tuple(tensors[name].shape), tuple(parameter.shape)))
     with torch.no_grad():
         for name, parameter in parameters.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != tuple(parameter.shape):
-                raise ValueError("weight %s is %s, the config makes it %s"
-                                 % (name, tuple(tensor.shape), tuple(parameter.shape)))
-            parameter.copy_(tensor)
+            parameter.copy_(tensors[name])
 
 
 def load_pretrained(directory: PathLike) -> LlamaModel:
@@ -104,7 +104,8 @@ def save_pretrained(model: LlamaModel, directory: PathLike, dtype: torch.dtype =
     """Writes config.json and the weights (in `dtype`) as HF does: one
     model.safetensors, or shards and their index past max_shard_bytes."""
     os.makedirs(directory, exist_ok=True)
-    model.config.to_json_file(os.path.join(directory, CONFIG_FILE))
+    model.config.to_json_file(os.path.join(directory, CONFIG_FILE),
+                              torch_dtype=str(dtype).replace("torch.", ""))
     tensors = _state_to_save(model, dtype)
     metadata = {"format": "pt"}
     shards = _shards(tensors, max_shard_bytes) if max_shard_bytes else [sorted(tensors)]

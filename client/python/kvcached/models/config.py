@@ -112,20 +112,21 @@ class LlamaConfig:
             raise ValueError("%s holds no JSON object" % os.fspath(path))
         return cls.from_dict(values)
 
-    def to_dict(self) -> Dict[str, Any]:
-        """config.json's dictionary, with the fields HF tools look for."""
+    def to_dict(self, torch_dtype: str = "float32") -> Dict[str, Any]:
+        """config.json's dictionary, with the fields HF tools look for
+        (torch_dtype: what the weights are stored as)."""
         values = dataclasses.asdict(self)
         if values["sliding_window"] is None:  # nothing HF would write for plain Llama
             for key in ("sliding_window", "layer_types", "attention_sinks"):
                 values.pop(key)
         values.update(model_type="llama", architectures=["LlamaForCausalLM"],
-                      hidden_act="silu", torch_dtype="float32")
+                      hidden_act="silu", torch_dtype=torch_dtype)
         return values
 
-    def to_json_file(self, path: Union[str, os.PathLike]) -> None:
+    def to_json_file(self, path: Union[str, os.PathLike], torch_dtype: str = "float32") -> None:
         """Writes config.json."""
         with open(path, "w", encoding="utf-8") as file:
-            json.dump(self.to_dict(), file, indent=2, sort_keys=True)
+            json.dump(self.to_dict(torch_dtype), file, indent=2, sort_keys=True)
             file.write("\n")
 
     def is_sliding(self, layer_idx: int) -> bool:
