@@ -59,6 +59,14 @@ def _torch_dtype_map():
             torch.bfloat16: DType.BFLOAT16}
 
 
+def dtype_of_torch(torch_dtype: Any) -> DType:
+    """The DType of a torch dtype; ValueError for any but f32, f16 and bf16."""
+    found = _torch_dtype_map().get(torch_dtype)
+    if found is None:
+        raise ValueError("kvcached stores float32, float16 or bfloat16, not %s" % torch_dtype)
+    return found
+
+
 def dtype_of(tensor: Any) -> DType:
     """The DType of a numpy array or torch tensor; TypeError for other types."""
     if is_torch_tensor(tensor):

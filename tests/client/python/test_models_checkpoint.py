@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcached import models  # noqa: E402 (after the torch check)
+import kvcached  # noqa: E402 (after the torch check)
+from kvcached import models  # noqa: E402
 from kvcached.models import checkpoint, rope, safetensors  # noqa: E402
 
 
@@ -154,7 +155,7 @@ def test_the_kvcached_cache_spec_mirrors_the_local_layout():
                                     layer_types=["sliding_attention", "full_attention"])
     spec = layout.cache_spec(config, torch.bfloat16, batch_size=2, model="tiny")
     assert spec.batch_size == 2 and spec.model == "tiny"
-    assert spec.dtype == int(layout.DType.BFLOAT16)
+    assert spec.dtype == int(kvcached.DType.BFLOAT16)
     sliding, full = spec.layers
     assert (sliding.rotating.max_size, sliding.rotating.keep) == (11, 3)
     assert full.HasField("standard")

@@ -9,28 +9,22 @@ so a rotating layer that holds every such key keeps `keep` sinks and
 window where keep is 0).
 """
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from .. import specs
 from ..dtypes import DType
 from ..proto import pb
+from ..models import layout
+from ..models.cache_protocol import LayerCacheSpec
 from .layer_state import LayerKind
-
-
-def _window_and_keep(layer: Any) -> "tuple[Optional[int], int]":
-    """(window, keep) of a LayerCacheSpec-like object (attributes) or None (full)."""
-    if layer is None:
-        return None, 0
-    return getattr(layer, "window", None), int(getattr(layer, "keep", 0) or 0)
 
 
 def layer_spec(layer: Any, heads: int, head_dim: int, v_head_dim: int = 0) -> pb.LayerSpec:
     """The kvcached layer spec of one model layer (LayerCacheSpec-like, or None: full)."""
-    window, keep = _window_and_keep(layer)
-    if window is None:
-        return specs.standard(heads, head_dim, v_head_dim)
-    return specs.rotating(heads, head_dim, max_size=window + keep, keep=keep,
-                          v_head_dim=v_head_dim)
+    if layer is None or getattr(layer, "window", None) is None:
+        return layout.layer_spec_for(None, heads, head_dim, v_head_dim)
+    cache = LayerCacheSpec(window=layer.window, keep=int(getattr(layer, "keep", 0) or 0))
+    return layout.layer_spec_for(cache, heads, head_dim, v_head_dim)
 
 
 def cache_spec_for_layers(layers: Sequence[Any], heads: int, head_dim: int,
