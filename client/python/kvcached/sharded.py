@@ -475,8 +475,9 @@ class ShardedClient:
                          ttl_seconds: int = 0) -> pb.SnapshotInfo:
         """Copies a snapshot (from offset 0) to replica `to`: a new snapshot
         there, with that replica's id; the original stays. Replica `to` pulls
-        it (PullSnapshot); where it cannot, the file streams through this
-        client (ExportSnapshot, ImportSnapshot)."""
+        it (PullSnapshot); where it cannot (no --peers, an older server), the
+        file passes through this client, held in memory on the way
+        (ExportSnapshot, ImportSnapshot)."""
         if not 0 <= to < len(self._clients):
             raise KvCacheError(grpc.StatusCode.INVALID_ARGUMENT,
                                "to: the fleet has %d replicas, not %d" % (len(self._clients),
