@@ -9,6 +9,7 @@ files of a kvcached server, with K/V tensors moved without extra copies.
             history = client.fetch(cache.id, 0)
 
 Every failed call raises KvCacheError (its `code` a grpc.StatusCode).
+ShardedClient is a client of a fleet of replicas (needs the system's libxxhash).
 """
 
 from . import specs
@@ -19,8 +20,9 @@ from .fetch import LayerHistory
 from .handles import Cache, Snapshot, Speculation
 from .options import ClientOptions
 from .proto import pb
+from .sharded import Replica, ShardedClient, XxhashUnavailable
 from .update_encoding import LayerUpdate, RecurrentStateUpdate
 
 __all__ = ["Cache", "Client", "ClientOptions", "DType", "KvCacheError", "LayerHistory",
-           "LayerUpdate", "RecurrentStateUpdate", "Snapshot", "Speculation", "new_request_id",
-           "pb", "specs"]
+           "LayerUpdate", "RecurrentStateUpdate", "Replica", "ShardedClient", "Snapshot",
+           "Speculation", "XxhashUnavailable", "new_request_id", "pb", "specs"]
