@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import grpc
 from google.protobuf.message import Message
 
-from . import frames
+from . import frames, wire
 from .errors import KvCacheError, from_lane_status
 from .proto import pb
 
@@ -190,22 +190,69 @@ class LaneSocket:
     def read_into(self, view: memoryview) -> None:
         """The next len(view) bytes into `view`: what the buffer holds, then
         straight from the socket (recv_into)."""
-        buffered = min(len(view), len(self._buffer) - self._at)
-        view[:buffered] = self._buffer[self._at:self._at + buffered]
-        self._at += buffered
-        self.bulk_bytes_buffered += buffered
-        done = buffered
+        self.read_into_many([view])
+
+    def read_into_many(self, views: Sequence[memoryview]) -> None:
+        """The next bytes into each view in turn: what the buffer holds, then
+        straight from the socket, every view at once (recvmsg_into: a fetch
+        into a [B, H, T, D] array fills B x H row pieces per tensor, and a
+        syscall each cost as much as their bytes)."""
+        rest = self._drain_buffer(list(views))
+        if self.tls:  # an ssl socket has no recvmsg_into
+            for view in rest:
+                self._receive(view, lambda piece: self.sock.recv_into(piece))
+            return
+        while rest:
+            got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
+            rest = _advance(rest, got)
+
+    def _drain_buffer(self, views: List[memoryview]) -> List[memoryview]:
+        """Fills views from the read-ahead buffer; the (parts of) views left."""
+        first = 0
+        while first < len(views) and self._at < len(self._buffer):
+            view = views[first]
+            buffered = min(len(view), len(self._buffer) - self._at)
+            view[:buffered] = self._buffer[self._at:self._at + buffered]
+            self._at += buffered
+            self.bulk_bytes_buffered += buffered
+            if buffered < len(view):
+                views[first] = view[buffered:]
+                break
+            first += 1
+        return [view for view in views[first:] if len(view)]
+
+    def _receive(self, view: memoryview, recv_into) -> None:
+        """All of `view` from the socket, by recv_into(rest of view) calls."""
+        done = 0
         while done < len(view):
+            done += self._receive_once(lambda: recv_into(view[done:]))
+
+    @staticmethod
+    def _receive_once(receive) -> int:
+        """receive()'s byte count; the lane's errors for a timeout, a failure or the end."""
+        try:
+            got = receive()
+        except socket.timeout:
+            raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "data lane: no answer within the deadline") from None
+        except OSError as error:
+            raise LaneClosed("data lane: reading failed: %s" % error) from None
+        if not got:
+            raise LaneClosed()
+        return got
+
+    def read_varint(self, max_bytes: int) -> Tuple[int, int]:
+        """The next varint (wire.ByteSource): (value, bytes it took), decoded
+        in one go from the read-ahead buffer, reading more only where it ends
+        inside the varint."""
+        while True:
             try:
-                got = self.sock.recv_into(view[done:])
-            except socket.timeout:
-                raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   "data lane: no answer within the deadline") from None
-            except OSError as error:
-                raise LaneClosed("data lane: reading failed: %s" % error) from None
-            if not got:
-                raise LaneClosed()
-            done += got
+                value, taken = wire.decode_varint(self._buffer, self._at, max_bytes)
+            except IndexError:
+                self._fill(len(self._buffer) - self._at + 1)
+                continue
+            self._at += taken
+            return value, taken
 
     def read_header(self) -> frames.FrameHeader:
         """The next frame's header."""
