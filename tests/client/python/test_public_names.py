@@ -7,8 +7,24 @@ import pkgutil
 
 import kvcached
 
-MODULES = [importlib.import_module("kvcached." + info.name)
-           for info in pkgutil.iter_modules(kvcached.__path__) if not info.name.startswith("_")]
+
+def _public_modules():
+    """kvcached's modules and its subpackages' (kvcached.models needs torch,
+    which the package does not: without torch those are left out)."""
+    names = [info.name for info in pkgutil.walk_packages(kvcached.__path__, "kvcached.",
+                                                         onerror=lambda name: None)
+             if not any(part.startswith("_") for part in info.name.split("."))]
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError as missing:
+            if missing.name != "torch":
+                raise
+    return modules
+
+
+MODULES = _public_modules()
 
 
 def public_members(module):
