@@ -3,11 +3,9 @@ token out as JSON lines; a second worker process restores the first's system
 prompt from kvcached and generates exactly what a local-cache run does."""
 
 import argparse
-import importlib
 import io
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 
@@ -103,15 +101,3 @@ def test_bad_arguments_exit_nonzero_with_a_message(capsys):
                      "--tiny-config", TINY]) == 1
     assert "user prompt is empty" in capsys.readouterr().err
 
-
-def test_worker_modules_document_and_hint_their_public_names(monkeypatch):
-    # test_public_names walks the package's top-level modules; the worker's
-    # are a level down, held to the same rules here.
-    import kvcached.worker
-    import test_public_names as rules
-    modules = [importlib.import_module("kvcached.worker." + info.name)
-               for info in pkgutil.iter_modules(kvcached.worker.__path__)
-               if not info.name.startswith("_")]
-    monkeypatch.setattr(rules, "MODULES", modules)
-    rules.test_every_module_and_public_name_has_a_docstring()
-    rules.test_every_public_function_has_type_hints()
