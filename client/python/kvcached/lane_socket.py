@@ -241,6 +241,16 @@ class LaneSocket:
             raise LaneClosed()
         return got
 
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes (wire.ByteSource), buffered and not consumed:
+        the caller knows they are on their way (they lie inside a frame)."""
+        self._fill(size)
+        return bytes(self._buffer[self._at:self._at + size])
+
+    def consume(self, size: int) -> None:
+        """Drops `size` buffered bytes (what peek returned)."""
+        self._at += size
+
     def read_varint(self, max_bytes: int) -> Tuple[int, int]:
         """The next varint (wire.ByteSource): (value, bytes it took), decoded
         in one go from the read-ahead buffer, reading more only where it ends
