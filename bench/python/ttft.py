@@ -69,6 +69,27 @@ class TimedCache:
         return getattr(self.cache, name)
 
 
+class FetchClock:
+    """Times a client's fetch_layers calls (the adapters' fetches), by
+    shadowing the method on that one client object."""
+
+    def __init__(self, client: Any) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+        fetch_layers = client.fetch_layers
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                histories = fetch_layers(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+            self.bytes += sum(h.keys.nbytes + h.values.nbytes for h in histories.values())
+            return histories
+
+        client.fetch_layers = timed
+
+
 # Time to first token.
 
 def ttft_rows(args: argparse.Namespace, model: Any, client: Any) -> List[Dict[str, Any]]:
@@ -84,10 +105,13 @@ def ttft_rows(args: argparse.Namespace, model: Any, client: Any) -> List[Dict[st
     plan += [("cached", session.AUTHORITATIVE, True)]
     rows = []
     for label, mode, reuse in plan:
+        clock = FetchClock(client)
         with session.open_cache(mode, model.config, client=client, model_name=name) as cache:
             result = session.serve(model, cache, system, user, 1, reuse=reuse)
+        del client.fetch_layers
         rows.append({"run": label, "mode": mode, "ttft_s": result.ttft_s,
                      "lookup_s": result.lookup_s, "publish_s": result.publish_s,
+                     "fetch_s": clock.seconds, "fetched_mib": clock.bytes / 2**20,
                      "matched": result.matched_tokens, "prefilled": result.prefilled_tokens,
                      "token": result.tokens[0]})
         print("ROW ttft %s" % rows[-1], file=sys.stderr, flush=True)
@@ -100,13 +124,15 @@ def print_ttft(rows: List[Dict[str, Any]], args: argparse.Namespace) -> None:
     recompute = rows[0]["ttft_s"]
     cached = [row["ttft_s"] for row in rows if row["run"] == "cached"
               and row["mode"] == "write_through"]
-    print("| run | cache mode | prefix tokens restored | tokens prefilled | TTFT s | of which "
-          "lookup + restore (+ fetch) s | publish s | recompute / this |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| run | cache mode | prefix tokens restored | tokens prefilled | TTFT s | "
+          "lookup + restore (+ mirror) s | fetch_layers s (MiB) | publish s | "
+          "recompute / this |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print("| %s | %s | %d | %d | %.3f | %.3f | %.3f | %.1f |" % (
+        print("| %s | %s | %d | %d | %.3f | %.3f | %.3f (%.0f) | %.3f | %.1f |" % (
             row["run"], row["mode"], row["matched"], row["prefilled"], row["ttft_s"],
-            row["lookup_s"], row["publish_s"], recompute / row["ttft_s"]))
+            row["lookup_s"], row["fetch_s"], row["fetched_mib"], row["publish_s"],
+            recompute / row["ttft_s"]))
     print("\nCached (write-through, median of %d) vs recomputed: **%.1fx** faster to the first "
           "token." % (len(cached), recompute / bench_support.median(cached)))
 
@@ -135,18 +161,22 @@ def decode_row(mode: str, model: Any, client: Any, context: int,
     """Median seconds per decoded token, and the median part inside update()."""
     import torch
     cache = filled_cache(mode, model, client, context)
+    clock = FetchClock(client)
     with cache as inner:
         timed = TimedCache(inner)
-        step, in_cache = [], []
+        step, in_cache, fetching = [], [], []
         token = torch.zeros((1, 1), dtype=torch.long)
         for _ in range(tokens):
-            timed.update_seconds = 0.0
+            timed.update_seconds, clock.seconds = 0.0, 0.0
             start = time.perf_counter()
             token = model(token, timed, last_only=True)[:, -1].argmax(-1, keepdim=True)
             step.append(time.perf_counter() - start)
             in_cache.append(timed.update_seconds)
+            fetching.append(clock.seconds)
+    del client.fetch_layers  # the method again
     row = {"mode": mode, "context": context, "token_s": statistics.median(step),
-           "cache_s": statistics.median(in_cache)}
+           "cache_s": statistics.median(in_cache), "fetch_s": statistics.median(fetching),
+           "fetched_mib": clock.bytes / tokens / 2**20}
     print("ROW decode %s" % row, file=sys.stderr, flush=True)
     return row
 
@@ -163,14 +193,15 @@ def decode_rows(args: argparse.Namespace, model: Any, client: Any) -> List[Dict[
 
 def print_decode(rows: List[Dict[str, Any]], token_bytes: int) -> None:
     local = {row["context"]: row["token_s"] for row in rows if row["mode"] == "local"}
-    print("| context | cache mode | ms / token | of which in the cache's update() ms | "
-          "overhead over local ms | / local |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| context | cache mode | ms / token | in the cache's update() ms | of which "
+          "fetch_layers ms | MiB fetched / token | overhead over local ms | / local |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         base = local[row["context"]]
-        print("| %d | %s | %.1f | %.1f | %+.1f | %.2f |" % (
+        print("| %d | %s | %.1f | %.1f | %.1f | %.0f | %+.1f | %.2f |" % (
             row["context"], row["mode"], row["token_s"] * 1e3, row["cache_s"] * 1e3,
-            (row["token_s"] - base) * 1e3, row["token_s"] / base))
+            row["fetch_s"] * 1e3, row["fetched_mib"], (row["token_s"] - base) * 1e3,
+            row["token_s"] / base))
     print("\n(authoritative fetches every layer's whole history per token: %s)" % ", ".join(
         "%d tokens = %.0f MiB" % (context, context * token_bytes / 2**20)
         for context in sorted(local)))
