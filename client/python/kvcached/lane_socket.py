@@ -30,6 +30,16 @@ Piece = Union[bytes, memoryview]
 READ_AHEAD_BYTES = 256
 # The most buffers one sendmsg takes (Linux's IOV_MAX).
 IOV_MAX = 1024
+# Bulk reads of at least LOW_WATER_FLOOR bytes first wait until that many
+# (at most LOW_WATER_CAP) have arrived: SO_RCVLOWAT, which the poll() inside
+# a socket with a timeout honours, so the reader wakes once per tensor rather
+# than once per arriving segment. On loopback each wake-up also costs the
+# sending side an inter-processor interrupt; woken per segment, this client
+# fetched at a third of the C++ client's rate (protos/wire/lane/frame_reader.cc
+# does the same). Only on sockets with a timeout: a blocking recv measures the
+# mark against bytes not yet copied, and could sleep for ever.
+LOW_WATER_FLOOR = 32 << 10
+LOW_WATER_CAP = 1 << 20
 
 
 class LaneClosed(KvCacheError):
@@ -67,6 +77,10 @@ class LaneSocket:
         self.reused = False  # it served a call before the current one
         self._buffer = bytearray()
         self._at = 0  # bytes of _buffer already read
+        self._low_water = 1  # the socket's SO_RCVLOWAT (1: the kernel's default)
+        self._taken = 0  # bytes consumed since the connection opened
+        self._promised_end = 0  # _taken once every byte promised by expect() is consumed
+        self._may_wait_for_more = not self.tls and sock.gettimeout() is not None
         # Bulk bytes (read_into) that came through the read-ahead buffer rather
         # than straight from the socket: a copy each, so they should stay few.
         self.bulk_bytes_buffered = 0
@@ -159,13 +173,22 @@ class LaneSocket:
 
     # Receiving (wire.ByteSource).
 
+    def expect(self, size: int) -> None:
+        """Promises that the next `size` bytes will come (a Fetch's announced
+        chunks): small reads then wait until that many (up to LOW_WATER_CAP)
+        have arrived, waking once where they would wake once per frame."""
+        self._promised_end = self._taken + size
+
     def _fill(self, wanted: int) -> None:
         """Buffers at least `wanted` bytes."""
         if self._at and self._at * 2 >= len(self._buffer):
             del self._buffer[:self._at]  # drop what was read before growing
             self._at = 0
         while len(self._buffer) - self._at < wanted:
-            data = self._recv(max(READ_AHEAD_BYTES, wanted - len(self._buffer) + self._at))
+            unread = len(self._buffer) - self._at
+            promised = self._promised_end - self._taken - unread
+            self._set_low_water(max(wanted - unread, promised))
+            data = self._recv(max(READ_AHEAD_BYTES, wanted - unread))
             self._buffer += data
 
     def _recv(self, size: int) -> bytes:
@@ -185,6 +208,7 @@ class LaneSocket:
         self._fill(size)
         data = bytes(self._buffer[self._at:self._at + size])
         self._at += size
+        self._taken += size
         return data
 
     def read_into(self, view: memoryview) -> None:
@@ -197,14 +221,32 @@ class LaneSocket:
         straight from the socket, every view at once (recvmsg_into: a fetch
         into a [B, H, T, D] array fills B x H row pieces per tensor, and a
         syscall each cost as much as their bytes)."""
+        self._taken += sum(len(view) for view in views)
         rest = self._drain_buffer(list(views))
         if self.tls:  # an ssl socket has no recvmsg_into
             for view in rest:
                 self._receive(view, lambda piece: self.sock.recv_into(piece))
             return
-        while rest:
-            got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
-            rest = _advance(rest, got)
+        left = sum(len(view) for view in rest)
+        try:
+            while rest:
+                self._set_low_water(left)
+                got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
+                rest = _advance(rest, got)
+                left -= got
+        finally:
+            self._set_low_water(1)  # small reads (headers) must not wait for more
+
+    def _set_low_water(self, left: int) -> None:
+        """SO_RCVLOWAT for a read of `left` more bytes (see LOW_WATER_FLOOR)."""
+        mark = min(left, LOW_WATER_CAP) if left >= LOW_WATER_FLOOR else 1
+        if mark == self._low_water or not self._may_wait_for_more:
+            return
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+            self._low_water = mark
+        except OSError:
+            self._may_wait_for_more = False  # a socket that refuses: read as it comes
 
     def _drain_buffer(self, views: List[memoryview]) -> List[memoryview]:
         """Fills views from the read-ahead buffer; the (parts of) views left."""
@@ -250,6 +292,7 @@ class LaneSocket:
     def consume(self, size: int) -> None:
         """Drops `size` buffered bytes (what peek returned)."""
         self._at += size
+        self._taken += size
 
     def read_varint(self, max_bytes: int) -> Tuple[int, int]:
         """The next varint (wire.ByteSource): (value, bytes it took), decoded
@@ -262,6 +305,7 @@ class LaneSocket:
                 self._fill(len(self._buffer) - self._at + 1)
                 continue
             self._at += taken
+            self._taken += taken
             return value, taken
 
     def read_header(self) -> frames.FrameHeader:
@@ -279,6 +323,7 @@ class LaneSocket:
         """Whether bytes (or the connection's end) wait to be read, without waiting."""
         if len(self._buffer) > self._at or (self.tls and self.sock.pending()):
             return True
+        self._set_low_water(1)  # select() too honours the mark: one byte is input
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
         except (OSError, ValueError):
