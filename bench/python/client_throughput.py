@@ -20,6 +20,9 @@ K+V per token), a chunk being the K+V bytes of one message.
   max_chunk_tokens = chunk / 4 KiB, into preallocated [1, 8, 16384, 128]
   arrays (recv_into: the bytes land in place). The C++ row reads each chunk
   as views of its receive buffer (Client::FetchViews), copying nothing more.
+- Fetch-views: the same fetches, every chunk's tensors received into one
+  reused chunk-sized buffer, as the C++ row does (no layer-sized destination
+  in memory): the like-for-like row. Its C++ figures are measured again.
 
 The C++ rows run service_bench --streams=1 --data_lane=auto as a separate
 process against the same server, alternating with the Python rows (C++
@@ -183,8 +186,31 @@ def _fetch_loop(fetch: Callable[[], object], timing: Timing) -> Tuple[int, float
     return fetches, time.monotonic() - start
 
 
+def python_fetch_views(address: str, chunk: int, timing: Timing) -> float:
+    """GB/s of whole-layer fetches whose chunks all land in one reused
+    chunk-sized buffer: what the C++ row does (FetchViews hands out views of
+    its receive buffer; nothing lands in a layer-sized array)."""
+    from kvcached import lane, specs
+    with connect(address) as client:
+        spec = specs.cache_spec([specs.standard(HEADS, HEAD_DIM)], model="client_throughput")
+        with client.new_cache(spec) as cache:
+            _fill(client, cache.id)
+            scratch = memoryview(bytearray(chunk // 2))
+            request = kvcached_fetch_request(cache.id, chunk)
+            reader = lane.placing_chunks(lambda *_: [scratch])
+            fetches, elapsed = _fetch_loop(
+                lambda: lane.lane_fetch(client._lanes, request, reader), timing)
+    return fetches * WORKING_SET_TOKENS * TOKEN_BYTES / elapsed / 1e9
+
+
+def kvcached_fetch_request(cache_id: str, chunk: int):
+    """The FetchRequest of a whole layer 0 in chunks of `chunk` bytes."""
+    from kvcached import pb
+    return pb.FetchRequest(cache_id=cache_id, layers=[0], max_chunk_tokens=chunk // TOKEN_BYTES)
+
+
 PYTHON_ROWS: Dict[str, Callable[[str, int, Timing], float]] = {
-    "update": python_update, "fetch": python_fetch}
+    "update": python_update, "fetch": python_fetch, "fetch-views": python_fetch_views}
 
 
 # The C++ rows.
@@ -241,7 +267,7 @@ def run_rounds(args, address: str, service_bench: str) -> Results:
                 order = ["cpp", "python"] if round_number % 2 else ["python", "cpp"]
                 for client in order:
                     if client == "cpp":
-                        gbps = cpp_row(service_bench, address, op, chunk, timing)
+                        gbps = cpp_row(service_bench, address, op.split("-")[0], chunk, timing)
                     else:
                         gbps = PYTHON_ROWS[op](address, chunk, timing)
                     results.add(op, chunk, client, gbps)
@@ -267,7 +293,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         help="the C++ rows' service_bench (default: build-bench-py/, "
                              "build-bench/, then build/)")
     parser.add_argument("--stubs-dir", default=None, help="where the stubs are generated")
-    parser.add_argument("--ops", default="update,fetch", type=lambda s: s.split(","))
+    parser.add_argument("--ops", default="update,fetch,fetch-views",
+                        type=lambda s: s.split(","))
     parser.add_argument("--chunks", default="262144,1048576",
                         type=lambda s: [int(c) for c in s.split(",")])
     parser.add_argument("--rounds", type=int, default=3)
@@ -296,8 +323,8 @@ def main(argv: List[str]) -> int:
             print("- " + line)
         print("- load average before: %s" % " ".join(load_before))
         print("- device: %s" % server.device())
-        print("- server %s; C++ client %s; Python client at %s" % (
-            server_binary, service_bench, bench_support.git_commit()))
+        print("- server %s; C++ client %s; Python client %s (this checkout at %s)" % (
+            server_binary, service_bench, bench_support.PACKAGE_ROOT, bench_support.git_commit()))
         print("- %d rounds of %g s per row after %g s of warm-up; medians\n" % (
             args.rounds, args.seconds, args.warmup))
         print("\n".join(results.table(args.ops, args.chunks)))

@@ -228,14 +228,13 @@ class LaneSocket:
                 self._receive(view, lambda piece: self.sock.recv_into(piece))
             return
         left = sum(len(view) for view in rest)
-        try:
-            while rest:
-                self._set_low_water(left)
-                got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
-                rest = _advance(rest, got)
-                left -= got
-        finally:
-            self._set_low_water(1)  # small reads (headers) must not wait for more
+        while rest:
+            # These bytes, and those promised after them: with a Fetch's
+            # promise the mark stays at the cap, set once rather than per read.
+            self._set_low_water(left + max(0, self._promised_end - self._taken))
+            got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
+            rest = _advance(rest, got)
+            left -= got
 
     def _set_low_water(self, left: int) -> None:
         """SO_RCVLOWAT for a read of `left` more bytes (see LOW_WATER_FLOOR)."""
