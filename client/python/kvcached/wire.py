@@ -10,7 +10,7 @@ varint length and that many bytes.
 """
 
 import functools
-from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 VARINT, LENGTH_DELIMITED = 0, 2
 # Protobuf reads tags and lengths of at most 5 bytes, values of at most 10.
@@ -93,7 +93,8 @@ class ByteSource(Protocol):
         """Drops the next `size` bytes, which peek() returned."""
 
 
-def decode_varint(data, at: int, max_bytes: int) -> Tuple[int, int]:
+def decode_varint(data: Union[bytes, bytearray, memoryview], at: int,
+                  max_bytes: int) -> Tuple[int, int]:
     """The varint at data[at:] (bytes or bytearray): (value, bytes it took).
 
     Raises IndexError where data ends inside it (the caller reads more),
