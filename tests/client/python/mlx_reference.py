@@ -55,6 +55,10 @@ class KVCache:
         self.offset -= n
         return n
 
+    def temporal(self):
+        """The held tokens in temporal order (what kvcached returns)."""
+        return self.state
+
 
 class RotatingKVCache:
     step = 256

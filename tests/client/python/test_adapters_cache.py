@@ -224,9 +224,9 @@ def test_bad_input_gets_the_cpp_clients_statuses(lane_client):
     bad = kvcached.pb.CacheSpec()
     bad.CopyFrom(spec)
     bad.layers[0].num_kv_heads = 0
-    with KvcachedCache(lane_client, bad) as cache:  # created at the first update
+    with KvcachedCache(lane_client, bad) as cache:  # created at the first update, or:
         with pytest.raises(kvcached.KvCacheError) as refused:
-            cache.update(*kv(torch.Generator(), 1, HEADS, 2, DIM), 0)
+            cache.ensure_rows(1)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.message.startswith("spec.layers[0].num_kv_heads") or \
             "layers[0].num_kv_heads" in refused.value.message
@@ -238,9 +238,14 @@ def test_bad_input_gets_the_cpp_clients_statuses(lane_client):
     assert "layers[1].rotating.keep" in refused.value.message
     with KvcachedCache(lane_client, spec) as cache:
         cache.update(*kv(torch.Generator(), 1, HEADS, 2, DIM), 0)
-        # Three heads where the spec has two: refused by the server, seen at the
-        # next flush since writes are pipelined.
-        cache.update(*kv(torch.Generator(), 1, 3, 2, DIM), 1)
+        # Three heads where the spec has two: refused here before anything is sent...
+        with pytest.raises(ValueError):
+            cache.update(*kv(torch.Generator(), 1, 3, 2, DIM), 1)
+        assert cache.get_seq_length(1) == 0
+        # ...and by kvcached where the adapter's pipelined stream carries it: seen
+        # at the next flush, as the C++ client's Update sees it.
+        keys, values = kv(torch.Generator(), 1, 3, 2, DIM)
+        cache.rows[0].send(1, 0, keys.half(), values.half())
         with pytest.raises(kvcached.KvCacheError) as refused:
             cache.flush()
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT

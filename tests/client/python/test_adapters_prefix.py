@@ -42,6 +42,15 @@ def model():
     return worker_model()
 
 
+@pytest.fixture(scope="module")
+def full_local_prefill(model):
+    """A full local prefill of system prompt + suffix in the worker's chunks
+    (256 tokens: the last one is the suffix alone), then 8 greedy tokens."""
+    prompt = system_prompt(SYSTEM_TOKENS) + SUFFIX
+    return greedy(model, prompt, LocalCache.for_model(model.config, torch.float16), 8,
+                  prefill_chunk=PREFILL_CHUNK, return_logits=True)
+
+
 def published_by_a_worker(server, client, how):
     """The entry id a worker process published, once the worker is gone and
     its leased cache with it."""
@@ -60,7 +69,8 @@ def published_by_a_worker(server, client, how):
 
 
 @pytest.mark.parametrize("how", ["exits", "sigkill"])
-def test_a_prefix_from_another_process_restores_without_new_pages(server, client, model, how):
+def test_a_prefix_from_another_process_restores_without_new_pages(server, client, model, how,
+                                                                   full_local_prefill):
     entry = published_by_a_worker(server, client, how)
     prompt = system_prompt(SYSTEM_TOKENS) + SUFFIX
     pages = held(client)[2]
@@ -70,15 +80,10 @@ def test_a_prefix_from_another_process_restores_without_new_pages(server, client
         assert held(client)[2] == pages, "a restore shares the entry's pages"
         assert cache.get_seq_length() == SYSTEM_TOKENS
         got = greedy(model, SUFFIX, cache, 8, return_logits=True)  # the suffix alone
-    # The same chunks locally: the worker's prefill of the prompt, then the suffix.
-    local = LocalCache.for_model(model.config, torch.float16)
-    prefill(model, local, system_prompt(SYSTEM_TOKENS), prefill_chunk=PREFILL_CHUNK)
-    want = greedy(model, SUFFIX, local, 8, return_logits=True)
+    want = full_local_prefill
+    assert SYSTEM_TOKENS % PREFILL_CHUNK == 0  # so its last chunk is the suffix alone
     assert torch.equal(got.tokens, want.tokens)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
-    whole = greedy(model, prompt, LocalCache.for_model(model.config, torch.float16), 8,
-                   prefill_chunk=PREFILL_CHUNK)
-    assert torch.equal(got.tokens, whole.tokens), "a full local prefill's tokens"
     client.release_snapshot(entry)  # unpublishes it
 
 

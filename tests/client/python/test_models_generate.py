@@ -119,7 +119,7 @@ def perturbed(model, scale, seed):
 @pytest.mark.parametrize("draft_kind", ["itself", "perturbed", "unrelated"])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 5])
 def test_speculative_decoding_is_greedy(model, draft_kind, draft_tokens):
-    draft = {"itself": model, "perturbed": perturbed(model, 0.5, 31),
+    draft = {"itself": model, "perturbed": perturbed(model, 0.05, 31),
              "unrelated": models.random_model(tiny_config(num_hidden_layers=1), seed=32)
              }[draft_kind]
     greedy = models.greedy(model, PROMPT, cache_for(model), 20, return_logits=True)

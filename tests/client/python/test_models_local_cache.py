@@ -172,3 +172,10 @@ def test_the_cache_never_aliases_the_callers_tensors():
     for position in range(3, 8):
         cache.update(tokens_at([position]), tokens_at([position]), 0)
     assert torch.equal(first, kept)
+
+
+def test_local_cache_is_a_kv_cache():
+    from kvcached.models import KVCache, ModelCache
+
+    cache = LocalCache([LayerCacheSpec()])
+    assert isinstance(cache, KVCache) and isinstance(cache, ModelCache)

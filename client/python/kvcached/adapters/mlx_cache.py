@@ -24,7 +24,7 @@ from ..dtypes import DType
 from ..proto import pb
 from .. import specs
 from .layer_state import LayerKind, LayerState, appended, cut
-from .model_specs import layer_kinds
+from .model_specs import check_update, layer_kinds
 from .remote import RemoteCache
 from .transformers_cache import torch_dtype
 
@@ -123,6 +123,7 @@ class KvcachedKVCache:
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Appends keys/values [B, H, L, D] (cast to the cache's dtype); returns
         what mlx-lm returns: every token's keys and values."""
+        check_update(self.backing.spec, self.layer, keys, values)
         # Copied even where no cast is needed: the mirror keeps these tensors.
         keys = keys.detach().to(self.backing.torch_dtype, copy=True).contiguous()
         values = values.detach().to(self.backing.torch_dtype, copy=True).contiguous()

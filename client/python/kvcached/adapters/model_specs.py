@@ -100,3 +100,22 @@ def one_row(spec: pb.CacheSpec) -> pb.CacheSpec:
     row.batch_size = 1
     del row.left_padding[:]
     return row
+
+
+def check_update(spec: pb.CacheSpec, layer: int, keys: Any, values: Any) -> None:
+    """Raises ValueError, before anything is sent or stored, where keys and
+    values [B, H, L, D] cannot be layer `layer`'s update: so a refused update
+    changes nothing, here or in kvcached."""
+    if not 0 <= layer < len(spec.layers):
+        raise ValueError("layer_idx %d is not in 0 .. %d" % (layer, len(spec.layers) - 1))
+    if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+        raise ValueError("keys %s and values %s must be [B, H, L, D] alike"
+                         % (tuple(keys.shape), tuple(values.shape)))
+    layout = spec.layers[layer]
+    want = (layout.num_kv_heads, layout.k_head_dim, layout.v_head_dim or layout.k_head_dim)
+    got = (int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]))
+    if got != want:
+        raise ValueError("layer %d: (heads, key dim, value dim) %s; the spec has %s"
+                         % (layer, got, want))
+    if keys.shape[2] < 1:
+        raise ValueError("layer %d: an update needs at least one token (L = 0)" % layer)

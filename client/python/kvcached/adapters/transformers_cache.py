@@ -33,7 +33,7 @@ from ..dtypes import DType, as_torch
 from ..fetch import LayerHistory
 from ..proto import pb
 from .layer_state import LayerKind, LayerState, appended, cut, positions_of, rows
-from .model_specs import layer_kinds, one_row
+from .model_specs import check_update, layer_kinds, one_row
 from .remote import RemoteCache, _quietly
 
 WRITE_THROUGH = "write_through"
@@ -113,13 +113,12 @@ class KvcachedCache:
         """Appends L tokens [B, H, L, D] to a layer; returns (keys, values) to
         attend over, [B, H, T, D] in temporal order in the cache's dtype."""
         del cache_kwargs  # transformers' signature; nothing here reads it
+        check_update(self.spec, layer_idx, key_states, value_states)
         self._note_step(layer_idx)
         # Copied even where no cast is needed: the mirror keeps these tensors,
         # and the caller may reuse its own.
         keys = key_states.detach().to(self.torch_dtype, copy=True).contiguous()
         values = value_states.detach().to(self.torch_dtype, copy=True).contiguous()
-        if keys.shape[2] == 0:
-            raise ValueError("update: no new tokens (key_states.shape[2] is 0)")
         if self.mode == AUTHORITATIVE and not self._view_loaded:
             self._states = self._fetch_states()  # before this update is sent
             self._view_loaded = True

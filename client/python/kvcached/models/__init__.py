@@ -13,7 +13,7 @@ package.
 """
 
 from . import layout
-from .cache_protocol import KVCache, LayerCacheSpec
+from .cache_protocol import KVCache, LayerCacheSpec, ModelCache
 from .checkpoint import load_pretrained, random_model, save_pretrained, tiny_config
 from .config import LlamaConfig
 from .generate import (BeamSearchResult, Generation, beam_search, greedy, prefill, sample,
@@ -21,7 +21,7 @@ from .generate import (BeamSearchResult, Generation, beam_search, greedy, prefil
 from .llama import LlamaModel
 from .local_cache import LocalCache, RotatingLayerCache, StandardLayerCache
 
-__all__ = ["BeamSearchResult", "Generation", "KVCache", "LayerCacheSpec", "LlamaConfig", "layout",
-           "LlamaModel", "LocalCache", "RotatingLayerCache", "StandardLayerCache",
+__all__ = ["BeamSearchResult", "Generation", "KVCache", "LayerCacheSpec", "LlamaConfig",
+           "LlamaModel", "LocalCache", "ModelCache", "RotatingLayerCache", "StandardLayerCache",
            "beam_search", "greedy", "load_pretrained", "prefill", "random_model",
-           "sample", "save_pretrained", "speculative", "tiny_config"]
+           "layout", "sample", "save_pretrained", "speculative", "tiny_config"]

@@ -1,16 +1,17 @@
 """The cache contract the models of this package call, and the per-layer
 layout a cache must follow for a model.
 
-A model calls three methods of its cache, and nothing else, while it runs:
+A model calls three methods of its cache (ModelCache), and nothing else:
 
     keys, values = cache.update(k, v, layer_idx)     # k, v: [B, H_kv, L, D] f32, RoPE applied
     positions = cache.key_positions(layer_idx)       # LongTensor [T]: those keys' positions
     start = cache.get_seq_length(0)                  # where this step's queries begin
 
 Generation (generate.py) also calls `crop` (speculative decoding) and
-`reorder_cache` (beam search). LocalCache (local_cache.py) is the plain
-reference; kvcached-backed caches implement exactly the same surface, so a
-model run against either sees the same attention inputs.
+`reorder_cache` (beam search): KVCache is ModelCache with those two.
+LocalCache (local_cache.py) is the plain reference; kvcached-backed caches
+implement exactly the same surface, so a model run against either sees the
+same attention inputs.
 
 Why positions, not just tensors: a cache may return a superset of the keys a
 step needs (mlx-lm's rotating cache returns the kept sinks, up to
@@ -70,8 +71,9 @@ class LayerCacheSpec:
 
 
 @runtime_checkable
-class KVCache(Protocol):
-    """A per-model KV cache as the models of this package call it.
+class ModelCache(Protocol):
+    """The three methods a model's forward calls (KVCache adds what
+    generation calls).
 
     Every layer keeps its own offset; a model updates each layer once per
     forward with the same L, so they stay equal. Rows of the batch share
@@ -85,9 +87,10 @@ class KVCache(Protocol):
 
         key_states, value_states: [B, H_kv, L, D] float32 (contiguous: the
         model makes them so), RoPE already applied to the keys, for
-        positions get_seq_length(layer_idx) .. + L - 1. Returns (keys, values), [B, H_kv, T, D] in temporal order,
-        in the cache's storage dtype (float32, float16 or bfloat16; the model
-        casts to float32 itself). The new tokens are returned as stored, so
+        positions get_seq_length(layer_idx) .. + L - 1. Returns (keys,
+        values), [B, H_kv, T, D] in temporal order, in the cache's storage
+        dtype (float32, float16 or bfloat16; the model casts to float32
+        itself). The new tokens are returned as stored, so
         the model attends over the cache's rounded copies, never its own
         float32 originals. T may exceed what the layer's mask needs (a
         rotating layer returns sinks + up to max_size - 1 earlier tokens +
@@ -107,6 +110,13 @@ class KVCache(Protocol):
         """The tokens layer `layer_idx` has seen (its offset): the position
         the next update's first token takes. 0 for a layer never updated."""
         ...
+
+
+
+@runtime_checkable
+class KVCache(ModelCache, Protocol):
+    """A per-model KV cache as this package's models and generation call it:
+    ModelCache, plus crop (speculative decoding) and reorder_cache (beams)."""
 
     def crop(self, max_length: int) -> None:
         """Keeps the first `max_length` tokens of every layer (negative: drops

@@ -1,4 +1,4 @@
-"""Generation with a LlamaModel and any cache_protocol.KVCache: greedy,
+"""Generation with a LlamaModel and a cache_protocol cache: greedy,
 seeded sampling, beam search (cache.reorder_cache) and speculative decoding
 with a draft model (cache.crop).
 
@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from .cache_protocol import KVCache
+from .cache_protocol import KVCache, ModelCache
 from .llama import LlamaModel
 
 Prompt = Union[torch.Tensor, Sequence[int]]
@@ -57,7 +57,7 @@ def as_batch(prompt: Prompt) -> torch.Tensor:
     return ids
 
 
-def prefill(model: LlamaModel, cache: KVCache, prompt: Prompt,
+def prefill(model: LlamaModel, cache: ModelCache, prompt: Prompt,
             prefill_chunk: Optional[int] = None) -> torch.Tensor:
     """Feeds the prompt to model and cache, prefill_chunk tokens per forward;
     returns the last token's logits, [B, vocab]."""
@@ -71,7 +71,7 @@ def prefill(model: LlamaModel, cache: KVCache, prompt: Prompt,
     return logits[:, -1]
 
 
-def _decode(model: LlamaModel, cache: KVCache, logits: torch.Tensor, max_new_tokens: int,
+def _decode(model: LlamaModel, cache: ModelCache, logits: torch.Tensor, max_new_tokens: int,
             choose: Callable[[torch.Tensor], torch.Tensor], return_logits: bool) -> Generation:
     """Chooses a token from `logits` [B, vocab], feeds it, repeats: N tokens,
     N - 1 forwards (the last token is never fed)."""
@@ -87,7 +87,7 @@ def _decode(model: LlamaModel, cache: KVCache, logits: torch.Tensor, max_new_tok
     return Generation(stacked, seen if return_logits else None)
 
 
-def greedy(model: LlamaModel, prompt: Prompt, cache: KVCache, max_new_tokens: int,
+def greedy(model: LlamaModel, prompt: Prompt, cache: ModelCache, max_new_tokens: int,
            prefill_chunk: Optional[int] = None, return_logits: bool = False) -> Generation:
     """max_new_tokens tokens, each the argmax of its logits."""
     logits = prefill(model, cache, prompt, prefill_chunk)
@@ -110,7 +110,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int]
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
 
 
-def sample(model: LlamaModel, prompt: Prompt, cache: KVCache, max_new_tokens: int,
+def sample(model: LlamaModel, prompt: Prompt, cache: ModelCache, max_new_tokens: int,
            temperature: float = 1.0, top_k: Optional[int] = None, seed: int = 0,
            prefill_chunk: Optional[int] = None, return_logits: bool = False) -> Generation:
     """Sampled generation, reproducible: the same seed and logits give the

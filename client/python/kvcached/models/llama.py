@@ -1,5 +1,5 @@
 """A Llama-architecture transformer in torch (float32 compute) whose KV
-cache is any cache_protocol.KVCache: LocalCache, or one kept in kvcached.
+cache is any cache_protocol.ModelCache: LocalCache, or one kept in kvcached.
 
     embed_tokens -> per layer: x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x))
                  -> norm -> lm_head (or the embeddings, tied)
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .attention import attend
-from .cache_protocol import KVCache
+from .cache_protocol import ModelCache
 from .config import LlamaConfig
 from .rope import RotaryTable, apply_rotary
 
@@ -66,7 +66,7 @@ class LlamaAttention(nn.Module):
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: Optional[KVCache]) -> torch.Tensor:
+                sin: torch.Tensor, cache: Optional[ModelCache]) -> torch.Tensor:
         """x [B, L, hidden] at `positions` [L]; returns [B, L, hidden]."""
         query = apply_rotary(self._heads(self.q_proj(x), self.heads), cos, sin)
         key = apply_rotary(self._heads(self.k_proj(x), self.kv_heads), cos, sin).contiguous()
@@ -109,7 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: Optional[KVCache]) -> torch.Tensor:
+                sin: torch.Tensor, cache: Optional[ModelCache]) -> torch.Tensor:
         """x [B, L, hidden] -> [B, L, hidden]."""
         x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None,
+    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None,
                 last_only: bool = False) -> torch.Tensor:
         """Logits [B, L, vocab] for input_ids [B, L] (last_only: [B, 1, vocab],
         the last token's, skipping the vocabulary projection of the others)."""

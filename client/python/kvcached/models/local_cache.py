@@ -103,6 +103,11 @@ class StandardLayerCache:
             raise ValueError("the layer holds nothing yet")
         return self._keys[:, :, :self.offset], self._values[:, :, :self.offset]
 
+    @property
+    def state(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as mlx-lm KVCache's state: the first offset tokens."""
+        return self.keys_values()
+
     def positions(self) -> torch.Tensor:
         """The positions of keys_values(): 0 .. offset - 1."""
         return torch.arange(self.offset, dtype=torch.long)
