@@ -12,6 +12,7 @@ Without `out`, each chunk gets an array of its own, and a layer of several
 chunks is joined at the end (one copy).
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -50,7 +51,7 @@ def _check_header(layer: int, header: wire.TensorHeader) -> Tuple[int, int, int,
     if header.dtype not in ELEMENT_BYTES or len(header.shape) != 4:
         raise wire.WireError("layer %d: a chunk tensor of dtype %d and shape %s is no "
                              "[B, H, L, D] tensor" % (layer, header.dtype, header.shape))
-    if int(np.prod(header.shape)) * ELEMENT_BYTES[DType(header.dtype)] != header.data_bytes:
+    if math.prod(header.shape) * ELEMENT_BYTES[DType(header.dtype)] != header.data_bytes:
         raise wire.WireError("layer %d: a chunk's %d data bytes do not fill its shape %s"
                              % (layer, header.data_bytes, header.shape))
     return header.shape  # type: ignore[return-value]
@@ -71,15 +72,23 @@ def _check_out(layer: int, name: str, array: np.ndarray, dtype: DType,
                          % (layer, name, array.shape[2], end))
 
 
-def _row_views(array: np.ndarray, at: int, tokens: int) -> List[memoryview]:
-    """Byte views of tokens [at, at + tokens) of each (b, h) row of a [B, H, T, D] array."""
-    b, h, total, _ = array.shape
-    rows = array.reshape(b * h, -1).view(np.uint8)
-    row_bytes = rows.shape[1] // total if total else 0
-    if at == 0 and tokens == total:
-        return [memoryview(rows.reshape(-1))]  # the whole array, in one read
-    return [memoryview(rows[r, at * row_bytes:(at + tokens) * row_bytes])
-            for r in range(b * h)]
+def _flat_bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes as one flat memoryview (1-D: memoryview
+    slices only one dimension, and its slices cost far less than numpy's)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _row_views(flat: memoryview, shape: Sequence[int], at: int,
+               tokens: int) -> List[memoryview]:
+    """Byte views of tokens [at, at + tokens) of each (b, h) row of a
+    [B, H, T, D] array of this `shape`, whose bytes are `flat`."""
+    b, h, total, _ = shape
+    if b * h == 0 or (at == 0 and tokens == total):
+        return [flat]  # the whole array (or nothing), in one read
+    stride = len(flat) // (b * h)  # bytes per (b, h) row
+    token_bytes = stride // total
+    begin, end = at * token_bytes, (at + tokens) * token_bytes
+    return [flat[r * stride + begin:r * stride + end] for r in range(b * h)]
 
 
 class LayerAssembler:
@@ -89,6 +98,8 @@ class LayerAssembler:
         self.layer = layer
         self._out = out
         self._out_arrays = None if out is None else [writable_array(t) for t in out]
+        # Their bytes, viewed once: every chunk takes slices of them.
+        self._out_bytes: List[Optional[memoryview]] = [None, None]
         self._chunks: List[List[np.ndarray]] = [[], []]  # keys, values without out
         self._pending: Dict[int, int] = {}  # field -> tokens of the chunk being read
         self._at = 0  # tokens placed
@@ -118,7 +129,10 @@ class LayerAssembler:
             return [memoryview(array.reshape(-1).view(np.uint8))]
         array = self._out_arrays[which]
         _check_out(self.layer, ("keys", "values")[which], array, dtype, shape, self._at + tokens)
-        return _row_views(array, self._at, tokens)
+        flat = self._out_bytes[which]
+        if flat is None:
+            flat = self._out_bytes[which] = _flat_bytes(array)
+        return _row_views(flat, array.shape, self._at, tokens)
 
     def _end_chunk(self, start: int) -> None:
         keys_tokens, values_tokens = self._pending.values()

@@ -296,7 +296,17 @@ def _fetch_on(lane: LaneSocket, request: pb.FetchRequest, read_chunk: ChunkReade
               progress: _FetchProgress) -> bytes:
     """One Fetch call on `lane`: each chunk read as it arrives; the STATUS payload."""
     lane.send_message(frames.FrameKind.FETCH, request)
+    try:
+        return _read_fetch(lane, read_chunk, progress)
+    finally:
+        lane.expect(0)  # nothing more is promised on this connection
+
+
+def _read_fetch(lane: LaneSocket, read_chunk: ChunkReader, progress: _FetchProgress) -> bytes:
+    """A Fetch's frames up to its STATUS (whose payload it returns)."""
     while True:
+        if progress.announced is not None:
+            lane.expect(progress.announced - progress.received)
         header = lane.read_header()
         if header.kind == frames.FrameKind.FETCH_LENGTH:
             progress.announce(lane.read_exact(header.length))

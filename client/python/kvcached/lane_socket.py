@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import grpc
 from google.protobuf.message import Message
 
-from . import frames
+from . import frames, wire
 from .errors import KvCacheError, from_lane_status
 from .proto import pb
 
@@ -30,6 +30,16 @@ Piece = Union[bytes, memoryview]
 READ_AHEAD_BYTES = 256
 # The most buffers one sendmsg takes (Linux's IOV_MAX).
 IOV_MAX = 1024
+# Bulk reads of at least LOW_WATER_FLOOR bytes first wait until that many
+# (at most LOW_WATER_CAP) have arrived: SO_RCVLOWAT, which the poll() inside
+# a socket with a timeout honours, so the reader wakes once per tensor rather
+# than once per arriving segment. On loopback each wake-up also costs the
+# sending side an inter-processor interrupt; woken per segment, this client
+# fetched at a third of the C++ client's rate (protos/wire/lane/frame_reader.cc
+# does the same). Only on sockets with a timeout: a blocking recv measures the
+# mark against bytes not yet copied, and could sleep for ever.
+LOW_WATER_FLOOR = 32 << 10
+LOW_WATER_CAP = 1 << 20
 
 
 class LaneClosed(KvCacheError):
@@ -67,6 +77,10 @@ class LaneSocket:
         self.reused = False  # it served a call before the current one
         self._buffer = bytearray()
         self._at = 0  # bytes of _buffer already read
+        self._low_water = 1  # the socket's SO_RCVLOWAT (1: the kernel's default)
+        self._taken = 0  # bytes consumed since the connection opened
+        self._promised_end = 0  # _taken once every byte promised by expect() is consumed
+        self._may_wait_for_more = not self.tls and sock.gettimeout() is not None
         # Bulk bytes (read_into) that came through the read-ahead buffer rather
         # than straight from the socket: a copy each, so they should stay few.
         self.bulk_bytes_buffered = 0
@@ -159,13 +173,22 @@ class LaneSocket:
 
     # Receiving (wire.ByteSource).
 
+    def expect(self, size: int) -> None:
+        """Promises that the next `size` bytes will come (a Fetch's announced
+        chunks): small reads then wait until that many (up to LOW_WATER_CAP)
+        have arrived, waking once where they would wake once per frame."""
+        self._promised_end = self._taken + size
+
     def _fill(self, wanted: int) -> None:
         """Buffers at least `wanted` bytes."""
         if self._at and self._at * 2 >= len(self._buffer):
             del self._buffer[:self._at]  # drop what was read before growing
             self._at = 0
         while len(self._buffer) - self._at < wanted:
-            data = self._recv(max(READ_AHEAD_BYTES, wanted - len(self._buffer) + self._at))
+            unread = len(self._buffer) - self._at
+            promised = self._promised_end - self._taken - unread
+            self._set_low_water(max(wanted - unread, promised))
+            data = self._recv(max(READ_AHEAD_BYTES, wanted - unread))
             self._buffer += data
 
     def _recv(self, size: int) -> bytes:
@@ -185,27 +208,104 @@ class LaneSocket:
         self._fill(size)
         data = bytes(self._buffer[self._at:self._at + size])
         self._at += size
+        self._taken += size
         return data
 
     def read_into(self, view: memoryview) -> None:
         """The next len(view) bytes into `view`: what the buffer holds, then
         straight from the socket (recv_into)."""
-        buffered = min(len(view), len(self._buffer) - self._at)
-        view[:buffered] = self._buffer[self._at:self._at + buffered]
-        self._at += buffered
-        self.bulk_bytes_buffered += buffered
-        done = buffered
+        self.read_into_many([view])
+
+    def read_into_many(self, views: Sequence[memoryview]) -> None:
+        """The next bytes into each view in turn: what the buffer holds, then
+        straight from the socket, every view at once (recvmsg_into: a fetch
+        into a [B, H, T, D] array fills B x H row pieces per tensor, and a
+        syscall each cost as much as their bytes)."""
+        self._taken += sum(len(view) for view in views)
+        rest = self._drain_buffer(list(views))
+        if self.tls:  # an ssl socket has no recvmsg_into
+            for view in rest:
+                self._receive(view, lambda piece: self.sock.recv_into(piece))
+            return
+        left = sum(len(view) for view in rest)
+        while rest:
+            # These bytes, and those promised after them: with a Fetch's
+            # promise the mark stays at the cap, set once rather than per read.
+            self._set_low_water(left + max(0, self._promised_end - self._taken))
+            got = self._receive_once(lambda: self.sock.recvmsg_into(rest[:IOV_MAX])[0])
+            rest = _advance(rest, got)
+            left -= got
+
+    def _set_low_water(self, left: int) -> None:
+        """SO_RCVLOWAT for a read of `left` more bytes (see LOW_WATER_FLOOR)."""
+        mark = min(left, LOW_WATER_CAP) if left >= LOW_WATER_FLOOR else 1
+        if mark == self._low_water or not self._may_wait_for_more:
+            return
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+            self._low_water = mark
+        except OSError:
+            self._may_wait_for_more = False  # a socket that refuses: read as it comes
+
+    def _drain_buffer(self, views: List[memoryview]) -> List[memoryview]:
+        """Fills views from the read-ahead buffer; the (parts of) views left."""
+        first = 0
+        while first < len(views) and self._at < len(self._buffer):
+            view = views[first]
+            buffered = min(len(view), len(self._buffer) - self._at)
+            view[:buffered] = self._buffer[self._at:self._at + buffered]
+            self._at += buffered
+            self.bulk_bytes_buffered += buffered
+            if buffered < len(view):
+                views[first] = view[buffered:]
+                break
+            first += 1
+        return [view for view in views[first:] if len(view)]
+
+    def _receive(self, view: memoryview, recv_into) -> None:
+        """All of `view` from the socket, by recv_into(rest of view) calls."""
+        done = 0
         while done < len(view):
+            done += self._receive_once(lambda: recv_into(view[done:]))
+
+    @staticmethod
+    def _receive_once(receive) -> int:
+        """receive()'s byte count; the lane's errors for a timeout, a failure or the end."""
+        try:
+            got = receive()
+        except socket.timeout:
+            raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "data lane: no answer within the deadline") from None
+        except OSError as error:
+            raise LaneClosed("data lane: reading failed: %s" % error) from None
+        if not got:
+            raise LaneClosed()
+        return got
+
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes (wire.ByteSource), buffered and not consumed:
+        the caller knows they are on their way (they lie inside a frame)."""
+        self._fill(size)
+        return bytes(self._buffer[self._at:self._at + size])
+
+    def consume(self, size: int) -> None:
+        """Drops `size` buffered bytes (what peek returned)."""
+        self._at += size
+        self._taken += size
+
+    def read_varint(self, max_bytes: int) -> Tuple[int, int]:
+        """The next varint (wire.ByteSource): (value, bytes it took), decoded
+        in one go from the read-ahead buffer, reading more only where it ends
+        inside the varint."""
+        while True:
             try:
-                got = self.sock.recv_into(view[done:])
-            except socket.timeout:
-                raise KvCacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   "data lane: no answer within the deadline") from None
-            except OSError as error:
-                raise LaneClosed("data lane: reading failed: %s" % error) from None
-            if not got:
-                raise LaneClosed()
-            done += got
+                value, taken = wire.decode_varint(self._buffer, self._at, max_bytes)
+            except IndexError:
+                self._fill(len(self._buffer) - self._at + 1)
+                continue
+            self._at += taken
+            self._taken += taken
+            return value, taken
 
     def read_header(self) -> frames.FrameHeader:
         """The next frame's header."""
@@ -222,6 +322,7 @@ class LaneSocket:
         """Whether bytes (or the connection's end) wait to be read, without waiting."""
         if len(self._buffer) > self._at or (self.tls and self.sock.pending()):
             return True
+        self._set_low_water(1)  # select() too honours the mark: one byte is input
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
         except (OSError, ValueError):

@@ -9,7 +9,8 @@ protobuf's encoding: tag = field << 3 | wire type, then a varint or a
 varint length and that many bytes.
 """
 
-from typing import Callable, List, NamedTuple, Protocol, Sequence, Tuple
+import functools
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 VARINT, LENGTH_DELIMITED = 0, 2
 # Protobuf reads tags and lengths of at most 5 bytes, values of at most 10.
@@ -52,6 +53,14 @@ def tensor_prefix(field: int, dtype: int, shape: Sequence[int], data_bytes: int)
     The data's `data_bytes` bytes follow on the wire. dtype and shape come
     first (as protobuf writes them: by field number), so that a reader knows
     where the data goes before it arrives."""
+    return _tensor_prefix(field, int(dtype), tuple(int(d) for d in shape), data_bytes)
+
+
+# A worker sends the same few shapes step after step (one token per layer, or
+# a prefill's chunk), and building a prefix cost about as much as sending
+# a 64 KiB tensor: the prefixes of the shapes seen last are kept.
+@functools.lru_cache(maxsize=256)
+def _tensor_prefix(field: int, dtype: int, shape: Tuple[int, ...], data_bytes: int) -> bytes:
     header = bytearray()
     if dtype:
         header += encode_tag(TENSOR_DTYPE, VARINT) + encode_varint(dtype)
@@ -70,6 +79,37 @@ class ByteSource(Protocol):
 
     def read_into(self, view: memoryview) -> None:
         """The next len(view) bytes, written into `view`."""
+
+    def read_into_many(self, views: Sequence[memoryview]) -> None:
+        """read_into of each view in turn (a socket fills them in one call)."""
+
+    def read_varint(self, max_bytes: int) -> Tuple[int, int]:
+        """The next varint of at most `max_bytes` bytes: (value, bytes it took)."""
+
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes (they must exist), not consumed."""
+
+    def consume(self, size: int) -> None:
+        """Drops the next `size` bytes, which peek() returned."""
+
+
+def decode_varint(data: Union[bytes, bytearray, memoryview], at: int,
+                  max_bytes: int) -> Tuple[int, int]:
+    """The varint at data[at:] (bytes or bytearray): (value, bytes it took).
+
+    Raises IndexError where data ends inside it (the caller reads more),
+    WireError where it runs past `max_bytes` or 64 bits. One loop over the
+    bytes in hand: a chunk has some forty varints, and a call per byte
+    through the readers cost more than its tensors' copies at 256 KiB."""
+    value = 0
+    for i in range(max_bytes):
+        byte = data[at + i]
+        if i == 9 and byte > 1:
+            raise WireError("a varint past 64 bits")
+        value |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return value, i + 1
+    raise WireError("a varint longer than %d bytes" % max_bytes)
 
 
 class MemorySource:
@@ -94,6 +134,31 @@ class MemorySource:
     def read_into(self, view: memoryview) -> None:
         """The next len(view) bytes, copied into `view`."""
         view[:] = self._take(len(view))
+
+    def read_into_many(self, views: Sequence[memoryview]) -> None:
+        """read_into of each view in turn."""
+        for view in views:
+            view[:] = self._take(len(view))
+
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes, not consumed."""
+        if size > len(self._view) - self._at:
+            raise WireError("the message ends %d bytes too soon"
+                            % (size - (len(self._view) - self._at)))
+        return bytes(self._view[self._at:self._at + size])
+
+    def consume(self, size: int) -> None:
+        """Drops the next `size` bytes."""
+        self._take(size)
+
+    def read_varint(self, max_bytes: int) -> Tuple[int, int]:
+        """The next varint: (value, bytes it took)."""
+        try:
+            value, taken = decode_varint(self._view, self._at, max_bytes)
+        except IndexError:
+            raise WireError("the message ends inside a varint") from None
+        self._at += taken
+        return value, taken
 
     @property
     def remaining(self) -> int:
@@ -120,16 +185,25 @@ class _Bounded:
         self._claim(len(view))
         self._source.read_into(view)
 
+    def read_into_many(self, views: Sequence[memoryview]) -> None:
+        self._claim(sum(len(view) for view in views))
+        self._source.read_into_many(views)
+
+    def peek(self, size: int) -> bytes:
+        """Up to `size` of the next bytes (no further than this field), not consumed."""
+        return self._source.peek(min(size, self.left))
+
+    def skip(self, size: int) -> None:
+        """Consumes `size` bytes peek() returned."""
+        self._claim(size)
+        self._source.consume(size)
+
     def varint(self, max_bytes: int = _VALUE_BYTES) -> int:
-        value = 0
-        for i in range(max_bytes):
-            byte = self.read_exact(1)[0]
-            if i == 9 and byte > 1:
-                raise WireError("a varint past 64 bits")
-            value |= (byte & 0x7F) << (7 * i)
-            if byte < 0x80:
-                return value
-        raise WireError("a varint longer than %d bytes" % max_bytes)
+        # Claimed after the read: a varint running past the field is refused
+        # all the same, and the bytes read beyond it belong to a failed call.
+        value, taken = self._source.read_varint(min(max_bytes, self.left) or 1)
+        self._claim(taken)
+        return value
 
     def tag(self) -> Tuple[int, int]:
         tag = self.varint(_TAG_BYTES)
@@ -165,8 +239,59 @@ class NotATokenChunk(WireError):
         self.field = field
 
 
+# The most bytes a Tensor's fields before its data take, as the server writes
+# them (dtype, a packed 4-D shape, the data's tag and length): about 20.
+_TENSOR_HEAD_BYTES = 64
+_DTYPE_TAG = TENSOR_DTYPE << 3 | VARINT
+_SHAPE_TAG = TENSOR_SHAPE << 3 | LENGTH_DELIMITED
+_DATA_TAG = TENSOR_DATA << 3 | LENGTH_DELIMITED
+
+
+def _tensor_head(head: bytes) -> Optional[Tuple[TensorHeader, int]]:
+    """The header of a Tensor whose fields up to its data's length all lie in
+    `head`, in the order protobuf writes them (dtype, packed shape, data),
+    and how many bytes they took; None for any other layout, which the
+    general reader then takes field by field."""
+    try:
+        dtype, dims, at = 0, [], 0
+        tag, taken = decode_varint(head, at, _TAG_BYTES)
+        at += taken
+        if tag == _DTYPE_TAG:
+            dtype, taken = decode_varint(head, at, _VALUE_BYTES)
+            tag, more = decode_varint(head, at + taken, _TAG_BYTES)
+            at += taken + more
+        if tag == _SHAPE_TAG:
+            packed, taken = decode_varint(head, at, _TAG_BYTES)
+            at += taken
+            end = at + packed
+            while at < end:
+                dim, taken = decode_varint(head, at, _VALUE_BYTES)
+                dims.append(dim)
+                at += taken
+            tag, taken = decode_varint(head, at, _TAG_BYTES)
+            at += taken
+            if at - taken != end:
+                return None
+        if tag != _DATA_TAG:
+            return None
+        data_bytes, taken = decode_varint(head, at, _TAG_BYTES)
+        return TensorHeader(dtype, tuple(dims), data_bytes), at + taken
+    except (IndexError, WireError):
+        return None
+
+
 def _read_tensor(body: _Bounded, layer: int, start: int, field: int, place: Placer) -> None:
-    """A Tensor field's body: its data into the views `place` gives."""
+    """A Tensor field's body: its data into the views `place` gives.
+
+    Its small fields are first parsed in one go from a peek at the bytes in
+    hand (a call per varint through the readers cost as much as a 256 KiB
+    chunk's copy); where they are not laid out as expected, one by one."""
+    fast = _tensor_head(body.peek(_TENSOR_HEAD_BYTES))
+    if fast is not None and fast[1] + fast[0].data_bytes == body.left:
+        header, head_bytes = fast
+        body.skip(head_bytes)
+        _fill(body, place(layer, start, field, header))
+        return
     dtype, shape, placed = 0, [], False
     while body.left:
         number, wire = body.tag()
@@ -193,8 +318,7 @@ def _read_tensor(body: _Bounded, layer: int, start: int, field: int, place: Plac
 def _fill(data: _Bounded, views: List[memoryview]) -> None:
     if sum(len(view) for view in views) != data.left:
         raise WireError("a tensor's %d data bytes do not match where they go" % data.left)
-    for view in views:
-        data.read_into(view)
+    data.read_into_many(views)
 
 
 def read_token_chunk(source: ByteSource, length: int, place: Placer) -> Tuple[int, int]:

@@ -146,3 +146,48 @@ def test_a_placer_that_gives_the_wrong_size_is_refused():
     with pytest.raises(wire.WireError):
         wire.read_token_chunk(wire.MemorySource(payload), len(payload),
                               lambda *args: [memoryview(bytearray(3))])
+
+
+def test_tensor_fields_in_another_order_are_read_field_by_field():
+    # shape before dtype: not the order the fast path expects, still a Tensor.
+    tensor = b"\x12\x04\x01\x01\x01\x02" + b"\x08\x02" + b"\x1a\x04" + b"abcd"
+    payload = (b"\x08\x02" + b"\x1a" + bytes([len(tensor)]) + tensor
+               + b"\x22" + bytes([len(tensor)]) + tensor)
+    collect = Collect()
+    assert wire.read_token_chunk(wire.MemorySource(payload), len(payload), collect) == (2, 0)
+    assert collect.placed[wire.CHUNK_KEYS][2] == (pb.DTYPE_FLOAT16, (1, 1, 1, 2), 4)
+
+
+def test_a_tensor_field_after_the_data_is_refused():
+    tensor = b"\x08\x02" + b"\x12\x01\x04" + b"\x1a\x04" + b"abcd" + b"\x08\x02"
+    payload = b"\x1a" + bytes([len(tensor)]) + tensor + b"\x22" + bytes([len(tensor)]) + tensor
+    with pytest.raises(wire.WireError):
+        wire.read_token_chunk(wire.MemorySource(payload), len(payload), Collect())
+
+
+def test_a_chunk_arriving_a_few_bytes_at_a_time_parses_from_a_socket():
+    import socket
+    import threading
+    import time
+    from kvcached.lane_socket import LaneSocket
+    chunk = random_chunk(np.random.default_rng(7), 300, 70000, [1, 2, 3, 8])
+    payload = chunk.SerializeToString()
+    ours, theirs = socket.socketpair()
+
+    def dribble():  # varints and tensor heads split across reads
+        for at in range(0, len(payload), 3):
+            theirs.sendall(payload[at:at + 3])
+            time.sleep(0.0005)
+
+    sender = threading.Thread(target=dribble)
+    sender.start()
+    try:
+        collect = Collect()
+        source = LaneSocket(ours)
+        assert wire.read_token_chunk(source, len(payload), collect) == (300, 70000)
+        sender.join()
+        assert bytes(collect.placed[wire.CHUNK_VALUES][3]) == chunk.values.data
+    finally:
+        sender.join()
+        ours.close()
+        theirs.close()

@@ -1,0 +1,7 @@
+"""`python -m kvcached.worker`: see cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
