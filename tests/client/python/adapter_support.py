@@ -11,6 +11,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import grpc
+import pytest
 import torch
 
 import kvcached
@@ -148,3 +149,23 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+@pytest.fixture(scope="module")
+def server(kvcached_path: str):
+    """A kvcached for the module's tests, stopped cleanly at the end (import it
+    into a test module to use it)."""
+    process = start_server(kvcached_path)
+    yield process
+    assert process.stop() == 0, "".join(process.log)
+
+
+def client_fixture(*transports: str):
+    """A `client` fixture on each of `transports` ("lane", "grpc") to `server`,
+    checking at the end of each test that the server holds nothing."""
+    @pytest.fixture(params=list(transports))
+    def client(request, server):
+        with connect(server.address, request.param == "lane") as connected:
+            yield connected
+            assert_nothing_held(connected)
+    return client

@@ -17,8 +17,10 @@ from kvcached.adapters import AUTHORITATIVE, WRITE_THROUGH, KvcachedCache
 from kvcached.dtypes import DType
 from kvcached.models.cache_protocol import LayerCacheSpec
 from kvcached.models.local_cache import LocalCache
+from adapter_support import server  # noqa: F401 (a fixture of its tests)
+from adapter_support import client_fixture
 from adapter_support import (TORCH_OF, ReferenceLayer, assert_nothing_held, connect, held, kv,
-                             layer_history, spec_of, start_server)
+                             layer_history, spec_of)
 
 HEADS, DIM = 2, 4
 # Standard; rotating with 2 sinks and room to crop for a while; rotating without sinks.
@@ -27,18 +29,7 @@ MODES = [WRITE_THROUGH, AUTHORITATIVE]
 DTYPES = [DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16]
 
 
-@pytest.fixture(scope="module")
-def server(kvcached_path):
-    process = start_server(kvcached_path)
-    yield process
-    assert process.stop() == 0, "".join(process.log)
-
-
-@pytest.fixture(params=["lane", "grpc"])
-def client(request, server):
-    with connect(server.address, request.param == "lane") as connected:
-        yield connected
-        assert_nothing_held(connected)
+client = client_fixture("lane", "grpc")
 
 
 @pytest.fixture

@@ -12,25 +12,15 @@ import torch
 
 from kvcached.adapters import KvcachedCache
 from kvcached.models import LocalCache, greedy
-from adapter_support import (assert_nothing_held, connect, held, layer_history, read_event,
-                             spawn_worker, start_server, wait_until)
+from adapter_support import server  # noqa: F401 (a fixture of its tests)
+from adapter_support import client_fixture
+from adapter_support import held, layer_history, read_event, spawn_worker, wait_until
 from adapter_worker import system_prompt, worker_model, worker_spec
 
 DIE_AT = 8  # the worker hangs in the step of prompt tokens [8, 12)
 
 
-@pytest.fixture(scope="module")
-def server(kvcached_path):
-    process = start_server(kvcached_path)
-    yield process
-    assert process.stop() == 0, "".join(process.log)
-
-
-@pytest.fixture
-def client(server):
-    with connect(server.address, lane=True) as connected:
-        yield connected
-        assert_nothing_held(connected)
+client = client_fixture("lane")
 
 
 def test_a_worker_killed_mid_update_is_resumed_by_another(server, client):

@@ -14,7 +14,9 @@ from kvcached.dtypes import DType
 from kvcached.models import (KVCache, LocalCache, beam_search, greedy, random_model, speculative,
                              tiny_config)
 from kvcached.models.generate import prefill
-from adapter_support import TORCH_OF, assert_nothing_held, connect, layer_history, start_server
+from adapter_support import server  # noqa: F401 (a fixture of its tests)
+from adapter_support import client_fixture
+from adapter_support import TORCH_OF, layer_history
 
 # Full, sliding (window 6, 2 sinks: wraps within the run), full.
 SLIDING = dict(num_hidden_layers=3, sliding_window=6, attention_sinks=2,
@@ -23,18 +25,7 @@ PROMPT = [(7 * i + 3) % 256 for i in range(13)]
 DTYPES = [DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16]
 
 
-@pytest.fixture(scope="module")
-def server(kvcached_path):
-    process = start_server(kvcached_path)
-    yield process
-    assert process.stop() == 0, "".join(process.log)
-
-
-@pytest.fixture
-def client(server):
-    with connect(server.address, lane=True) as connected:
-        yield connected
-        assert_nothing_held(connected)
+client = client_fixture("lane")
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,14 @@ from kvcached.adapters import (can_trim_prompt_cache, make_prompt_cache, prompt_
                                trim_prompt_cache)
 from kvcached.dtypes import DType
 import mlx_reference
-from adapter_support import assert_nothing_held, connect, kv, layer_history, start_server
+from adapter_support import server  # noqa: F401 (a fixture of its tests)
+from adapter_support import client_fixture
+from adapter_support import kv, layer_history
 
 HEADS, DIM, BATCH = 2, 4, 2
 
 
-@pytest.fixture(scope="module")
-def server(kvcached_path):
-    process = start_server(kvcached_path)
-    yield process
-    assert process.stop() == 0, "".join(process.log)
-
-
-@pytest.fixture(params=["lane", "grpc"])
-def client(request, server):
-    with connect(server.address, request.param == "lane") as connected:
-        yield connected
-        assert_nothing_held(connected)
+client = client_fixture("lane", "grpc")
 
 
 def references():

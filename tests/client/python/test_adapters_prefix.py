@@ -15,26 +15,16 @@ import kvcached
 from kvcached.adapters import KvcachedCache, publish_prefix, restore_prefix
 from kvcached.models import LocalCache, greedy
 from kvcached.models.generate import prefill
-from adapter_support import (assert_nothing_held, connect, held, kv, read_event, spawn_worker,
-                             spec_of, start_server, wait_until)
+from adapter_support import server  # noqa: F401 (a fixture of its tests)
+from adapter_support import client_fixture
+from adapter_support import held, kv, read_event, spawn_worker, spec_of, wait_until
 from adapter_worker import PREFILL_CHUNK, system_prompt, worker_model, worker_spec
 
 SYSTEM_TOKENS = 1024
 SUFFIX = [5, 17, 99, 3, 250, 1, 42, 8, 77, 123, 9, 64]
 
 
-@pytest.fixture(scope="module")
-def server(kvcached_path):
-    process = start_server(kvcached_path)
-    yield process
-    assert process.stop() == 0, "".join(process.log)
-
-
-@pytest.fixture
-def client(server):
-    with connect(server.address, lane=True) as connected:
-        yield connected
-        assert_nothing_held(connected)
+client = client_fixture("lane")
 
 
 @pytest.fixture(scope="module")
